@@ -1,0 +1,301 @@
+"""Every checkpointing knob, defined once.
+
+Each field of :class:`CkptOptions` carries a :class:`Knob` in its metadata: the CLI flag (Megatron's
+spelling), the argparse ``dest`` (Megatron's), the help text, the config key (NeMo-RL
+``megatron_cfg`` spelling) and, where the config path historically used another default, that
+default. ``arguments.py`` derives the argparse group from these fields and
+:meth:`CkptOptions.from_config` derives the config keys; no default is written twice.
+
+Value checks (types and ranges) live here, in ``__post_init__``, because they hold for every source
+(CLI, config, code). Rules that relate several knobs, or a knob and the installed backend, live in
+``validation.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+__all__ = ["CkptOptions", "CkptOptionsError", "Knob", "knobs"]
+
+_SAME = object()  # sentinel: the config default equals the CLI default
+
+
+class CkptOptionsError(ValueError):
+    """A checkpointing option is invalid; the message names the flag/key and the fix."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """How one option appears to users."""
+
+    name: str = ""  # the CkptOptions field; filled in by knobs()
+    flag: str = ""  # CLI flag, Megatron's spelling
+    help: str = ""
+    dest: str | None = None  # argparse dest where it differs from the field name (Megatron's)
+    negative: bool = False  # the flag is a `--no-x` switch that stores False
+    config_key: str | None = None  # defaults to the field name
+    config_default: Any = _SAME
+    minimum: int | None = None
+    maximum: int | None = None
+    optional: bool = False  # None is a valid value ("backend/torch default")
+
+    @property
+    def arg_dest(self) -> str:
+        return self.dest or self.name
+
+    @property
+    def key(self) -> str:
+        return self.config_key or self.name
+
+    def describe(self) -> str:
+        """How to name this knob in an error: flag and config key."""
+        return f"{self.flag} (config key '{self.key}')"
+
+
+def _knob(default: Any, **kw: Any) -> Any:
+    return field(default=default, metadata={"knob": Knob(**kw)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptOptions:
+    """Checkpointing options. Build with :meth:`from_args`, :meth:`from_config` or keywords."""
+
+    async_save: bool = _knob(
+        False,
+        flag="--async-save",
+        help="Save checkpoints asynchronously: save() returns after staging and the write "
+        "runs in the background; finalized by maybe_finalize().",
+    )
+    async_ckpt_use_cpu_shm: bool = _knob(
+        False,
+        flag="--async-ckpt-use-cpu-shm",
+        help="Stage GPU tensors into per-tensor CPU shared memory in the training process "
+        "before handing them to the writer (no CUDA IPC handles, no CUDA context in the "
+        "writer). Use with --ckpt-assume-constant-structure so buffers are reused.",
+    )
+    dist_ckpt_workers: int = _knob(
+        1,
+        flag="--dist-ckpt-workers",
+        minimum=1,
+        help="Writer threads/processes per rank. 1 (default) writes sequentially in the process "
+        "that owns the save, with no forked writers.",
+    )
+    ckpt_assume_constant_structure: bool = _knob(
+        False,
+        flag="--ckpt-assume-constant-structure",
+        help="Cache the save plan, metadata and staging buffers across saves. The cache is "
+        "validated on every save and rebuilt when the state's structure or storage changes.",
+    )
+    use_persistent_ckpt_worker: bool = _knob(
+        False,
+        flag="--use-persistent-ckpt-worker",
+        help="Run async writes in one long-lived worker process started at start-up, instead of "
+        "a fresh process per save.",
+    )
+    ckpt_fully_parallel_save: bool = _knob(
+        True,
+        flag="--no-ckpt-fully-parallel-save",
+        negative=True,
+        config_key="fully_parallel_save",
+        help="Disable fully parallel save (each data-parallel replica writes a distinct part).",
+    )
+    ckpt_fully_parallel_load: bool = _knob(
+        False,
+        flag="--ckpt-fully-parallel-load",
+        config_key="fully_parallel_load",
+        config_default=True,
+        help="Load fully in parallel: each data-parallel rank reads a part and exchanges it.",
+    )
+    save_rng: bool = _knob(
+        True,
+        flag="--no-save-rng",
+        negative=True,
+        help="Do not save the RNG state with the checkpoint.",
+    )
+    load_rng: bool = _knob(
+        True,
+        flag="--no-load-rng",
+        negative=True,
+        config_default=False,
+        help="Do not restore the RNG state from the checkpoint (bit-exact resume needs it).",
+    )
+    distributed_timeout_minutes: int | None = _knob(
+        10,
+        flag="--distributed-timeout-minutes",
+        minimum=1,
+        optional=True,
+        config_default=None,
+        help="Timeout in minutes for torch.distributed collectives (and checkpoint waits). "
+        "In a config, absent means torch's default.",
+    )
+    check_for_nan_in_grad: bool = _knob(
+        True,
+        flag="--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        negative=True,
+        help="Do not check the loss and gradients for NaN/Inf every step.",
+    )
+    logging_level: int | None = _knob(
+        None,
+        flag="--logging-level",
+        minimum=0,
+        maximum=50,
+        optional=True,
+        help="Python logging level for megatron and this plugin (10=DEBUG, 20=INFO, ...).",
+    )
+    fsdp_use_symm_mem: bool = _knob(
+        False,
+        flag="--fsdp-use-symm-mem",
+        help="Allocate Megatron-FSDP all-gather/reduce-scatter buffers from NCCL symmetric "
+        "memory (needs CUDA and at least 2 GPUs).",
+    )
+    async_ckpt_cpu_priority: int | None = _knob(
+        None,
+        flag="--async-ckpt-cpu-priority",
+        minimum=-20,
+        maximum=19,
+        optional=True,
+        help="Nice value of the async checkpoint worker, where the backend supports it.",
+    )
+    async_ckpt_io_priority: int | None = _knob(
+        None,
+        flag="--async-ckpt-io-priority",
+        minimum=0,
+        maximum=7,
+        optional=True,
+        help="I/O priority (best-effort class, 0-7) of the async checkpoint worker, where the "
+        "backend supports it.",
+    )
+
+    def __post_init__(self) -> None:
+        for knob in knobs():
+            _check_value(knob, getattr(self, knob.name))
+
+    # -- constructors -----------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, namespace: Any) -> CkptOptions:
+        """From an argparse namespace (ours or a host Megatron's). Absent dests keep defaults."""
+        dests: Mapping[str, str] = getattr(namespace, _DESTS_ATTR, None) or {}
+        values = {}
+        for knob in knobs():
+            dest = dests.get(knob.name, knob.arg_dest)
+            if hasattr(namespace, dest):
+                values[knob.name] = getattr(namespace, dest)
+        return cls(**values)
+
+    @classmethod
+    def from_config(cls, mapping: Mapping[str, Any], *, extra: str = "error") -> CkptOptions:
+        """From a NeMo-RL style ``megatron_cfg`` mapping.
+
+        A key that is absent keeps the config path's historical default (fully_parallel_save
+        True, fully_parallel_load True, load_rng False, async_save False, timeout = torch's
+        default). ``extra="ignore"`` skips keys that are not ours (a full megatron_cfg holds many
+        model keys); the default ``"error"`` rejects them, naming the closest valid key.
+        """
+        if not isinstance(mapping, Mapping):
+            raise CkptOptionsError(
+                f"checkpoint config must be a mapping of knob names to values, got "
+                f"{type(mapping).__name__}"
+            )
+        if extra not in ("error", "ignore"):
+            raise ValueError(f"extra must be 'error' or 'ignore', got {extra!r}")
+        by_key = {k.key: k for k in knobs()}
+        unknown = [key for key in mapping if key not in by_key]
+        if unknown and extra == "error":
+            raise CkptOptionsError(_unknown_key_message(unknown[0], by_key))
+        values = {k.name: k.config_default for k in by_key.values() if k.config_default is not _SAME}
+        for key, value in mapping.items():
+            if key in by_key:
+                values[by_key[key].name] = value
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], *, extra: str = "error") -> CkptOptions:
+        """From a YAML file: its top-level mapping, or its ``megatron_cfg`` (also under
+        ``policy:``) section when present."""
+        return cls.from_config(_config_section(load_yaml(path), path), extra=extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_DESTS_ATTR = "_megatron_ckpt_ext_dests"
+
+
+def knobs() -> Iterator[Knob]:
+    """The knobs in declaration order, each with its field name filled in."""
+    for f in dataclasses.fields(CkptOptions):
+        yield dataclasses.replace(f.metadata["knob"], name=f.name)
+
+
+def _check_value(knob: Knob, value: Any) -> None:
+    default = _field_default(knob.name)
+    if value is None and knob.optional:
+        return
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise CkptOptionsError(
+                f"{knob.describe()} must be true or false, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CkptOptionsError(
+            f"{knob.describe()} must be an integer{_range_text(knob)}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if (knob.minimum is not None and value < knob.minimum) or (
+        knob.maximum is not None and value > knob.maximum
+    ):
+        raise CkptOptionsError(f"{knob.describe()} must be an integer{_range_text(knob)}, got {value}")
+
+
+def _field_default(name: str) -> Any:
+    return CkptOptions.__dataclass_fields__[name].default
+
+
+def _range_text(knob: Knob) -> str:
+    if knob.minimum is not None and knob.maximum is not None:
+        return f" in [{knob.minimum}, {knob.maximum}]"
+    if knob.minimum is not None:
+        return f" >= {knob.minimum}"
+    return ""
+
+
+def _unknown_key_message(key: str, by_key: Mapping[str, Knob]) -> str:
+    close = difflib.get_close_matches(str(key), list(by_key), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown checkpoint config key '{key}'{hint} Valid keys: {', '.join(sorted(by_key))}"
+
+
+def load_yaml(path: str | os.PathLike[str]) -> Any:
+    """Parse a YAML file; errors name the file and, where the parser gives it, the line."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except FileNotFoundError as e:
+        raise CkptOptionsError(f"config file not found: {path}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise CkptOptionsError(f"malformed YAML in {path}{where}: {problem}") from e
+
+
+def _config_section(doc: Any, path: Any) -> Mapping[str, Any]:
+    if doc is None:
+        return {}
+    if not isinstance(doc, Mapping):
+        raise CkptOptionsError(f"{path}: expected a mapping at top level, got {type(doc).__name__}")
+    policy = doc.get("policy")
+    if isinstance(policy, Mapping) and "megatron_cfg" in policy:
+        return policy["megatron_cfg"] or {}
+    if "megatron_cfg" in doc:
+        return doc["megatron_cfg"] or {}
+    return doc

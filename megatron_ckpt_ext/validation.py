@@ -1,0 +1,220 @@
+"""Rules over options and backend capabilities: pure functions returning findings.
+
+:func:`validate` does no I/O: it maps (options, capabilities) to a list of :class:`Finding`.
+:func:`check` is the start-up entry point: it raises :class:`CkptOptionsError` listing every error,
+and emits each warning once, on rank 0 only (through ``backend.warn_once``).
+
+Single-value checks (types, ranges) are in ``options.py`` and already hold for any
+:class:`CkptOptions`; this module relates knobs to each other and to the installed backend, so a
+user learns at start-up, not at the first save, what will not happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from .options import CkptOptions, CkptOptionsError
+
+if TYPE_CHECKING:
+    from .backend import Capabilities
+
+__all__ = ["Finding", "check", "validate"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "warning" | "error"
+    code: str  # stable id, also the warn-once key
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+Rule = Callable[[CkptOptions, "Capabilities | None"], Iterable[Finding]]
+
+
+def _warn(code: str, message: str) -> Finding:
+    return Finding("warning", code, message)
+
+
+def _error(code: str, message: str) -> Finding:
+    return Finding("error", code, message)
+
+
+# -- rules over options alone ---------------------------------------------------------------
+def _workers_with_async(o: CkptOptions, caps: Any) -> Iterable[Finding]:
+    if o.async_save and o.dist_ckpt_workers > 1:
+        yield _warn(
+            "async-forked-writers",
+            f"--async-save with --dist-ckpt-workers {o.dist_ckpt_workers} forks writer "
+            "processes for every save (CUDA context and pinned-memory hazards under fork). "
+            "The default --dist-ckpt-workers 1 writes sequentially in one process; use more "
+            "workers only if one writer cannot saturate your storage.",
+        )
+
+
+def _shm_without_constant(o: CkptOptions, caps: Any) -> Iterable[Finding]:
+    if o.async_save and o.async_ckpt_use_cpu_shm and not o.ckpt_assume_constant_structure:
+        yield _warn(
+            "shm-not-reused",
+            "--async-ckpt-use-cpu-shm without --ckpt-assume-constant-structure re-creates the "
+            "shared-memory staging buffers at every save, which is costly; add "
+            "--ckpt-assume-constant-structure (the cache re-validates itself every save).",
+        )
+
+
+def _shm_without_async(o: CkptOptions, caps: Any) -> Iterable[Finding]:
+    if o.async_ckpt_use_cpu_shm and not o.async_save:
+        yield _warn(
+            "shm-no-effect",
+            "--async-ckpt-use-cpu-shm has no effect without --async-save; add --async-save "
+            "or drop the flag.",
+        )
+
+
+def _persistent_without_async(o: CkptOptions, caps: Any) -> Iterable[Finding]:
+    if o.use_persistent_ckpt_worker and not o.async_save:
+        yield _warn(
+            "persistent-no-effect",
+            "--use-persistent-ckpt-worker has no effect without --async-save; add --async-save "
+            "or drop the flag.",
+        )
+
+
+def _priorities_without_async(o: CkptOptions, caps: Any) -> Iterable[Finding]:
+    asked = [f for f, v in (("--async-ckpt-cpu-priority", o.async_ckpt_cpu_priority),
+                            ("--async-ckpt-io-priority", o.async_ckpt_io_priority)) if v is not None]
+    if asked and not o.async_save:
+        yield _warn(
+            "priority-no-effect",
+            f"{' and '.join(asked)} only apply to the async worker; add --async-save or drop them.",
+        )
+
+
+# -- rules over options and the installed backend --------------------------------------------
+def _backend_unusable(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if caps is not None and not caps.mcore_dist_ckpt_importable:
+        yield _error(
+            "mcore-dist-ckpt-unusable",
+            f"megatron.core.dist_checkpointing cannot be imported here: {caps.mcore_error}",
+        )
+
+
+def _async_provider(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if caps is None or not o.async_save or caps.async_provider == "nvrx":
+        return
+    if caps.async_provider == "mcore":
+        yield _warn(
+            "async-via-mcore",
+            f"--async-save: nvidia-resiliency-ext is not usable here ({caps.nvrx_error}); async "
+            f"saves use megatron-core {caps.mcore_version}'s built-in async path instead.",
+        )
+    else:
+        yield _warn(
+            "async-unavailable",
+            f"--async-save: neither nvidia-resiliency-ext ({caps.nvrx_error}) nor megatron-core "
+            f"{caps.mcore_version} provides async checkpointing here; saves run synchronously. "
+            "Install nvidia-resiliency-ext>=0.4 to enable it.",
+        )
+
+
+def _persistent_worker(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if caps is None or not (o.async_save and o.use_persistent_ckpt_worker):
+        return
+    if not caps.queue_persistent:
+        yield _warn(
+            "persistent-unsupported",
+            f"--use-persistent-ckpt-worker: the installed async backend ({_versions(caps)}) has no "
+            "persistent worker; a fresh writer process is used per save. Upgrade "
+            "nvidia-resiliency-ext to >= 0.4 for it.",
+        )
+
+
+def _shm_worker_context(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if caps is None or not (o.async_save and o.async_ckpt_use_cpu_shm and caps.cuda_available):
+        return
+    if o.use_persistent_ckpt_worker and caps.queue_persistent and not caps.queue_cpu_shm_mode:
+        yield _warn(
+            "shm-worker-cuda-context",
+            f"--async-ckpt-use-cpu-shm: staging into CPU shared memory is done by this plugin, but "
+            f"nvidia-resiliency-ext {caps.nvrx_version} has no cpu_shm_mode, so its persistent "
+            "worker still creates a CUDA context. Upgrade nvidia-resiliency-ext to >= 0.7.0 to "
+            "keep CUDA out of the worker.",
+        )
+
+
+def _priorities_supported(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    asked = o.async_ckpt_cpu_priority is not None or o.async_ckpt_io_priority is not None
+    if caps is not None and o.async_save and asked and not caps.queue_priorities:
+        yield _warn(
+            "priority-unsupported",
+            f"--async-ckpt-cpu-priority/--async-ckpt-io-priority: the installed async backend "
+            f"({_versions(caps)}) cannot set worker priorities; they are ignored. Upgrade "
+            "nvidia-resiliency-ext to >= 0.7.0.",
+        )
+
+
+def _cached_metadata(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if caps is not None and o.ckpt_assume_constant_structure and not caps.strategy_cached_metadata:
+        yield _warn(
+            "cached-metadata-unsupported",
+            f"--ckpt-assume-constant-structure: megatron-core {caps.mcore_version} cannot cache "
+            "the save plan/metadata; staging buffers are still reused. Upgrade megatron-core.",
+        )
+
+
+def _symm_mem(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if not o.fsdp_use_symm_mem or caps is None:
+        return
+    if not caps.cuda_available:
+        yield _error(
+            "symm-mem-needs-cuda",
+            "--fsdp-use-symm-mem needs CUDA and at least 2 GPUs; this process has no CUDA "
+            "device. Drop the flag for CPU runs.",
+        )
+    elif not caps.fsdp_symm_mem:
+        yield _warn(
+            "symm-mem-unsupported",
+            f"--fsdp-use-symm-mem: megatron-core {caps.mcore_version} (Megatron-FSDP) has no "
+            "use_symm_mem; plain FSDP buffers are used. Upgrade megatron-core to >= 0.19.",
+        )
+
+
+def _versions(caps: Capabilities) -> str:
+    return f"nvidia-resiliency-ext {caps.nvrx_version}, megatron-core {caps.mcore_version}"
+
+
+RULES: tuple[Rule, ...] = (
+    _workers_with_async,
+    _shm_without_constant,
+    _shm_without_async,
+    _persistent_without_async,
+    _priorities_without_async,
+    _backend_unusable,
+    _async_provider,
+    _persistent_worker,
+    _shm_worker_context,
+    _priorities_supported,
+    _cached_metadata,
+    _symm_mem,
+)
+
+
+def validate(options: CkptOptions, caps: Capabilities | None = None) -> list[Finding]:
+    """All findings for ``options`` (and the backend ``caps``, when given). No I/O."""
+    return [finding for rule in RULES for finding in rule(options, caps)]
+
+
+def check(options: CkptOptions, caps: Capabilities | None = None) -> list[Finding]:
+    """Raise on errors (all of them, in one message); warn once on rank 0; return the findings."""
+    findings = validate(options, caps)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise CkptOptionsError("invalid checkpoint options:\n  " + "\n  ".join(map(str, errors)))
+    from . import backend
+
+    for f in findings:
+        backend.warn_once(f.code, f.message)
+    return findings
