@@ -178,13 +178,18 @@ class CkptOptions:
     # -- constructors -----------------------------------------------------------------------
     @classmethod
     def from_args(cls, namespace: Any) -> CkptOptions:
-        """From an argparse namespace (ours or a host Megatron's). Absent dests keep defaults."""
+        """From an argparse namespace (ours or a host Megatron's).
+
+        An absent dest keeps the default, and so does ``None`` for a knob that has no "unset"
+        meaning of its own: Megatron declares some switches (``--async-save``) with
+        ``default=None`` to mean "not given".
+        """
         dests: Mapping[str, str] = getattr(namespace, _DESTS_ATTR, None) or {}
         values = {}
         for knob in knobs():
-            dest = dests.get(knob.name, knob.arg_dest)
-            if hasattr(namespace, dest):
-                values[knob.name] = getattr(namespace, dest)
+            value = getattr(namespace, dests.get(knob.name, knob.arg_dest), _SAME)
+            if value is not _SAME and (value is not None or knob.optional):
+                values[knob.name] = value
         return cls(**values)
 
     @classmethod

@@ -1,0 +1,131 @@
+"""CkptOptions: defaults, value checks, config knobs and YAML loading."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_ckpt_ext.options import CkptOptions, CkptOptionsError, knobs
+
+CLI_DEFAULTS = dict(
+    async_save=False, async_ckpt_use_cpu_shm=False, dist_ckpt_workers=1,
+    ckpt_assume_constant_structure=False, use_persistent_ckpt_worker=False,
+    ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, save_rng=True, load_rng=True,
+    distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
+    fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
+)
+# The config path's historical defaults (NeMo-RL megatron_cfg): these four differ from the CLI.
+CONFIG_DEFAULTS = {**CLI_DEFAULTS, "ckpt_fully_parallel_load": True, "load_rng": False,
+                   "distributed_timeout_minutes": None}
+
+
+def test_keyword_defaults_are_megatron_cli_defaults():
+    assert dataclasses.asdict(CkptOptions()) == CLI_DEFAULTS
+
+
+def test_options_are_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        CkptOptions(True)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CkptOptions().async_save = True  # type: ignore[misc]
+
+
+def test_every_knob_has_flag_help_and_key():
+    for knob in knobs():
+        assert knob.flag.startswith("--"), knob
+        assert len(knob.help) > 20, knob
+        assert knob.key, knob
+
+
+def test_from_config_absent_keys_keep_historical_defaults():
+    assert dataclasses.asdict(CkptOptions.from_config({})) == CONFIG_DEFAULTS
+
+
+def test_from_config_async_save_only_changes_async_save():
+    opts = CkptOptions.from_config({"async_save": True})
+    assert dataclasses.asdict(opts) == {**CONFIG_DEFAULTS, "async_save": True}
+
+
+def test_from_config_overrides_every_nemo_rl_key():
+    cfg = {"async_save": True, "fully_parallel_save": False, "fully_parallel_load": False,
+           "load_rng": True, "distributed_timeout_minutes": 60, "check_for_nan_in_grad": False,
+           "logging_level": 20}
+    opts = CkptOptions.from_config(cfg)
+    assert (opts.async_save, opts.ckpt_fully_parallel_save, opts.ckpt_fully_parallel_load,
+            opts.load_rng, opts.distributed_timeout_minutes, opts.check_for_nan_in_grad,
+            opts.logging_level) == (True, False, False, True, 60, False, 20)
+
+
+def test_from_config_reads_every_knob_by_its_key():
+    for knob in knobs():
+        default = getattr(CkptOptions(), knob.name)
+        value = (not default) if isinstance(default, bool) else 3
+        assert getattr(CkptOptions.from_config({knob.key: value}), knob.name) == value, knob.key
+
+
+def test_unknown_config_key_names_it_and_the_closest_valid_one():
+    with pytest.raises(CkptOptionsError, match=r"unknown checkpoint config key 'fully_paralel_save'.*did you mean 'fully_parallel_save'"):
+        CkptOptions.from_config({"fully_paralel_save": True})
+
+
+def test_unknown_keys_can_be_ignored_for_a_full_megatron_cfg():
+    opts = CkptOptions.from_config({"tensor_model_parallel_size": 2, "async_save": True}, extra="ignore")
+    assert opts.async_save is True
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("async_save", "yes", "true or false"),
+    ("async_save", 1, "true or false"),
+    ("dist_ckpt_workers", "2", "an integer >= 1"),
+    ("dist_ckpt_workers", 2.5, "an integer >= 1"),
+    ("dist_ckpt_workers", True, "an integer >= 1"),
+])
+def test_wrong_type_names_key_value_and_expected_type(key, value, expected):
+    with pytest.raises(CkptOptionsError) as e:
+        CkptOptions.from_config({key: value})
+    msg = str(e.value)
+    assert f"'{key}'" in msg and repr(value) in msg and expected in msg
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("dist_ckpt_workers", 0, "--dist-ckpt-workers"),
+    ("dist_ckpt_workers", -3, "--dist-ckpt-workers"),
+    ("distributed_timeout_minutes", -1, "--distributed-timeout-minutes"),
+    ("distributed_timeout_minutes", 0, "--distributed-timeout-minutes"),
+    ("async_ckpt_io_priority", 8, "--async-ckpt-io-priority"),
+    ("logging_level", 99, "--logging-level"),
+])
+def test_out_of_range_error_names_flag_and_valid_range(field, value, flag):
+    with pytest.raises(CkptOptionsError, match=rf"{flag} .* must be an integer (>=|in) .*got {value}"):
+        CkptOptions(**{field: value})
+
+
+def test_yaml_file_top_level_and_megatron_cfg_section(tmp_path):
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("async_save: true\nfully_parallel_load: false\n")
+    assert CkptOptions.from_yaml(flat).ckpt_fully_parallel_load is False
+    nested = tmp_path / "nemo.yaml"
+    nested.write_text("policy:\n  megatron_cfg:\n    async_save: true\n    load_rng: true\n"
+                      "    tensor_model_parallel_size: 1\n")
+    opts = CkptOptions.from_yaml(nested, extra="ignore")
+    assert (opts.async_save, opts.load_rng) == (True, True)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("async_save: true\nfully_parallel_save: [true\nload_rng: false\n")
+    with pytest.raises(CkptOptionsError, match=r"malformed YAML in .*bad\.yaml line \d+"):
+        CkptOptions.from_yaml(bad)
+
+
+def test_missing_yaml_file_is_a_clear_error(tmp_path):
+    with pytest.raises(CkptOptionsError, match="config file not found"):
+        CkptOptions.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):
+    f = tmp_path / "list.yaml"
+    f.write_text("- async_save\n")
+    with pytest.raises(CkptOptionsError, match="expected a mapping"):
+        CkptOptions.from_yaml(f)
