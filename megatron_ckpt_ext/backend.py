@@ -1,0 +1,709 @@
+"""The compatibility layer: what the installed megatron-core / nvidia-resiliency-ext can do.
+
+This is the only module of the package that imports nvidia-resiliency-ext (nvrx) or megatron-core
+(mcore) internals, and the only one that calls ``inspect.signature``. Everything else asks it:
+
+* :func:`detect` returns a frozen :class:`Capabilities`, computed once, lazily, cached; it never
+  raises. Answers come from the signatures of the real callables, not from version strings
+  (versions are recorded for messages only).
+* :func:`accepted_kwargs` / :func:`call_with_supported` call a backend callable with only the
+  keyword arguments it accepts. Callers pass every value that matters explicitly: nvrx flipped the
+  defaults of ``persistent``, ``is_daemon`` and ``is_multiproc_io`` between releases.
+* Accessors (:func:`async_calls_queue_cls`, ...) return the backend classes, or raise
+  :class:`BackendUnavailable` saying how to fix the environment.
+
+Fallback policy, one line per feature (a warning only where the user asked for the feature):
+
+* async save (``--async-save``): nvrx queue; nvrx unusable -> mcore's built-in async path
+  (warning); neither -> synchronous save (warning).
+* persistent worker (``--use-persistent-ckpt-worker``): absent -> fresh worker per save (warning);
+  never started where it would die at start-up (see :func:`persistent_worker_runs_here`).
+* CPU shared-memory staging (``--async-ckpt-use-cpu-shm``): always ours (staging.py); nvrx
+  ``cpu_shm_mode`` absent -> the worker still initialises CUDA (warning on CUDA hosts).
+* worker priorities (``--async-ckpt-cpu-priority/--async-ckpt-io-priority``): absent -> ignored
+  (warning).
+* cached metadata (``--ckpt-assume-constant-structure``): absent in the strategy -> plan and
+  metadata re-computed every save, staging buffers still reused (warning).
+* strategy ``thread_count`` / writer ``is_multiproc_io`` / ``use_msc`` / ``mp_mode``: absent ->
+  the backend's fixed behaviour (no warning: not user flags).
+* Megatron-FSDP symmetric memory (``--fsdp-use-symm-mem``): absent -> plain buffers (warning).
+* megatron-core 0.19 with nvrx < 0.6: ``megatron.core.dist_checkpointing`` cannot be imported at
+  all; detection records why and names the two fixes, checkpointing fails at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import platform
+import re
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+__all__ = [
+    "BackendUnavailable",
+    "Capabilities",
+    "accepted_kwargs",
+    "adapt_async_request",
+    "async_calls_queue_cls",
+    "async_request_cls",
+    "call_with_supported",
+    "detect",
+    "dist_checkpointing",
+    "dist_sync_runs_here",
+    "filesystem_writer_async_cls",
+    "fully_parallel_load_wrapper_cls",
+    "fully_parallel_save_wrapper_cls",
+    "get_write_results_queue",
+    "map_sharded_tensors",
+    "new_async_calls_queue",
+    "persistent_worker_runs_here",
+    "rank",
+    "sharded_tensor_cls",
+    "torch_dist_load_strategy_cls",
+    "torch_dist_save_strategy_cls",
+    "warn_once",
+]
+
+logger = logging.getLogger(__name__)
+
+NVRX = "nvidia_resiliency_ext"
+NVRX_DIST = "nvidia-resiliency-ext"
+MCORE_DIST = "megatron-core"
+NVRX_ASYNC = f"{NVRX}.checkpointing.async_ckpt"
+MCORE_DC = "megatron.core.dist_checkpointing"
+MCORE_STRATEGIES = f"{MCORE_DC}.strategies"
+# The nvrx release from which megatron-core 0.19 accepts nvrx at import time.
+MCORE_019_NVRX_MIN = "0.6.0"
+_FSDP_ENTRY_POINTS = (
+    ("megatron_fsdp", "fully_shard"),
+    ("megatron_fsdp.experimental.fully_shard", "fully_shard"),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard", "fully_shard"),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.fully_shard", "fully_shard"),
+)
+
+
+class BackendUnavailable(ImportError):
+    """A backend piece cannot be used here; the message says how to fix the environment."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    python_version: str
+    torch_version: str
+    cuda_available: bool
+    mcore_version: str | None
+    nvrx_version: str | None
+    nvrx_importable: bool
+    nvrx_error: str | None
+    mcore_dist_ckpt_importable: bool
+    mcore_error: str | None
+    queue_persistent: bool
+    queue_cpu_shm_mode: bool
+    queue_priorities: bool
+    warmup_persistent_caller: bool
+    warmup_cpu_shm_mode: bool
+    writer_use_cpu_shm: bool
+    writer_cached_structure: bool
+    writer_multiproc_io: bool
+    writer_use_msc: bool
+    write_results_queue_mp_mode: bool
+    strategy_thread_count: bool
+    strategy_cached_metadata: bool
+    strategy_cpu_shm_mode: bool
+    mcore_async_utils: bool
+    megatron_training: bool
+    fsdp_symm_mem: bool
+    async_provider: str  # "nvrx" | "mcore" | "sync"
+    # Who defines the AsyncRequest that mcore's save strategy returns ("nvrx" | "mcore" | None);
+    # when it differs from async_provider, adapt_async_request converts it.
+    strategy_request_provider: str | None = None
+    # The provider's persistent worker calls torch.cuda.set_device at start (dies without CUDA) ...
+    worker_needs_cuda: bool = True
+    # ... unless started with cpu_shm_mode=True (nvrx >= 0.7).
+    worker_cpu_shm_skips_cuda: bool = False
+    # The queue's cross-rank agreement (no_dist=False) allocates on torch.cuda.current_device().
+    queue_sync_needs_cuda: bool = True
+
+
+# -- small shared helpers ------------------------------------------------------------------------
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def rank() -> int:
+    """This process's torch.distributed rank, or 0 when no process group is up."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # a broken torch.distributed must not break a warning
+        pass
+    return 0
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a WARNING once per ``key`` per process, on rank 0 only."""
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    if rank() == 0:
+        logger.warning(message)
+
+
+# -- keyword filtering ---------------------------------------------------------------------------
+_POPPED_KWARG = re.compile(r"kwargs\s*\.\s*(?:pop|get)\(\s*['\"](\w+)['\"]")
+_FORWARDS_TO_SUPER = re.compile(r"super\(\s*(?:\w+\s*,\s*\w+)?\s*\)\s*\.__init__\([^)]*\*\*kwargs", re.S)
+
+
+def _owner_and_init(fn: Callable[..., Any]) -> tuple[type | None, Callable[..., Any]]:
+    """(class, its __init__) for a class or a class's ``__init__``; (None, fn) otherwise.
+
+    A class is probed through ``__init__``: ``inspect.signature`` of a class whose metaclass
+    defines ``__call__(cls, *args, **kwargs)`` (nvrx 0.7 AsyncCallsQueue) shows only that.
+    """
+    if isinstance(fn, type):
+        for klass in fn.__mro__:
+            if "__init__" in vars(klass):
+                return klass, vars(klass)["__init__"]
+        return None, fn
+    parts = getattr(fn, "__qualname__", "").split(".")
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    if len(parts) >= 2 and parts[-1] == "__init__" and module is not None:
+        owner: Any = module
+        for part in parts[:-1]:
+            owner = getattr(owner, part, None)
+        if isinstance(owner, type) and vars(owner).get("__init__") is fn:
+            return owner, fn
+    return None, fn
+
+
+def _parent_init_owner(owner: type) -> type | None:
+    for klass in owner.__mro__[1:]:
+        if "__init__" in vars(klass) and klass is not object:
+            return klass
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _accepted_names(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """Keyword names ``fn`` accepts; None when it truly accepts any keyword.
+
+    A ``**kwargs`` callee accepts anything only when it does not forward them: an ``__init__``
+    that passes ``**kwargs`` to ``super().__init__`` accepts its own names, the names it pops from
+    ``kwargs``, and what the parent's ``__init__`` accepts (nvrx 0.4 FileSystemWriterAsync).
+    """
+    owner, target = _owner_and_init(fn)
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return named - {"self"}
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        return None
+    parent = _parent_init_owner(owner) if owner is not None else None
+    if parent is None or not _FORWARDS_TO_SUPER.search(source):
+        return None
+    inherited = _accepted_names(parent)
+    if inherited is None:
+        return None
+    return (named | frozenset(_POPPED_KWARG.findall(source)) | inherited) - {"self"}
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[dict, dict]:
+    """Split ``kwargs`` into (accepted by ``fn``, dropped)."""
+    names = _accepted_names(fn)
+    if names is None:
+        return dict(kwargs), {}
+    accepted = {k: v for k, v in kwargs.items() if k in names}
+    dropped = {k: v for k, v in kwargs.items() if k not in names}
+    return accepted, dropped
+
+
+def call_with_supported(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **accepted)``; keywords ``fn`` does not take are dropped (debug log).
+
+    Pass every value that matters explicitly: backend defaults changed between releases.
+    """
+    accepted, dropped = accepted_kwargs(fn, kwargs)
+    if dropped:
+        logger.debug("%s does not accept %s; dropped", _name(fn), sorted(dropped))
+    return fn(*args, **accepted)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    if fn is None:
+        return False
+    names = _accepted_names(fn)
+    return names is None or name in names
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+# -- versions (for messages only) ----------------------------------------------------------------
+def _dist_version_near(module_dir: Path, dist: str) -> str | None:
+    """The version of ``dist`` installed next to ``module_dir`` (the copy actually imported)."""
+    prefix = dist.replace("-", "_").lower() + "-"
+    for info in sorted(module_dir.parent.glob("*.dist-info")):
+        if info.name.lower().startswith(prefix):
+            return info.name[len(prefix):-len(".dist-info")]
+    return None
+
+
+def _installed_version(top: str, dist: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    for location in spec.submodule_search_locations or []:
+        version = _dist_version_near(Path(location), dist)
+        if version:
+            return version
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...]:
+    parts = re.findall(r"\d+", version or "")[:3]
+    return tuple(int(p) for p in parts)
+
+
+# -- imports that never raise --------------------------------------------------------------------
+def _try_import(name: str) -> tuple[ModuleType | None, str | None]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name), None
+    except BaseException as e:  # noqa: BLE001 - an old backend may raise anything at import
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return None, f"{type(e).__name__}: {e}".strip()
+
+
+def _attr(module: ModuleType | None, *names: str) -> Any:
+    for name in names:
+        value = getattr(module, name, None) if module is not None else None
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class _Modules:
+    nvrx_core: ModuleType | None
+    nvrx_fs: ModuleType | None
+    nvrx_error: str | None
+    mcore_dc: ModuleType | None
+    mcore_error: str | None
+    mcore_async: ModuleType | None
+    mcore_fs: ModuleType | None
+    mcore_torch: ModuleType | None
+
+
+def _load_modules(nvrx_version: str | None, mcore_version: str | None) -> _Modules:
+    nvrx_core, err_core = _try_import(f"{NVRX_ASYNC}.core")
+    nvrx_fs, err_fs = (_try_import(f"{NVRX_ASYNC}.filesystem_async") if nvrx_core else (None, None))
+    nvrx_error = err_core or err_fs
+    if nvrx_version is None:
+        nvrx_error = f"{NVRX_DIST} is not installed"
+    mcore_dc, mcore_error = _try_import(MCORE_DC)
+    if mcore_error:
+        mcore_error = _explain_mcore_error(mcore_error, mcore_version, nvrx_version)
+    mcore_async = _try_import(f"{MCORE_STRATEGIES}.async_utils")[0] if mcore_dc else None
+    mcore_fs = _try_import(f"{MCORE_STRATEGIES}.filesystem_async")[0] if mcore_dc else None
+    mcore_torch = _try_import(f"{MCORE_STRATEGIES}.torch")[0] if mcore_dc else None
+    return _Modules(nvrx_core if not nvrx_error else None, nvrx_fs if not nvrx_error else None,
+                    nvrx_error, mcore_dc, mcore_error, mcore_async, mcore_fs, mcore_torch)
+
+
+def _explain_mcore_error(error: str, mcore_version: str | None, nvrx_version: str | None) -> str:
+    if mcore_version is None:
+        return f"{MCORE_DIST} is not installed ({error}); pip install 'megatron-core>=0.13,<0.20'."
+    old_nvrx = nvrx_version is not None and _version_tuple(nvrx_version) < _version_tuple(MCORE_019_NVRX_MIN)
+    if old_nvrx and ("__version__" in error or "nvidia-resiliency-ext" in error
+                     or error.startswith("AssertionError")):
+        return (
+            f"megatron-core {mcore_version} with nvidia-resiliency-ext {nvrx_version}: importing "
+            f"{MCORE_DC} fails ({error}) because megatron-core checks for nvidia-resiliency-ext >= "
+            f"{MCORE_019_NVRX_MIN} at import time. Fix one of two ways: upgrade it "
+            f"(pip install 'nvidia-resiliency-ext>={MCORE_019_NVRX_MIN}'), or uninstall it "
+            f"(pip uninstall nvidia-resiliency-ext) so megatron-core uses its built-in async path."
+        )
+    return f"importing {MCORE_DC} from megatron-core {mcore_version} fails: {error}"
+
+
+# -- probes --------------------------------------------------------------------------------------
+def _async_provider(m: _Modules) -> str:
+    if m.mcore_dc is None:
+        return "sync"  # nothing saves without megatron.core.dist_checkpointing
+    nvrx_parts = (_attr(m.nvrx_core, "AsyncCallsQueue"), _attr(m.nvrx_core, "AsyncRequest"),
+                  _attr(m.nvrx_fs, "FileSystemWriterAsync"))
+    if all(p is not None for p in nvrx_parts):
+        return "nvrx"
+    if _attr(m.mcore_async, "AsyncCallsQueue") is not None:
+        return "mcore"
+    return "sync"
+
+
+def _provider_modules(m: _Modules, provider: str) -> tuple[ModuleType | None, ModuleType | None]:
+    if provider == "nvrx":
+        return m.nvrx_core, m.nvrx_fs
+    if provider == "mcore":
+        return m.mcore_async, m.mcore_fs
+    return None, None
+
+
+def _request_provider(m: _Modules) -> str | None:
+    request = _attr(m.mcore_torch, "AsyncRequest")
+    if request is None:
+        return None
+    return "nvrx" if request.__module__.startswith(NVRX) else "mcore"
+
+
+def _source_has(obj: Any, needle: str, *, default: bool) -> bool:
+    if obj is None:
+        return default
+    try:
+        return needle in inspect.getsource(obj)
+    except (OSError, TypeError):
+        return default
+
+
+def _worker_probes(core: ModuleType | None) -> dict[str, bool]:
+    worker = _attr(core, "PersistentAsyncCaller")  # whole class: async_loop may delegate
+    sync = _attr(_attr(core, "AsyncCaller"), "sync_all_async_calls")
+    return {
+        "worker_needs_cuda": _source_has(worker, "set_device", default=True),
+        "worker_cpu_shm_skips_cuda": _source_has(worker, "if not cpu_shm_mode", default=False),
+        "queue_sync_needs_cuda": _source_has(sync, "cuda", default=True),
+    }
+
+
+def _queue_probes(core: ModuleType | None) -> dict[str, bool]:
+    queue = _attr(core, "AsyncCallsQueue")
+    warmup = _attr(queue, "warmup_persistent_caller")
+    return {
+        "queue_persistent": _takes(queue, "persistent"),
+        "queue_cpu_shm_mode": _takes(queue, "cpu_shm_mode"),
+        "queue_priorities": _takes(queue, "cpu_priority") and _takes(queue, "io_priority"),
+        "warmup_persistent_caller": warmup is not None,
+        "warmup_cpu_shm_mode": _takes(warmup, "cpu_shm_mode"),
+    }
+
+
+def _writer_probes(fs: ModuleType | None) -> dict[str, bool]:
+    writer = _attr(fs, "FileSystemWriterAsync")
+    results_queue = _attr(fs, "get_write_results_queue", "_get_write_results_queue")
+    return {
+        "writer_use_cpu_shm": _takes(writer, "use_cpu_shm_for_gpu_tensors"),
+        "writer_cached_structure": _takes(writer, "use_cached_data_structure"),
+        "writer_multiproc_io": _takes(writer, "is_multiproc_io"),
+        "writer_use_msc": _takes(writer, "use_msc"),
+        "write_results_queue_mp_mode": _takes(results_queue, "mp_mode"),
+    }
+
+
+def _strategy_probes(torch_strategies: ModuleType | None) -> dict[str, bool]:
+    strategy = _attr(torch_strategies, "TorchDistSaveShardedStrategy")
+    return {
+        "strategy_thread_count": _takes(strategy, "thread_count"),
+        "strategy_cached_metadata": _takes(strategy, "cached_metadata"),
+        "strategy_cpu_shm_mode": _takes(strategy, "cpu_shm_mode"),
+    }
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    except Exception:  # noqa: BLE001 - a parent package that fails to import
+        return False
+
+
+def _fsdp_symm_mem() -> bool:
+    for module_name, attr in _FSDP_ENTRY_POINTS:
+        if not _module_present(module_name.split(".")[0]):
+            continue
+        module, _ = _try_import(module_name)
+        fn = _attr(module, attr)
+        if callable(fn) and _accepted_names(fn) is not None and _takes(fn, "use_symm_mem"):
+            return True
+    return False
+
+
+def _torch_facts() -> tuple[str, bool]:
+    try:
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.__version__, bool(torch.cuda.is_available())
+    except Exception as e:  # noqa: BLE001
+        return f"unavailable ({type(e).__name__}: {e})", False
+
+
+def _detect() -> Capabilities:
+    torch_version, cuda = _torch_facts()
+    nvrx_version = _installed_version(NVRX, NVRX_DIST)
+    mcore_version = _installed_version("megatron", MCORE_DIST)
+    modules = _load_modules(nvrx_version, mcore_version)
+    provider = _async_provider(modules)
+    core, fs = _provider_modules(modules, provider)
+    return Capabilities(
+        python_version=platform.python_version(),
+        torch_version=torch_version,
+        cuda_available=cuda,
+        mcore_version=mcore_version,
+        nvrx_version=nvrx_version,
+        nvrx_importable=modules.nvrx_core is not None,
+        nvrx_error=modules.nvrx_error,
+        mcore_dist_ckpt_importable=modules.mcore_dc is not None,
+        mcore_error=modules.mcore_error,
+        **_queue_probes(core),
+        **_writer_probes(fs),
+        **_strategy_probes(modules.mcore_torch),
+        mcore_async_utils=modules.mcore_async is not None,
+        megatron_training=_module_present("megatron.training"),
+        fsdp_symm_mem=_fsdp_symm_mem(),
+        async_provider=provider,
+        strategy_request_provider=_request_provider(modules),
+        **_worker_probes(core),
+    )
+
+
+_cache: list[Capabilities] = []
+_cache_lock = threading.Lock()
+
+
+def detect(*, refresh: bool = False) -> Capabilities:
+    """The installed backends' capabilities: computed on first call, then cached. Never raises."""
+    with _cache_lock:
+        if refresh or not _cache:
+            _cache[:] = [_detect_safely()]
+        return _cache[0]
+
+
+def _detect_safely() -> Capabilities:
+    try:
+        return _detect()
+    except Exception as e:  # noqa: BLE001 - detection must never take the run down
+        logger.debug("backend detection failed", exc_info=True)
+        return _nothing_detected(f"backend detection failed: {type(e).__name__}: {e}")
+
+
+def _nothing_detected(reason: str) -> Capabilities:
+    flags = {f.name: False for f in dataclasses.fields(Capabilities) if f.type in ("bool", bool)}
+    return Capabilities(**{**flags, "python_version": platform.python_version(),
+                           "torch_version": _torch_facts()[0], "mcore_version": None,
+                           "nvrx_version": None, "nvrx_error": reason, "mcore_error": reason,
+                           "async_provider": "sync", "worker_needs_cuda": True,
+                           "queue_sync_needs_cuda": True})
+
+
+# -- where the worker modes can run --------------------------------------------------------------
+def persistent_worker_runs_here(
+    caps: Capabilities | None = None, *, cpu_shm_mode: bool = False
+) -> tuple[bool, str]:
+    """Can the provider's persistent worker start in this environment? (answer, reason)
+
+    The worker of mcore and of nvrx < 0.7 calls ``torch.cuda.set_device`` when it starts; nvrx
+    0.7 skips that under ``cpu_shm_mode=True``. Without CUDA the worker dies and a trainer waiting
+    on it would hang, so callers must not start it when this says no.
+    """
+    caps = caps or detect()
+    if caps.async_provider == "sync" or not caps.queue_persistent:
+        return False, f"the async backend ({caps.async_provider}) has no persistent worker"
+    if caps.cuda_available or not caps.worker_needs_cuda:
+        return True, "ok"
+    if cpu_shm_mode and caps.queue_cpu_shm_mode and caps.worker_cpu_shm_skips_cuda:
+        return True, "ok: cpu_shm_mode keeps CUDA out of the worker"
+    hint = ("" if caps.worker_cpu_shm_skips_cuda
+            else "; nvidia-resiliency-ext >= 0.7.0 can run it on CPU with cpu_shm_mode")
+    return False, (f"the {caps.async_provider} persistent worker calls torch.cuda.set_device at "
+                   f"start and CUDA is not available here{hint}")
+
+
+def dist_sync_runs_here(caps: Capabilities | None = None) -> tuple[bool, str]:
+    """Can the queue agree across ranks itself (``no_dist=False``)? (answer, reason)
+
+    Its agreement all-reduces a tensor on ``torch.cuda.current_device()``: without CUDA, call the
+    queue with ``no_dist=True`` and agree over the (gloo) process group yourself.
+    """
+    caps = caps or detect()
+    if caps.cuda_available or not caps.queue_sync_needs_cuda:
+        return True, "ok"
+    return False, (f"the {caps.async_provider} queue all-reduces on torch.cuda.current_device(); "
+                   "CUDA is not available here")
+
+
+# -- accessors -----------------------------------------------------------------------------------
+def _require_mcore() -> Capabilities:
+    caps = detect()
+    if not caps.mcore_dist_ckpt_importable:
+        raise BackendUnavailable(
+            f"megatron.core.dist_checkpointing is not usable: {caps.mcore_error}"
+        )
+    return caps
+
+
+def _import(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"cannot import {name}: {type(e).__name__}: {e}") from e
+
+
+def _provider_attr(kind: str, name: str) -> Any:
+    caps = _require_mcore()
+    if caps.async_provider == "sync":
+        raise BackendUnavailable(
+            f"no async checkpointing backend here ({caps.nvrx_error}; megatron-core "
+            f"{caps.mcore_version} has no strategies.async_utils): save synchronously, or "
+            "pip install 'nvidia-resiliency-ext>=0.4'."
+        )
+    modules = {
+        ("nvrx", "core"): f"{NVRX_ASYNC}.core", ("nvrx", "fs"): f"{NVRX_ASYNC}.filesystem_async",
+        ("mcore", "core"): f"{MCORE_STRATEGIES}.async_utils",
+        ("mcore", "fs"): f"{MCORE_STRATEGIES}.filesystem_async",
+    }
+    return getattr(_import(modules[(caps.async_provider, kind)]), name)
+
+
+def dist_checkpointing() -> ModuleType:
+    """``megatron.core.dist_checkpointing`` (save/load/ShardedTensor)."""
+    _require_mcore()
+    return _import(MCORE_DC)
+
+
+def sharded_tensor_cls() -> type:
+    return dist_checkpointing().ShardedTensor
+
+
+def async_calls_queue_cls() -> type:
+    """AsyncCallsQueue of the async provider (nvrx when usable, else megatron-core's)."""
+    return _provider_attr("core", "AsyncCallsQueue")
+
+
+def async_request_cls() -> type:
+    """AsyncRequest of the async provider, the type :func:`async_calls_queue_cls` runs."""
+    return _provider_attr("core", "AsyncRequest")
+
+
+def filesystem_writer_async_cls() -> type:
+    return _provider_attr("fs", "FileSystemWriterAsync")
+
+
+def get_write_results_queue(*, mp_mode: str = "spawn") -> Any:
+    """The provider's write-results queue; ``mp_mode`` is passed where it is accepted."""
+    fs_get = _provider_attr("fs", "__dict__")
+    fn = fs_get.get("get_write_results_queue") or fs_get.get("_get_write_results_queue")
+    if fn is None:
+        raise BackendUnavailable("the async backend has no write-results queue")
+    return call_with_supported(fn, mp_mode=mp_mode)
+
+
+def torch_dist_save_strategy_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.torch").TorchDistSaveShardedStrategy
+
+
+def torch_dist_load_strategy_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.torch").TorchDistLoadShardedStrategy
+
+
+def fully_parallel_save_wrapper_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.fully_parallel").FullyParallelSaveStrategyWrapper
+
+
+def fully_parallel_load_wrapper_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.fully_parallel").FullyParallelLoadStrategyWrapper
+
+
+def adapt_async_request(request: Any) -> Any:
+    """``request`` as the provider's AsyncRequest, so the provider's queue can run it.
+
+    megatron-core 0.16 strategies return megatron-core's own AsyncRequest; nvrx's persistent
+    worker only runs requests of nvrx's class (it silently skips others and the trainer would wait
+    forever). Same fields, so a conversion is exact; unknown fields raise.
+    """
+    target = async_request_cls()
+    if isinstance(request, target):
+        return request
+    values = request._asdict()
+    unknown = sorted(set(values) - set(target._fields))
+    if unknown:
+        raise BackendUnavailable(
+            f"cannot run a {_name(type(request))} on {_name(target)}: fields {unknown} unknown to "
+            "the async backend; install matching megatron-core and nvidia-resiliency-ext versions."
+        )
+    return target(**values)
+
+
+def new_async_calls_queue(
+    *,
+    persistent: bool,
+    is_daemon: bool = True,
+    cpu_shm_mode: bool = False,
+    cpu_priority: int | None = None,
+    io_priority: int | None = None,
+) -> Any:
+    """A provider AsyncCallsQueue with the values that matter passed explicitly.
+
+    ``persistent`` and ``is_daemon`` are always passed (their defaults flipped between releases);
+    the others only when asked for. What the backend does not accept is dropped: callers check
+    :func:`detect` (and warn) before asking.
+    """
+    kwargs: dict[str, Any] = {"persistent": persistent, "is_daemon": is_daemon}
+    if cpu_shm_mode:
+        kwargs["cpu_shm_mode"] = True
+    if cpu_priority is not None:
+        kwargs["cpu_priority"] = cpu_priority
+    if io_priority is not None:
+        kwargs["io_priority"] = io_priority
+    return call_with_supported(async_calls_queue_cls(), **kwargs)
+
+
+def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> None:
+    """Replace every ShardedTensor ``t`` in nested dicts/lists with ``fn(t)``, in place."""
+    cls = sharded_tensor_cls()
+    _map_in_place(sharded_state_dict, cls, fn)
+
+
+def _map_in_place(node: Any, cls: type, fn: Callable[[Any], Any]) -> None:
+    if isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return
+    for key, value in items:
+        if isinstance(value, cls):
+            node[key] = fn(value)
+        else:
+            _map_in_place(value, cls, fn)
