@@ -1,0 +1,157 @@
+"""The compat layer against the real installed backends (run three ways by .ci/compat_matrix.sh).
+
+``MCE_EXPECT_NVRX`` (``0.4.1`` | ``0.7.0`` | ``none``) names the nvrx the matrix pass installed; when
+unset, the detected version picks the expectation (and an unknown one skips: no table for it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_ckpt_ext import backend, doctor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# What each real nvrx release offers (checked against its code, not its version string).
+EXPECTED: dict[str, dict[str, object]] = {
+    "0.4.1": dict(async_provider="nvrx", nvrx_importable=True, queue_persistent=True,
+                  queue_cpu_shm_mode=False, queue_priorities=False, warmup_persistent_caller=False,
+                  writer_use_cpu_shm=False, writer_use_msc=True, writer_multiproc_io=False,
+                  write_results_queue_mp_mode=False, worker_needs_cuda=False),
+    "0.7.0": dict(async_provider="nvrx", nvrx_importable=True, queue_persistent=True,
+                  queue_cpu_shm_mode=True, queue_priorities=True, warmup_persistent_caller=True,
+                  warmup_cpu_shm_mode=True, writer_use_cpu_shm=True, writer_cached_structure=True,
+                  writer_multiproc_io=True, write_results_queue_mp_mode=True,
+                  worker_needs_cuda=True, worker_cpu_shm_skips_cuda=True),
+    "none": dict(async_provider="mcore", nvrx_importable=False, nvrx_version=None,
+                 queue_persistent=True, queue_cpu_shm_mode=False, worker_needs_cuda=True),
+}
+
+
+def _key() -> str:
+    wanted = os.environ.get("MCE_EXPECT_NVRX")
+    detected = backend.detect().nvrx_version or "none"
+    if wanted:
+        assert detected == wanted, f"matrix pass expects nvrx {wanted}, detected {detected}"
+        return wanted
+    if detected not in EXPECTED:
+        pytest.skip(f"no expectations recorded for nvrx {detected}")
+    return detected
+
+
+def _env(*prepend: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, prepend), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_detected_features_match_the_installed_release():
+    caps = backend.detect()
+    expected = EXPECTED[_key()]
+    got = {name: getattr(caps, name) for name in expected}
+    assert got == expected
+    assert caps.mcore_dist_ckpt_importable, caps.mcore_error
+
+
+def test_old_and_new_nvrx_really_differ():
+    # The table above must not describe two identical backends, else the matrix proves nothing.
+    differing = {k for k in EXPECTED["0.4.1"] if EXPECTED["0.4.1"][k] != EXPECTED["0.7.0"].get(k)}
+    assert {"queue_cpu_shm_mode", "queue_priorities", "writer_use_cpu_shm"} <= differing
+
+
+def test_provider_queue_runs_the_strategy_request_type():
+    caps = backend.detect()
+    _key()
+    strategy_module = backend.torch_dist_save_strategy_cls().__module__
+    request_cls = getattr(sys.modules[strategy_module], "AsyncRequest")
+    request = request_cls(print, ("a", "b"), [print], async_fn_kwargs={"x": 1}, preload_fn=None)
+    adapted = backend.adapt_async_request(request)
+    assert isinstance(adapted, backend.async_request_cls())
+    assert adapted._asdict() == request._asdict()
+    queue_module = backend.async_calls_queue_cls().__module__
+    assert queue_module.startswith({"nvrx": "nvidia_resiliency_ext", "mcore": "megatron.core"}[caps.async_provider])
+    assert backend.async_request_cls().__module__ == queue_module
+
+
+def test_new_queue_gets_explicit_values():
+    caps = backend.detect()
+    _key()
+    queue = backend.new_async_calls_queue(persistent=True, is_daemon=False,
+                                          cpu_shm_mode=caps.queue_cpu_shm_mode)
+    assert isinstance(queue, backend.async_calls_queue_cls())
+    assert queue.persistent is True  # mcore's default is False, nvrx's True: never rely on it
+    if caps.queue_cpu_shm_mode:
+        assert queue.cpu_shm_mode is True and queue.is_daemon is False
+
+
+def test_persistent_worker_verdict_matches_release():
+    key = _key()
+    caps = backend.detect()
+    if caps.cuda_available:
+        pytest.skip("the CPU verdicts below are about hosts without CUDA")
+    plain, _ = backend.persistent_worker_runs_here(caps)
+    shm, _ = backend.persistent_worker_runs_here(caps, cpu_shm_mode=True)
+    assert (plain, shm) == {"0.4.1": (True, True), "0.7.0": (False, True), "none": (False, False)}[key]
+
+
+def test_doctor_cli_runs_and_reports_cpu_shm(tmp_path):
+    key = _key()
+    r = subprocess.run([sys.executable, "-m", "megatron_ckpt_ext", "doctor"], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert ("not installed" if key == "none" else key) in r.stdout
+    line = next(l for l in r.stdout.splitlines() if l.startswith("cpu_shm_staging"))
+    assert ("available" if key == "0.7.0" else "fallback") in line
+
+
+# A stand-in for megatron-core 0.19.2: its dist_checkpointing import runs the same nvrx version
+# gate (strategies/torch.py -> has_nvrx_async_support -> assert nvrx.__version__ >= 0.6.0).
+FAKE_MCORE_019 = {
+    "megatron/__init__.py": "",
+    "megatron/core/__init__.py": "from . import dist_checkpointing\n",
+    "megatron/core/dist_checkpointing/__init__.py": "from .strategies import torch\n",
+    "megatron/core/dist_checkpointing/strategies/__init__.py": "",
+    "megatron/core/dist_checkpointing/strategies/torch.py":
+        "from .nvrx import has_nvrx_async_support\nHAVE_NVRX = has_nvrx_async_support()\n",
+    "megatron/core/dist_checkpointing/strategies/nvrx.py": textwrap.dedent("""
+        from importlib import import_module
+        def has_nvrx_async_support():
+            try:
+                import_module("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
+            except ImportError:
+                return False
+            import nvidia_resiliency_ext as nvrx
+            version = tuple(int(p) for p in str(nvrx.__version__).split(".")[:2])
+            assert version >= (0, 6), "Minimum required nvidia-resiliency-ext package version is 0.6.0."
+            return True
+    """),
+    "megatron_core-0.19.2.dist-info/METADATA": "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.19.2\n",
+}
+
+
+def test_mcore_019_nvrx_trap(tmp_path):
+    key = _key()
+    for rel, text in FAKE_MCORE_019.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    r = subprocess.run([sys.executable, "-m", "megatron_ckpt_ext", "doctor", "--json"],
+                       cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    caps = data["capabilities"]
+    assert caps["mcore_version"] == "0.19.2"
+    if key == "0.4.1":
+        assert caps["mcore_dist_ckpt_importable"] is False
+        for needle in ("0.19.2", "0.4.1", "nvidia-resiliency-ext>=0.6.0", "pip uninstall"):
+            assert needle in caps["mcore_error"]
+        row = next(r for r in data["features"] if r["feature"] == "mcore_dist_ckpt")
+        assert row["status"] == "missing"
+    else:
+        assert caps["mcore_dist_ckpt_importable"] is True, caps["mcore_error"]

@@ -1,0 +1,192 @@
+"""backend.py branches pinned with fake backend callables (old/new signatures, traps)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import pytest
+
+from megatron_ckpt_ext import backend
+
+
+# -- fakes with the signatures real releases have ------------------------------------------------
+class _Tracker(type):
+    """Like nvrx 0.7's ObjectTracker: makes inspect.signature(cls) show (*args, **kwargs)."""
+
+    def __call__(cls, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
+class NewQueue(metaclass=_Tracker):
+    def __init__(self, persistent: bool = True, is_daemon: bool = True, cpu_priority: int = 10,
+                 io_priority: Optional[int] = None, cpu_shm_mode: bool = False):
+        self.kwargs = dict(persistent=persistent, is_daemon=is_daemon, cpu_shm_mode=cpu_shm_mode)
+
+
+class OldQueue:
+    def __init__(self, persistent: bool = False):
+        self.persistent = persistent
+
+
+class BaseWriter:
+    def __init__(self, path, single_file_per_rank: bool = True, thread_count: int = 1):
+        self.thread_count = thread_count
+
+
+class ForwardingWriter(BaseWriter):
+    """Like nvrx 0.4 FileSystemWriterAsync: **kwargs go to the parent, one is popped."""
+
+    def __init__(self, path, *args, separation_hint=None, **kwargs):
+        self.use_msc = kwargs.pop("use_msc", False)
+        super().__init__(path, *args, **kwargs)
+
+
+def anything(**kwargs):
+    return kwargs
+
+
+def test_metaclass_trap_probes_init_not_class_signature():
+    import inspect
+
+    assert "cpu_shm_mode" not in inspect.signature(NewQueue).parameters  # the trap is real
+    accepted, dropped = backend.accepted_kwargs(NewQueue, {"cpu_shm_mode": True, "bogus": 1})
+    assert accepted == {"cpu_shm_mode": True} and dropped == {"bogus": 1}
+
+
+def test_old_queue_drops_new_kwargs_and_keeps_explicit_persistent():
+    q = backend.call_with_supported(OldQueue, persistent=True, cpu_shm_mode=True, is_daemon=False)
+    assert q.persistent is True  # passed explicitly, not the old default False
+
+
+def test_forwarding_kwargs_is_not_accept_anything():
+    accepted, dropped = backend.accepted_kwargs(
+        ForwardingWriter, {"use_msc": True, "thread_count": 2, "use_cpu_shm_for_gpu_tensors": True}
+    )
+    assert accepted == {"use_msc": True, "thread_count": 2}
+    assert dropped == {"use_cpu_shm_for_gpu_tensors": True}
+
+
+def test_plain_kwargs_callee_accepts_anything():
+    assert backend.call_with_supported(anything, x=1, y=2) == {"x": 1, "y": 2}
+
+
+def test_init_function_resolves_to_its_class():
+    accepted, _ = backend.accepted_kwargs(ForwardingWriter.__init__, {"thread_count": 3, "zzz": 1})
+    assert accepted == {"thread_count": 3}
+
+
+# -- warn_once / rank -----------------------------------------------------------------------------
+def test_warn_once_logs_once_per_key(caplog):
+    caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext.backend")
+    for _ in range(3):
+        backend.warn_once("test-key-a", "message A")
+    backend.warn_once("test-key-b", "message B")
+    assert [r.getMessage() for r in caplog.records] == ["message A", "message B"]
+
+
+def test_warn_once_silent_off_rank_zero(caplog, monkeypatch):
+    monkeypatch.setattr(backend, "rank", lambda: 1)
+    caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext.backend")
+    backend.warn_once("test-key-rank1", "not on rank 1")
+    assert caplog.records == []
+
+
+def test_rank_is_zero_without_process_group():
+    assert backend.rank() == 0
+
+
+# -- detection ------------------------------------------------------------------------------------
+def test_detect_is_cached_and_refreshable():
+    first = backend.detect()
+    assert backend.detect() is first
+    assert backend.detect(refresh=True) is not first
+
+
+def test_detect_never_raises(monkeypatch):
+    def boom():
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(backend, "_detect", boom)
+    caps = backend.detect(refresh=True)
+    try:
+        assert caps.async_provider == "sync" and not caps.mcore_dist_ckpt_importable
+        assert "probe exploded" in caps.mcore_error
+    finally:
+        monkeypatch.undo()
+        backend.detect(refresh=True)
+
+
+def test_mcore_019_nvrx_trap_message_names_both_fixes():
+    msg = backend._explain_mcore_error(
+        "AttributeError: module 'nvidia_resiliency_ext' has no attribute '__version__'",
+        "0.19.2", "0.4.1")
+    assert "0.19.2" in msg and "0.4.1" in msg
+    assert "nvidia-resiliency-ext>=0.6.0" in msg and "pip uninstall nvidia-resiliency-ext" in msg
+
+
+def test_other_mcore_import_errors_are_passed_through():
+    msg = backend._explain_mcore_error("ImportError: no module named x", "0.16.1", "0.7.0")
+    assert "pip uninstall" not in msg and "no module named x" in msg
+
+
+# -- worker modes ---------------------------------------------------------------------------------
+def _caps(**kw):
+    return dataclasses.replace(backend.detect(), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, cpu_shm, runs",
+    [
+        (dict(cuda_available=True, worker_needs_cuda=True), False, True),
+        (dict(cuda_available=False, worker_needs_cuda=False), False, True),  # nvrx 0.4 worker
+        (dict(cuda_available=False, worker_needs_cuda=True, worker_cpu_shm_skips_cuda=False), True, False),
+        (dict(cuda_available=False, worker_needs_cuda=True, worker_cpu_shm_skips_cuda=True,
+              queue_cpu_shm_mode=True), True, True),  # nvrx 0.7 with cpu_shm_mode
+        (dict(cuda_available=False, worker_needs_cuda=True, worker_cpu_shm_skips_cuda=True,
+              queue_cpu_shm_mode=True), False, False),
+    ],
+)
+def test_persistent_worker_runs_here(kw, cpu_shm, runs):
+    caps = _caps(async_provider="nvrx", queue_persistent=True, **kw)
+    ok, reason = backend.persistent_worker_runs_here(caps, cpu_shm_mode=cpu_shm)
+    assert ok is runs, reason
+    if not ok:
+        assert "set_device" in reason
+
+
+def test_no_persistent_worker_without_async_backend():
+    ok, reason = backend.persistent_worker_runs_here(_caps(async_provider="sync", cuda_available=True))
+    assert not ok and "sync" in reason
+
+
+def test_dist_sync_needs_cuda_when_queue_allreduces_on_cuda():
+    assert backend.dist_sync_runs_here(_caps(cuda_available=False, queue_sync_needs_cuda=True))[0] is False
+    assert backend.dist_sync_runs_here(_caps(cuda_available=True, queue_sync_needs_cuda=True))[0] is True
+
+
+def test_accessors_raise_actionable_error_when_mcore_unusable(monkeypatch):
+    caps = _caps(mcore_dist_ckpt_importable=False, mcore_error="upgrade nvidia-resiliency-ext")
+    monkeypatch.setattr(backend, "detect", lambda **_: caps)
+    with pytest.raises(backend.BackendUnavailable, match="upgrade nvidia-resiliency-ext"):
+        backend.async_calls_queue_cls()
+    with pytest.raises(ImportError):
+        backend.dist_checkpointing()
+
+
+def test_sync_provider_accessor_says_how_to_enable_async(monkeypatch):
+    caps = _caps(async_provider="sync", nvrx_error="not installed")
+    monkeypatch.setattr(backend, "detect", lambda **_: caps)
+    with pytest.raises(backend.BackendUnavailable, match="pip install"):
+        backend.async_request_cls()
+
+
+def test_map_sharded_tensors_replaces_nested_in_place():
+    st = backend.sharded_tensor_cls()
+    import torch
+
+    t = st.from_rank_offsets("a", torch.zeros(2))
+    tree = {"x": [t, 3, {"y": t}], "z": "keep"}
+    backend.map_sharded_tensors(tree, lambda s: ("seen", s.key))
+    assert tree == {"x": [("seen", "a"), 3, {"y": ("seen", "a")}], "z": "keep"}
