@@ -163,6 +163,12 @@ def warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
+def _reset_warnings_for_tests() -> None:
+    """Forget which warn_once keys were already emitted (tests only)."""
+    with _warn_lock:
+        _warned.clear()
+
+
 # -- keyword filtering ---------------------------------------------------------------------------
 _POPPED_KWARG = re.compile(r"kwargs\s*\.\s*(?:pop|get)\(\s*['\"](\w+)['\"]")
 _FORWARDS_TO_SUPER = re.compile(r"super\(\s*(?:\w+\s*,\s*\w+)?\s*\)\s*\.__init__\([^)]*\*\*kwargs", re.S)
