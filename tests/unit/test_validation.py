@@ -81,3 +81,71 @@ def test_check_raises_all_errors_in_one_exception(caps_factory):
         check(CkptOptions(fsdp_use_symm_mem=True), caps)
     msg = str(e.value)
     assert "--fsdp-use-symm-mem needs CUDA" in msg and "upgrade nvrx or uninstall it" in msg
+
+
+# -- rules that consult the installed backend (real Capabilities, fields overridden) ----------
+ASYNC = dict(async_save=True)
+
+
+def test_nvrx_provider_needs_no_async_warning(caps_factory):
+    assert validate(CkptOptions(**ASYNC), caps_factory(async_provider="nvrx")) == []
+
+
+def test_async_without_nvrx_falls_back_to_mcore_with_a_warning(caps_factory):
+    caps = caps_factory(async_provider="mcore", nvrx_error="No module named 'nvidia_resiliency_ext'",
+                        mcore_version="0.16.1")
+    f = codes(CkptOptions(**ASYNC), caps)["async-via-mcore"]
+    assert "--async-save" in f.message and "megatron-core 0.16.1" in f.message
+
+
+def test_async_without_any_provider_runs_synchronously_with_a_warning(caps_factory):
+    f = codes(CkptOptions(**ASYNC), caps_factory(async_provider="sync"))["async-unavailable"]
+    assert "saves run synchronously" in f.message and "nvidia-resiliency-ext" in f.message
+
+
+def test_no_async_no_provider_warning(caps_factory):
+    assert validate(CkptOptions(), caps_factory(async_provider="sync")) == []
+
+
+def test_persistent_worker_missing_names_flag_and_upgrade(caps_factory):
+    caps = caps_factory(queue_persistent=False, nvrx_version="0.3.0")
+    f = codes(CkptOptions(use_persistent_ckpt_worker=True, **ASYNC), caps)["persistent-unsupported"]
+    assert "--use-persistent-ckpt-worker" in f.message and "0.3.0" in f.message and "Upgrade" in f.message
+
+
+def test_cpu_shm_on_gpu_with_old_nvrx_warns_worker_keeps_cuda(caps_factory):
+    caps = caps_factory(cuda_available=True, queue_persistent=True, queue_cpu_shm_mode=False, nvrx_version="0.4.1")
+    opts = CkptOptions(async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True,
+                       use_persistent_ckpt_worker=True, **ASYNC)
+    f = codes(opts, caps)["shm-worker-cuda-context"]
+    assert "--async-ckpt-use-cpu-shm" in f.message and "0.4.1" in f.message and ">= 0.7.0" in f.message
+    assert "shm-worker-cuda-context" not in codes(opts, caps_factory(
+        cuda_available=True, queue_persistent=True, queue_cpu_shm_mode=True))
+
+
+def test_unsupported_priorities_warn(caps_factory):
+    f = codes(CkptOptions(async_ckpt_cpu_priority=5, **ASYNC), caps_factory(queue_priorities=False))
+    assert "priority-unsupported" in f
+    assert "priority-unsupported" not in codes(CkptOptions(async_ckpt_cpu_priority=5, **ASYNC),
+                                               caps_factory(queue_priorities=True))
+
+
+def test_constant_structure_without_cached_metadata_warns(caps_factory):
+    f = codes(CkptOptions(ckpt_assume_constant_structure=True), caps_factory(strategy_cached_metadata=False))
+    assert "--ckpt-assume-constant-structure" in f["cached-metadata-unsupported"].message
+
+
+def test_symm_mem_on_cpu_is_an_error(caps_factory):
+    f = codes(CkptOptions(fsdp_use_symm_mem=True), caps_factory(cuda_available=False))["symm-mem-needs-cuda"]
+    assert f.level == "error" and "--fsdp-use-symm-mem" in f.message
+
+
+def test_symm_mem_without_backend_support_warns(caps_factory):
+    f = codes(CkptOptions(fsdp_use_symm_mem=True), caps_factory(cuda_available=True, fsdp_symm_mem=False))
+    assert f["symm-mem-unsupported"].level == "warning"
+
+
+def test_unusable_dist_checkpointing_is_a_start_up_error(caps_factory):
+    caps = caps_factory(mcore_dist_ckpt_importable=False, mcore_error="megatron-core 0.19.2 with nvidia-resiliency-ext 0.4.1 ...")
+    f = codes(CkptOptions(), caps)["mcore-dist-ckpt-unusable"]
+    assert f.level == "error" and "0.19.2" in f.message
