@@ -22,6 +22,9 @@ __all__ = ["doctor_json", "parse_table", "render"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "COMPAT.md"
+README = ROOT / "README.md"
+RECORDED = ROOT / "docs" / "gpu"  # doctor --json files recorded on the GPU machine (new stack)
+START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 HIDE_NVRX = ROOT / "tests" / "compat" / "_hide_nvrx"
 HEADER = """# Compatibility: features by backend
 
@@ -47,14 +50,37 @@ def doctor_json(*, prepend: list[str] | None = None) -> dict:
     return json.loads(out)
 
 
-def render(reports: list[dict]) -> str:
+def recorded_reports() -> list[dict]:
+    """doctor --json outputs recorded elsewhere (docs/gpu/doctor_*.json), marked as such."""
+    reports = []
+    for path in sorted(RECORDED.glob("doctor_*.json")):
+        report = json.loads(path.read_text())
+        report["backend"] = f"{report['backend']} (GPU, recorded)"
+        reports.append(report)
+    return reports
+
+
+def table(reports: list[dict]) -> str:
     columns = [r["backend"] for r in reports]
     features = [row["feature"] for row in reports[0]["features"]]
     status = [{row["feature"]: row["status"] for row in r["features"]} for r in reports]
     lines = ["| feature | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for f in features:
         lines.append(f"| {f} | " + " | ".join(s.get(f, "-") for s in status) + " |")
-    return HEADER + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def render(reports: list[dict]) -> str:
+    return HEADER + table(reports)
+
+
+def with_readme_table(readme: str, reports: list[dict]) -> str:
+    """The README with the table between its markers replaced."""
+    head, sep, rest = readme.partition(START)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"{README} lacks the {START} ... {END} markers")
+    return f"{head}{START}\n{table(reports)}{END}{tail}"
 
 
 def parse_table(text: str) -> dict[str, dict[str, str]]:
@@ -73,14 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reports = [doctor_json()] + [doctor_json(prepend=[d]) for d in args.nvrx_dir]
     reports.append(doctor_json(prepend=[HIDE_NVRX]))
-    text = render(reports)
+    reports += recorded_reports()
+    text, readme = render(reports), with_readme_table(README.read_text(), reports)
     if args.check:
-        if DOC.read_text() != text:
-            print(f"{DOC} is stale: run python scripts/compat_table.py {' '.join('--nvrx-dir ' + d for d in args.nvrx_dir)}")
-            return 1
-        return 0
+        stale = [p for p, want in ((DOC, text), (README, readme)) if p.read_text() != want]
+        for p in stale:
+            print(f"{p} is stale: run python scripts/compat_table.py {' '.join('--nvrx-dir ' + d for d in args.nvrx_dir)}")
+        return 1 if stale else 0
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text)
+    README.write_text(readme)
     print(f"wrote {DOC} ({len(reports)} backends)")
     return 0
 
