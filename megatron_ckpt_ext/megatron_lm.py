@@ -1,0 +1,353 @@
+"""The thin adapter for a Megatron-LM checkout: ``megatron.training`` saves through our Checkpointer.
+
+One call, :func:`install` (or :func:`extra_args_provider`, which registers our flags and installs),
+routes ``megatron.training``'s torch_dist checkpoint writes and reads through
+:class:`megatron_ckpt_ext.checkpointer.Checkpointer`. Megatron's own ``save_checkpoint`` keeps
+building the state dict, the RNG/rerun state and its finalize callbacks (tracker line, logging);
+only these names, found by feature detection in ``backend.megatron_training_seams``, are replaced
+where Megatron looks them up:
+
+* ``checkpointing.dist_checkpointing`` -> a proxy whose ``save``/``load`` call the Checkpointer
+  (everything else is the real module);
+* ``checkpointing.schedule_async_save`` / ``is_empty_async_queue`` and
+  ``training.maybe_finalize_async_save`` (plus their definitions in ``async_utils``) -> our
+  schedule and finalize, so Megatron's finalize callbacks run after our atomic commit;
+* ``initialize.init_persistent_async_worker`` -> a no-op where present (our Checkpointer owns the
+  worker; Megatron's would be a second, idle one).
+
+Where a seam is missing, :func:`install` raises one :class:`MegatronAdapterError` naming the
+Megatron version and the seam, and patches nothing. Importing this module never imports
+megatron; it is importable (and useless) where ``megatron.training`` is absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import backend
+from .arguments import add_arguments
+from .options import CkptOptions
+
+__all__ = [
+    "MegatronAdapterError",
+    "extra_args_provider",
+    "install",
+    "is_installed",
+    "parse_and_validate_args",
+    "reports",
+    "uninstall",
+]
+
+logger = logging.getLogger(__name__)
+
+_ITER_DIR = re.compile(r"iter_(\d{7})")
+_DEFAULT_STRICT = ("assume_ok_unexpected", "StrictHandling.ASSUME_OK_UNEXPECTED")
+# (module, name) pairs replaced by install(); the optional ones are patched only where present.
+_PATCHES = (
+    ("checkpointing", "dist_checkpointing"),
+    ("checkpointing", "schedule_async_save"),
+    ("checkpointing", "is_empty_async_queue"),
+    ("training", "maybe_finalize_async_save"),
+    ("async_utils", "schedule_async_save"),
+    ("async_utils", "maybe_finalize_async_save"),
+    ("async_utils", "is_empty_async_queue"),
+)
+_OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"),)
+
+
+class MegatronAdapterError(RuntimeError):
+    """megatron.training cannot be hooked here; the message names the version and the seam."""
+
+
+CheckpointerFactory = Callable[[CkptOptions], Any]
+
+
+# -- public API ----------------------------------------------------------------------------------
+def install(
+    *,
+    options: CkptOptions | None = None,
+    route_load: bool = True,
+    checkpointer_factory: CheckpointerFactory | None = None,
+    modules: dict[str, Any] | None = None,
+) -> None:
+    """Route megatron.training's torch_dist saves (and loads) through our Checkpointer.
+
+    ``options`` default to ``CkptOptions.from_args(get_args())`` at the first save, so the flags
+    Megatron parsed (ours or its own spelling of them) decide. ``route_load=False`` leaves loads
+    to stock megatron-core (our checkpoints are plain torch_dist). ``checkpointer_factory`` and
+    ``modules`` are for tests. Idempotent; raises :class:`MegatronAdapterError` where a seam is
+    missing, before patching anything.
+    """
+    with _lock:
+        if _state.installed:
+            return
+        mods = modules if modules is not None else _real_modules()
+        seams = backend.megatron_training_seams(modules=mods)
+        if not seams.ok:
+            raise MegatronAdapterError(
+                f"megatron-ckpt-ext cannot hook Megatron-LM: {seams.describe_problem()}. "
+                "Use a megatron-core release the adapter supports (0.19.x is tested), or drop "
+                "install()/extra_args_provider and save with stock Megatron."
+            )
+        _state.reset(mods, options=options, route_load=route_load,
+                     factory=checkpointer_factory or _default_factory)
+        _apply_patches(mods)
+        _state.installed = True
+    logger.info("megatron-ckpt-ext: megatron.training checkpointing routed through Checkpointer")
+
+
+def uninstall() -> None:
+    """Restore every patched name and close the Checkpointer (drains pending saves first)."""
+    with _lock:
+        if not _state.installed:
+            return
+        try:
+            _state.close()
+        finally:
+            for (short, name), original in _state.originals.items():
+                setattr(_state.modules[short], name, original)
+            _state.originals.clear()
+            _state.installed = False
+
+
+def is_installed() -> bool:
+    return _state.installed
+
+
+def reports() -> list[dict]:
+    """Per-save records: the adapter's own (``blocking_s`` inside Megatron's save) merged with
+    the Checkpointer's ``reports`` where it has them."""
+    ours = [dict(r) for r in _state.records]
+    theirs = list(getattr(_state.checkpointer, "reports", []) or [])
+    for record, extra in zip(ours, theirs):
+        record["checkpointer"] = dict(extra)
+    return ours
+
+
+def extra_args_provider(parser: Any) -> Any:
+    """Megatron's ``extra_args_provider``: add our flags (the host's win) and install."""
+    return _add_and_install(parser)
+
+
+def _add_and_install(parser: Any) -> Any:
+    add_arguments(parser)
+    install()
+    return parser
+
+
+def parse_and_validate_args(*, extra_args_provider: Callable[[Any], Any] | None = None,
+                            **kwargs: Any) -> Any:
+    """Parse-then-pretrain style (megatron-core >= 0.19): Megatron's own parse function, with our
+    flags added after the caller's provider, and the adapter installed. Returns Megatron's args."""
+    seams = backend.megatron_training_seams()
+    if seams.parse_args_fn is None:
+        raise MegatronAdapterError(
+            f"megatron-ckpt-ext cannot find Megatron-LM's argument parser: "
+            f"{seams.describe_problem() or 'no arguments.parse_* takes extra_args_provider'}. "
+            "Pass megatron_ckpt_ext.megatron_lm.extra_args_provider to pretrain() instead."
+        )
+    module_name, fn_name = seams.parse_args_fn.split(".")
+    parse = getattr(backend.megatron_training_module(module_name), fn_name)
+    return parse(extra_args_provider=_chain(extra_args_provider), **kwargs)
+
+
+def _chain(user: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    def provider(parser: Any) -> Any:
+        if user is not None:
+            parser = user(parser)
+        return _add_and_install(parser)
+
+    return provider
+
+
+# -- state ---------------------------------------------------------------------------------------
+@dataclass
+class _PendingSave:
+    """What Megatron's save_checkpoint gets back from ``dist_checkpointing.save`` when async:
+    it collects Megatron's finalize callbacks, which run after our commit of ``iteration``."""
+
+    iteration: int
+    finalize_fns: list[Callable[[], Any]] = field(default_factory=list)
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        self.finalize_fns.append(fn)
+
+    def run_finalize_fns(self) -> None:
+        for fn in self.finalize_fns:
+            fn()
+        self.finalize_fns.clear()
+
+
+@dataclass
+class _State:
+    installed: bool = False
+    modules: dict[str, Any] = field(default_factory=dict)
+    originals: dict[tuple[str, str], Any] = field(default_factory=dict)
+    options: CkptOptions | None = None
+    route_load: bool = True
+    factory: CheckpointerFactory | None = None
+    checkpointer: Any = None
+    scheduled: dict[int, _PendingSave] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+
+    def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
+              factory: CheckpointerFactory) -> None:
+        self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
+        self.checkpointer, self.scheduled, self.records = None, {}, []
+
+    def get_checkpointer(self) -> Any:
+        if self.checkpointer is None:
+            if self.options is None:
+                self.options = CkptOptions.from_args(self.modules["checkpointing"].get_args())
+            self.checkpointer = self.factory(self.options)
+        return self.checkpointer
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            _finalize(blocking=True)
+            self.checkpointer.close()
+            self.checkpointer = None
+
+
+_state = _State()
+_lock = threading.RLock()
+
+
+def _real_modules() -> dict[str, Any]:
+    try:
+        return {short: backend.megatron_training_module(short) for short in backend.MLM_MODULES}
+    except backend.BackendUnavailable as e:
+        version = backend.detect().mcore_version or "(not installed)"
+        raise MegatronAdapterError(
+            f"megatron-ckpt-ext cannot hook Megatron-LM: megatron.training of megatron-core "
+            f"{version} is not importable here ({e}). Install megatron-core >= 0.19 (it ships "
+            "megatron.training) or run from a Megatron-LM checkout."
+        ) from e
+
+
+def _default_factory(options: CkptOptions) -> Any:
+    from .checkpointer import Checkpointer
+
+    mpu = getattr(_state.modules["checkpointing"], "mpu", None)
+    dp_group = mpu.get_data_parallel_group(with_context_parallel=True) if mpu is not None else None
+    return Checkpointer(options, dp_group=dp_group)
+
+
+def _apply_patches(modules: dict[str, Any]) -> None:
+    replacements: dict[str, Any] = {
+        "dist_checkpointing": _DistCheckpointingProxy(modules["checkpointing"].dist_checkpointing),
+        "schedule_async_save": _schedule_async_save,
+        "is_empty_async_queue": _is_empty_async_queue,
+        "maybe_finalize_async_save": _maybe_finalize_async_save,
+        "init_persistent_async_worker": _init_persistent_async_worker,
+    }
+    present = [p for p in _OPTIONAL_PATCHES if hasattr(modules.get(p[0]), p[1])]
+    for short, name in (*_PATCHES, *present):
+        _state.originals[(short, name)] = getattr(modules[short], name)
+        setattr(modules[short], name, replacements[name])
+
+
+# -- the seams -----------------------------------------------------------------------------------
+class _DistCheckpointingProxy:
+    """``megatron.core.dist_checkpointing`` with ``save``/``load`` routed to our Checkpointer."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
+        iteration = _iteration_of(checkpoint_dir)
+        if iteration is None:
+            backend.warn_once(f"mlm-save-{checkpoint_dir}", f"megatron-ckpt-ext: {checkpoint_dir} "
+                              "is not an iter_NNNNNNN directory; saved by stock megatron-core.")
+            return self._real.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        return _save(sharded_state_dict, checkpoint_dir, iteration, **kwargs)
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
+        iteration = _iteration_of(checkpoint_dir)
+        strict = str(kwargs.get("strict", _DEFAULT_STRICT[0]))
+        if not _state.route_load or iteration is None or strict not in _DEFAULT_STRICT:
+            return self._real.load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        checkpointer = _state.get_checkpointer()
+        return checkpointer.load(sharded_state_dict, os.path.dirname(checkpoint_dir),
+                                 iteration=iteration)
+
+
+def _iteration_of(checkpoint_dir: Any) -> int | None:
+    match = _ITER_DIR.fullmatch(os.path.basename(os.path.normpath(str(checkpoint_dir))))
+    return int(match.group(1)) if match else None
+
+
+def _save(sharded_state_dict: Any, checkpoint_dir: str, iteration: int, *,
+          async_sharded_save: bool = False, content_metadata: Any = None, **_ignored: Any) -> Any:
+    """Megatron's ``dist_checkpointing.save(...)`` call, served by the Checkpointer.
+
+    Megatron's strategy, validation and preprocessing arguments are ignored: the Checkpointer
+    builds its own strategy from the options and validates its cached structure itself.
+    """
+    if content_metadata is not None:  # what dist_checkpointing.save would store, same key
+        sharded_state_dict[backend.mcore_content_metadata_key()] = content_metadata
+    checkpointer = _state.get_checkpointer()
+    start = time.perf_counter()
+    checkpointer.save(sharded_state_dict, os.path.dirname(checkpoint_dir), iteration=iteration)
+    is_async = bool(async_sharded_save and _state.options is not None and _state.options.async_save)
+    if not is_async:
+        _finalize(blocking=True)
+    _state.records.append({"iteration": iteration, "async": is_async,
+                           "blocking_s": time.perf_counter() - start})
+    if not async_sharded_save:
+        return None  # Megatron's sync path asserts None and writes its tracker line itself
+    return _PendingSave(iteration)
+
+
+def _schedule_async_save(request: Any) -> None:
+    """Megatron hands back what ``_save`` returned; its callbacks wait for our commit."""
+    if not isinstance(request, _PendingSave):
+        raise MegatronAdapterError(
+            f"megatron-ckpt-ext: schedule_async_save got a {type(request).__name__}, not a save "
+            "made through the adapter; a caller bypassed the adapter's dist_checkpointing (for "
+            "ckpt formats other than torch_dist use stock Megatron: uninstall() first)."
+        )
+    if _state.options is not None and not _state.options.async_save:
+        request.run_finalize_fns()  # already committed by _save
+        return
+    _state.scheduled[request.iteration] = request
+
+
+def _is_empty_async_queue() -> bool:
+    return not _state.scheduled
+
+
+def _maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
+    """Finalize what our Checkpointer committed, then Megatron's callbacks for those saves."""
+    _finalize(blocking=blocking)
+    cleanup = getattr(_state.modules.get("checkpointing"), "finalize_deletion_processes", None)
+    if callable(cleanup):
+        cleanup(blocking=blocking or terminate)
+    if terminate and _state.checkpointer is not None:
+        _state.checkpointer.close()
+        _state.checkpointer = None
+
+
+def _finalize(*, blocking: bool) -> list[int]:
+    if _state.checkpointer is None:
+        return []
+    committed = list(_state.checkpointer.maybe_finalize(blocking=blocking))
+    for iteration in committed:
+        pending = _state.scheduled.pop(iteration, None)
+        if pending is not None:
+            pending.run_finalize_fns()
+    return committed
+
+
+def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:
+    logger.debug("megatron-ckpt-ext: Megatron's persistent worker skipped on rank %d (%s); the "
+                 "Checkpointer starts its own", rank, mp_mode)

@@ -1,0 +1,226 @@
+"""The Megatron-LM adapter (megatron_ckpt_ext.megatron_lm), on stand-ins of megatron.training.
+
+The stand-in modules are built from the signatures recorded from megatron-core 0.19.2's real
+sources (see test_backend_mlm.py); the Checkpointer is a fake that records calls, so these tests
+pin the adapter's routing: what Megatron's calls turn into, and when Megatron's callbacks run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import types
+
+import pytest
+
+from megatron_ckpt_ext import CkptOptions, backend, megatron_lm
+from test_backend_mlm import RECORDED, modules_from
+
+
+class FakeCheckpointer:
+    def __init__(self, options: CkptOptions) -> None:
+        self.options = options
+        self.saves: list[tuple[dict, str, int]] = []
+        self.loads: list[tuple[str, int]] = []
+        self.finalize_calls: list[bool] = []
+        self.durable: list[int] = []  # iterations whose write has finished
+        self.closed = False
+        self.reports = []
+
+    def save(self, sharded_state_dict, checkpoint_dir, *, iteration):
+        self.saves.append((sharded_state_dict, checkpoint_dir, iteration))
+        self.reports.append({"iteration": iteration, "blocking_s": 0.0})
+        if not self.options.async_save:
+            self.durable.append(iteration)
+
+    def maybe_finalize(self, *, blocking=False):
+        self.finalize_calls.append(blocking)
+        if blocking:
+            self.durable = sorted({*self.durable, *(s[2] for s in self.saves)})
+        done, self.durable = self.durable, []
+        return done
+
+    def load(self, sharded_state_dict, checkpoint_dir, *, iteration=None):
+        self.loads.append((checkpoint_dir, iteration))
+        return {"loaded_by": "checkpointer"}
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def mlm():
+    """Stand-in megatron.training modules; the adapter is uninstalled after each test."""
+    mods = modules_from(RECORDED["0.19.2"])
+    real_dc = types.SimpleNamespace(save=lambda *a, **k: "stock-save",
+                                    load=lambda *a, **k: {"loaded_by": "stock"},
+                                    check_is_distributed_checkpoint=lambda path: True)
+    mods["checkpointing"].dist_checkpointing = real_dc
+    deletions: list[bool] = []
+    mods["checkpointing"].finalize_deletion_processes = lambda blocking=False: deletions.append(blocking)
+    yield types.SimpleNamespace(mods=mods, real_dc=real_dc, deletions=deletions)
+    megatron_lm.uninstall()
+
+
+def _install(mlm, **options):
+    made: list[FakeCheckpointer] = []
+
+    def factory(opts):
+        made.append(FakeCheckpointer(opts))
+        return made[-1]
+
+    megatron_lm.install(options=CkptOptions(**options), checkpointer_factory=factory,
+                        modules=mlm.mods)
+    return made
+
+
+def test_importing_the_adapter_does_not_import_megatron():
+    code = ("import sys, megatron_ckpt_ext.megatron_lm as m; "
+            "bad = [k for k in sys.modules if k.startswith(('megatron.', 'nvidia_resiliency_ext'))];"
+            "print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_install_without_megatron_training_names_version_and_reason():
+    if backend.megatron_training_seams().ok:
+        pytest.skip("megatron.training is importable here")
+    with pytest.raises(megatron_lm.MegatronAdapterError, match=r"megatron-core .*megatron\.training"):
+        megatron_lm.install()
+    assert not megatron_lm.is_installed()
+
+
+def test_missing_seam_refuses_with_one_error_and_patches_nothing(mlm):
+    del mlm.mods["training"].maybe_finalize_async_save
+    original = mlm.mods["checkpointing"].schedule_async_save
+    with pytest.raises(megatron_lm.MegatronAdapterError,
+                       match=r"0\.\d+.*training\.maybe_finalize_async_save \(absent\)"):
+        _install(mlm, async_save=True)
+    assert mlm.mods["checkpointing"].schedule_async_save is original
+    assert mlm.mods["checkpointing"].dist_checkpointing is mlm.real_dc
+
+
+def test_async_save_runs_megatron_callbacks_only_after_our_commit(mlm):
+    made = _install(mlm, async_save=True)
+    ckpting, training = mlm.mods["checkpointing"], mlm.mods["training"]
+    state = {"w": 1}
+    request = ckpting.dist_checkpointing.save(state, "/ckpt/iter_0000005", object(),
+                                              async_sharded_save=True)
+    calls: list[str] = []
+    request.add_finalize_fn(lambda: calls.append("tracker"))
+    ckpting.schedule_async_save(request)
+    (checkpointer,) = made
+    assert checkpointer.saves == [(state, "/ckpt", 5)]
+    assert ckpting.is_empty_async_queue() is False
+
+    training.maybe_finalize_async_save(blocking=False)
+    assert calls == []  # write not durable yet: Megatron's tracker line must wait
+    checkpointer.durable.append(5)
+    training.maybe_finalize_async_save(blocking=False)
+    assert calls == ["tracker"]
+    assert ckpting.is_empty_async_queue() is True
+    assert mlm.deletions == [False, False]  # Megatron's own deletion cleanup still runs
+
+
+def test_terminate_drains_and_closes_the_checkpointer(mlm):
+    made = _install(mlm, async_save=True)
+    ckpting = mlm.mods["checkpointing"]
+    request = ckpting.dist_checkpointing.save({}, "/ckpt/iter_0000010", None, async_sharded_save=True)
+    calls: list[int] = []
+    request.add_finalize_fn(lambda: calls.append(10))
+    ckpting.schedule_async_save(request)
+    mlm.mods["training"].maybe_finalize_async_save(blocking=True, terminate=True)
+    assert calls == [10]
+    assert made[0].finalize_calls[-1] is True and made[0].closed
+
+
+def test_sync_save_is_committed_before_megatron_writes_its_tracker(mlm):
+    made = _install(mlm, async_save=False)
+    result = mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/iter_0000003", None,
+                                                               async_sharded_save=False)
+    assert result is None  # Megatron's sync path asserts the request is None
+    assert made[0].finalize_calls == [True]
+    assert megatron_lm.reports()[0]["iteration"] == 3
+
+
+def test_content_metadata_is_stored_where_megatron_core_would_store_it(mlm):
+    _install(mlm, async_save=False)
+    state: dict = {}
+    mlm.mods["checkpointing"].dist_checkpointing.save(state, "/c/iter_0000001", None,
+                                                      content_metadata={"distrib_optim": "x"})
+    assert state[backend.mcore_content_metadata_key()] == {"distrib_optim": "x"}
+
+
+def test_non_iteration_directories_go_to_stock_megatron_core(mlm):
+    made = _install(mlm, async_save=True)
+    out = mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/release", None)
+    assert out == "stock-save" and made == []
+
+
+def test_load_of_an_iteration_goes_through_the_checkpointer(mlm):
+    made = _install(mlm)
+    dc = mlm.mods["checkpointing"].dist_checkpointing
+    assert dc.load({"a": 1}, "/ckpt/iter_0000010", None, strict="assume_ok_unexpected") == {
+        "loaded_by": "checkpointer"}
+    assert made[0].loads == [("/ckpt", 10)]
+    assert dc.check_is_distributed_checkpoint("/x") is True  # the rest is the real module
+
+
+def test_load_with_a_non_default_strictness_stays_stock(mlm):
+    _install(mlm)
+    dc = mlm.mods["checkpointing"].dist_checkpointing
+    assert dc.load({}, "/ckpt/iter_0000010", None, strict="raise_all") == {"loaded_by": "stock"}
+
+
+def test_route_load_false_leaves_loads_stock(mlm):
+    megatron_lm.install(options=CkptOptions(), route_load=False, modules=mlm.mods,
+                        checkpointer_factory=FakeCheckpointer)
+    assert mlm.mods["checkpointing"].dist_checkpointing.load({}, "/c/iter_0000002") == {
+        "loaded_by": "stock"}
+
+
+def test_uninstall_restores_every_patched_name(mlm):
+    before = {(s, n): getattr(mlm.mods[s], n) for s, n in megatron_lm._PATCHES}
+    _install(mlm, async_save=True)
+    assert mlm.mods["training"].maybe_finalize_async_save is not before[("training",
+                                                                         "maybe_finalize_async_save")]
+    megatron_lm.uninstall()
+    assert {(s, n): getattr(mlm.mods[s], n) for s, n in megatron_lm._PATCHES} == before
+
+
+def test_megatrons_persistent_worker_is_not_started_twice(mlm):
+    _install(mlm, async_save=True, use_persistent_ckpt_worker=True)
+    assert mlm.mods["initialize"].init_persistent_async_worker(0, "forkserver") is None
+    assert mlm.mods["initialize"].init_persistent_async_worker is not mlm.mods[
+        "async_utils"].init_persistent_async_worker
+
+
+def test_a_request_not_made_by_the_adapter_is_refused(mlm):
+    _install(mlm, async_save=True)
+    with pytest.raises(megatron_lm.MegatronAdapterError, match="bypassed the adapter"):
+        mlm.mods["checkpointing"].schedule_async_save(object())
+
+
+def test_options_default_to_megatrons_parsed_args(mlm):
+    args = argparse.Namespace(async_save=True, async_ckpt_use_cpu_shm=True,
+                              ckpt_assume_constant_structure=True, dist_ckpt_workers=1)
+    mlm.mods["checkpointing"].get_args = lambda: args
+    made: list = []
+    megatron_lm.install(modules=mlm.mods,
+                        checkpointer_factory=lambda o: made.append(FakeCheckpointer(o)) or made[-1])
+    mlm.mods["checkpointing"].dist_checkpointing.save({}, "/c/iter_0000001", None,
+                                                      async_sharded_save=True)
+    opts = made[0].options
+    assert (opts.async_save, opts.async_ckpt_use_cpu_shm, opts.ckpt_assume_constant_structure) == (
+        True, True, True)
+
+
+def test_extra_args_provider_keeps_the_hosts_flag_and_installs(mlm, monkeypatch):
+    installed: list[bool] = []
+    monkeypatch.setattr(megatron_lm, "install", lambda: installed.append(True))
+    parser = argparse.ArgumentParser()
+    host = parser.add_argument("--async-save", action="store_true", default=None)
+    assert megatron_lm.extra_args_provider(parser) is parser
+    assert parser._option_string_actions["--async-save"] is host
+    assert "--async-ckpt-use-cpu-shm" in parser._option_string_actions
+    assert installed == [True]
