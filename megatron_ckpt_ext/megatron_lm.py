@@ -124,7 +124,7 @@ def reports() -> list[dict]:
     """Per-save records: the adapter's own (``blocking_s`` inside Megatron's save) merged with
     the Checkpointer's ``reports`` where it has them."""
     ours = [dict(r) for r in _state.records]
-    theirs = list(getattr(_state.checkpointer, "reports", []) or [])
+    theirs = list(getattr(_state.checkpointer, "reports", None) or _state.closed_reports)
     for record, extra in zip(ours, theirs):
         record["checkpointer"] = dict(extra)
     return ours
@@ -195,11 +195,12 @@ class _State:
     checkpointer: Any = None
     scheduled: dict[int, _PendingSave] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
+    closed_reports: list[dict] = field(default_factory=list)  # the last Checkpointer's, kept
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
               factory: CheckpointerFactory) -> None:
         self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
-        self.checkpointer, self.scheduled, self.records = None, {}, []
+        self.checkpointer, self.scheduled, self.records, self.closed_reports = None, {}, [], []
 
     def get_checkpointer(self) -> Any:
         if self.checkpointer is None:
@@ -211,8 +212,12 @@ class _State:
     def close(self) -> None:
         if self.checkpointer is not None:
             _finalize(blocking=True)
-            self.checkpointer.close()
-            self.checkpointer = None
+            self.drop_checkpointer()
+
+    def drop_checkpointer(self) -> None:
+        self.closed_reports = list(getattr(self.checkpointer, "reports", None) or [])
+        self.checkpointer.close()
+        self.checkpointer = None
 
 
 _state = _State()
@@ -333,8 +338,7 @@ def _maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) 
     if callable(cleanup):
         cleanup(blocking=blocking or terminate)
     if terminate and _state.checkpointer is not None:
-        _state.checkpointer.close()
-        _state.checkpointer = None
+        _state.drop_checkpointer()
 
 
 def _finalize(*, blocking: bool) -> list[int]:

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# GPU verification of the Megatron-LM adapter (one H100, megatron-core 0.19.2 + nvrx 0.7.0).
+#
+# Run from the repository root after the lead's install line (PYTHONPATH=$PWD:$PWD/.site), with
+# .mlm/ carried (pretrain_gpt.py, gpt_builders.py, model_provider.py of Megatron-LM core_r0.19.0):
+#   OUT=$OUT bash scripts/gpu_megatron_lm.sh
+# Loss part (tiny GPT, 20 iterations, save every 5):
+#   on      adapter on: --async-save --async-ckpt-use-cpu-shm --ckpt-assume-constant-structure
+#           --dist-ckpt-workers 1
+#   resume  adapter on, resumed from on's iteration 10 (through the tracker file) to 20
+#   stock   adapter off, same 20 iterations, same saves
+#   s2o     adapter on, resumed from stock's iteration 10;  o2s: stock, resumed from on's
+# Perf part (PERF=1, default): the 134M baseline (8 x 1024, distributed optimizer, save every 3),
+# adapter on and stock, stall per save from the step start times.
+# Writes $OUT/mlm_results.json (+ logs) and prints a table. Budget: < 9 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the results folder}
+WORK=${WORK:-/tmp/mlm_work}
+PERF=${PERF:-1}
+RUN_TIMEOUT=${RUN_TIMEOUT:-150}
+mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
+START=$(date +%s)
+
+# megatron.training runs `make` in megatron/core/datasets at start-up; the wheel ships the helper.
+DS_DIR=$(python3 -c "import importlib.util as u, os; s=u.find_spec('megatron'); print(os.path.join(list(s.submodule_search_locations)[0], 'core', 'datasets'))")
+if [ -d "$DS_DIR" ] && [ ! -f "$DS_DIR/Makefile" ]; then printf 'all:\n\t@true\n' > "$DS_DIR/Makefile"; fi
+for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
+  [ -f ".mlm/$f" ] || { echo "missing .mlm/$f: carry .mlm (see docs/MEGATRON_LM.md)"; exit 2; }
+done
+python3 -m megatron_ckpt_ext doctor --json > "$OUT/doctor.json" 2> "$OUT/logs/doctor.err" || true
+
+COMMON=(--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion
+  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
+  --attention-backend unfused --mock-data --tokenizer-type NullTokenizer
+  --bf16 --use-distributed-optimizer
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1
+  --clip-grad 1.0 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 100000
+  --split 100,0,0 --ckpt-format torch_dist)
+RESUME=(--exit-on-missing-checkpoint)
+TINY=(--num-layers 2 --hidden-size 256 --num-attention-heads 4
+  --seq-length 256 --max-position-embeddings 256 --vocab-size 1024
+  --micro-batch-size 4 --global-batch-size 4)
+BIG=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16
+  --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000
+  --micro-batch-size 4 --global-batch-size 4)
+OURS=(--async-save --async-ckpt-use-cpu-shm --ckpt-assume-constant-structure --dist-ckpt-workers 1)
+STOCK_ASYNC=(--async-save --ckpt-assume-constant-structure --dist-ckpt-workers 1)
+
+# run NAME MODE(on|stock) -- megatron args...
+run() {
+  local name=$1 mode=$2; shift 3
+  local extra=(); [ "$mode" = stock ] && extra=(--stock)
+  local t0=$(date +%s.%N)
+  MLM_RECORD="$WORK/$name.jsonl" MLM_REPORTS="$OUT/reports_$name.json" \
+    timeout "$RUN_TIMEOUT" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 1000)) \
+    scripts/pretrain_gpt_megatron.py "${extra[@]}" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "{\"run\": \"$name\", \"rc\": $rc, \"wall_s\": $(python3 -c "import time;print(round(time.time()-$t0,1))")}" >> "$WORK/runs.jsonl"
+  cp -f "$WORK/$name.jsonl" "$OUT/logs/" 2>/dev/null
+  echo "[$(( $(date +%s) - START ))s] $name rc=$rc"; [ $rc = 0 ] || tail -25 "$OUT/logs/$name.log"
+}
+
+# resume_dir SRC DST ITER: DST holds SRC's iter_ITER and a tracker naming it (resume via tracker).
+resume_dir() {
+  local it; it=$(printf 'iter_%07d' "$3"); mkdir -p "$2"
+  cp -r "$1/$it" "$2/" && echo "$3" > "$2/latest_checkpointed_iteration.txt"
+}
+
+T=(--train-iters 20 --save-interval 5)
+run on on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/on"
+run stock stock -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${STOCK_ASYNC[@]}" --save "$WORK/stock"
+resume_dir "$WORK/on" "$WORK/resume" 10
+run resume on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume" --load "$WORK/resume" "${RESUME[@]}"
+resume_dir "$WORK/stock" "$WORK/s2o" 10
+run s2o on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/s2o" --load "$WORK/s2o" "${RESUME[@]}"
+resume_dir "$WORK/on" "$WORK/o2s" 10
+run o2s stock -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${STOCK_ASYNC[@]}" --save "$WORK/o2s" --load "$WORK/o2s" "${RESUME[@]}"
+ls -R "$WORK/on" > "$OUT/logs/on_tree.txt" 2>&1
+rm -rf "$WORK/on" "$WORK/stock" "$WORK/resume" "$WORK/s2o" "$WORK/o2s"
+
+if [ "$PERF" = 1 ] && [ $(( $(date +%s) - START )) -lt 300 ]; then
+  P=(--train-iters 16 --save-interval 3)
+  run perf_on on -- "${COMMON[@]}" "${BIG[@]}" "${P[@]}" "${OURS[@]}" --save "$WORK/perf_on"
+  rm -rf "$WORK/perf_on"
+  if [ $(( $(date +%s) - START )) -lt 420 ]; then
+    run perf_stock stock -- "${COMMON[@]}" "${BIG[@]}" "${P[@]}" "${STOCK_ASYNC[@]}" --save "$WORK/perf_stock"
+    rm -rf "$WORK/perf_stock"
+  fi
+fi
+
+WORK="$WORK" OUT="$OUT" python3 - <<'PY'
+import json, os, statistics
+from pathlib import Path
+
+work, out = Path(os.environ["WORK"]), Path(os.environ["OUT"])
+
+def losses(name):
+    path = work / f"{name}.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    return {r["iteration"]: r for r in rows}
+
+def stalls(name, every):
+    rows = losses(name)
+    its = sorted(rows)
+    gaps = {i: rows[i]["t"] - rows[i - 1]["t"] for i in its if i - 1 in rows}
+    after = {i: g for i, g in gaps.items() if (i - 1) % every == 0}
+    plain = [g for i, g in gaps.items() if i not in after and i > 3]
+    base = statistics.median(plain) if plain else None
+    per_save = {i - 1: round(g - base, 3) for i, g in sorted(after.items())} if base else {}
+    vals = list(per_save.values())
+    return {"plain_step_s": round(base, 4) if base else None, "stall_s_by_save_iter": per_save,
+            "first_save_stall_s": vals[0] if vals else None,
+            "steady_stall_s_max": max(vals[1:]) if len(vals) > 1 else None}
+
+def same(a, b, its):
+    A, B = losses(a), losses(b)
+    missing = [i for i in its if i not in A or i not in B]
+    diff = [i for i in its if i in A and i in B and A[i]["loss_hex"] != B[i]["loss_hex"]]
+    return {"equal_bitwise": not missing and not diff, "missing": missing, "differ": diff}
+
+runs = [json.loads(l) for l in (work / "runs.jsonl").read_text().splitlines()]
+tail = list(range(11, 21))
+res = {
+    "runs": runs,
+    "losses_on": {i: r["loss"] for i, r in sorted(losses("on").items())},
+    "resume_vs_on_11_20": same("on", "resume", tail),
+    "stock_vs_on_1_20": same("on", "stock", list(range(1, 21))),
+    "stock_to_on_11_20": same("on", "s2o", tail),
+    "on_to_stock_11_20": same("on", "o2s", tail),
+    "stall_tiny_on": stalls("on", 5), "stall_tiny_stock": stalls("stock", 5),
+    "stall_134m_on": stalls("perf_on", 3), "stall_134m_stock": stalls("perf_stock", 3),
+}
+for name in ("on", "perf_on"):
+    p = out / f"reports_{name}.json"
+    if p.exists():
+        res[f"adapter_reports_{name}"] = json.loads(p.read_text())
+(out / "mlm_results.json").write_text(json.dumps(res, indent=1, default=str))
+print(f"{'run':12} {'rc':>3} {'wall_s':>7}")
+for r in runs:
+    print(f"{r['run']:12} {r['rc']:>3} {r['wall_s']:>7}")
+for key in ("resume_vs_on_11_20", "stock_vs_on_1_20", "stock_to_on_11_20", "on_to_stock_11_20"):
+    print(f"{key:22} bitwise_equal={res[key]['equal_bitwise']} missing={res[key]['missing']} differ={res[key]['differ']}")
+for key in ("stall_tiny_on", "stall_tiny_stock", "stall_134m_on", "stall_134m_stock"):
+    s = res[key]
+    print(f"{key:18} plain_step={s['plain_step_s']} first={s['first_save_stall_s']} steady_max={s['steady_stall_s_max']} all={s['stall_s_by_save_iter']}")
+PY
+echo "total $(( $(date +%s) - START ))s"
