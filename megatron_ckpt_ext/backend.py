@@ -851,3 +851,43 @@ def mcore_content_metadata_key() -> str:
     """The common-state key under which ``dist_checkpointing.save`` stores ``content_metadata``."""
     _require_mcore()
     return getattr(_import(f"{MCORE_DC}.serialization"), "_CONTENT_METADATA_KEY", "content_metadata")
+
+
+# -- sequential (single-process) writes ----------------------------------------------------------
+def _forking_multiproc_writer(async_fn: Any) -> type | None:
+    """The writer class when ``async_fn`` is a megatron-core 0.16-style
+    ``partial(FileSystemWriterAsync.write_preloaded_data_multiproc, transform_list, use_msc)``,
+    which forks one writer process per bucket even at ``thread_count=1``; else None.
+
+    Newer writers (megatron-core >= 0.17 / nvrx >= 0.5) take an ``open_file`` argument and write
+    the last bucket inline themselves: they are left alone.
+    """
+    func = getattr(async_fn, "func", None)
+    if getattr(func, "__name__", "") != "write_preloaded_data_multiproc":
+        return None
+    owner: Any = sys.modules.get(getattr(func, "__module__", ""))
+    for part in func.__qualname__.split(".")[:-1]:
+        owner = getattr(owner, part, None)
+    writer = getattr(owner, "write_preloaded_data", None)
+    if owner is None or writer is None or len(getattr(async_fn, "args", ())) != 2:
+        return None
+    params = list(_parameters(writer))
+    if params[:6] != ["transform_list", "local_proc_idx", "write_bucket", "results_queue",
+                      "count_queue", "use_fsync"]:
+        return None
+    return owner
+
+
+def _parameters(fn: Any) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def sequential_writer(async_fn: Any) -> tuple[type, tuple] | None:
+    """(writer class, partial args) when the request's writer would fork per bucket, so the
+    caller can run the buckets inline instead (Megatron-LM PR #3424); None when the installed
+    writer already writes inline or is of an unknown shape (then it is used as it is)."""
+    owner = _forking_multiproc_writer(async_fn)
+    return None if owner is None else (owner, tuple(async_fn.args))

@@ -1,0 +1,401 @@
+"""The checkpoint lifecycle a training loop sees: save, maybe_finalize, load, close.
+
+Layout (Megatron's): ``<root>/iter_{iteration:07d}/`` per checkpoint and the tracker
+``<root>/latest_checkpointed_iteration.txt`` naming the newest committed one.
+
+A save, step by step:
+1. every rank writes into ``<root>/iter_XXXXXXX.incomplete/`` (a name nothing loads);
+2. async saves first stage every tensor into CPU memory owned by this save (per-tensor shared
+   memory with ``--async-ckpt-use-cpu-shm``, else plain CPU copies), so the bytes written are the
+   state at the ``save()`` call whatever training does next, and the writer needs no CUDA IPC;
+3. megatron-core plans the save and returns a request; with one writer the buckets are written in
+   the process that owns the save (``strategy.sequential_request``); the request runs at once
+   (sync) or on the async queue;
+4. finalize (megatron-core's metadata write, collective), then our commit, also collective: a
+   barrier, rank 0 renames the directory to ``iter_XXXXXXX`` and rewrites the tracker atomically
+   (temp file, fsync, rename, fsync of the directory), a barrier. Staging buffers are released only
+   now. A crash anywhere before the rename leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import _cpu_shim, backend, strategy
+from .options import CkptOptions
+from .validation import check
+
+__all__ = ["Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+INCOMPLETE = ".incomplete"
+REPORT = "ckpt_report.jsonl"
+
+
+def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: str | os.PathLike[str]) -> int | None:
+    """The newest committed iteration under ``root``, or None."""
+    try:
+        text = (Path(root) / TRACKER).read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{Path(root) / TRACKER} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+@dataclass
+class _Save:
+    """One save in flight: what must stay alive until it is committed."""
+
+    iteration: int
+    root: Path
+    started: float
+    blocking_s: float = 0.0
+    staged: Any = None  # staging buffers handed to the writer (released at commit)
+    nbytes: int = 0
+    staging_s: float = 0.0
+    mode: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Save / load megatron-core sharded state dicts with the options' strategies.
+
+    ``process_group`` is used for the commit barriers (default: the world), ``dp_group`` for the
+    fully-parallel save/load wrappers. Construction validates the options against the installed
+    backend (raising on errors, warning once on rank 0) and starts the persistent worker, if any,
+    so the first save does not pay for it.
+    """
+
+    def __init__(self, options: CkptOptions, *, process_group: Any = None, dp_group: Any = None,
+                 caps: backend.Capabilities | None = None, job_id: str | None = None) -> None:
+        self.options = options
+        self.caps = caps or backend.detect()
+        check(options, self.caps)
+        self.process_group = process_group
+        self.dp_group = dp_group
+        self.reports: list[dict] = []
+        self._closed = False
+        self._pending: dict[int, _Save] = {}
+        self._strategy: Any = None
+        self._structure: Any = None
+        self._before_commit: Callable[[_Save], None] | None = None  # fault-injection hook (tests)
+        self._cpu_shim = _cpu_shim.install()
+        self._async = options.async_save and self.caps.async_provider != "sync"
+        self._cpu_shm = self._async and options.async_ckpt_use_cpu_shm
+        self._stager = self._make_stager(job_id) if self._cpu_shm else None
+        self._queue = self._make_queue() if self._async else None
+
+    # -- construction ------------------------------------------------------------------------
+    def _make_queue(self) -> Any:
+        o = self.options
+        persistent = o.use_persistent_ckpt_worker and self.caps.queue_persistent
+        if persistent:
+            ok, reason = backend.persistent_worker_runs_here(self.caps, cpu_shm_mode=self._cpu_shm)
+            if not ok:
+                backend.warn_once("persistent-cannot-run",
+                                  f"--use-persistent-ckpt-worker: {reason}; a fresh writer "
+                                  "process is used per save instead.")
+                persistent = False
+        self._persistent = persistent
+        queue = backend.new_async_calls_queue(
+            persistent=persistent, is_daemon=True, cpu_shm_mode=self._cpu_shm and persistent,
+            cpu_priority=o.async_ckpt_cpu_priority, io_priority=o.async_ckpt_io_priority)
+        if persistent and self.caps.warmup_persistent_caller:
+            backend.call_with_supported(queue.warmup_persistent_caller, _rank(), is_daemon=True,
+                                        cpu_shm_mode=self._cpu_shm)
+        return queue
+
+    def _make_stager(self, job_id: str | None) -> Any:
+        from .staging import ShmStager
+
+        return ShmStager(job_id=job_id or _job_id(), rank=_rank(),
+                         reuse=self.options.ckpt_assume_constant_structure)
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
+             iteration: int) -> None:
+        """Save ``sharded_state_dict`` as ``<checkpoint_dir>/iter_{iteration:07d}``.
+
+        Returns once the state is staged when async (call :meth:`maybe_finalize` regularly);
+        returns after the commit when sync.
+        """
+        self._check_open()
+        record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=time.perf_counter(),
+                       mode=self._mode())
+        workdir = self._prepare_dir(record)
+        state = _copy_structure(sharded_state_dict)
+        if self._async:
+            self._stage(state, record)
+        else:
+            record.nbytes = _state_bytes(state)
+        request = self._request(state, workdir)
+        if self._async:
+            request.add_finalize_fn(lambda: self._commit(record))
+            call_idx = self._queue.schedule_async_request(request)
+            self._pending[call_idx] = record
+            del request, state
+        else:
+            request.execute_sync()
+            del request, state
+            self._commit(record)
+        record.blocking_s = time.perf_counter() - record.started
+
+    def _mode(self) -> str:
+        if not self._async:
+            return "sync"
+        worker = "persistent" if self._persistent else "temporal"
+        return f"async-{worker}" + ("-cpu-shm" if self._cpu_shm else "")
+
+    def _prepare_dir(self, record: _Save) -> Path:
+        workdir = _incomplete(record.root, record.iteration)
+        if _rank() == 0:
+            record.root.mkdir(parents=True, exist_ok=True)
+            if workdir.exists():
+                shutil.rmtree(workdir)
+            workdir.mkdir()
+        self._barrier()
+        return workdir
+
+    def _stage(self, state: Any, record: _Save) -> None:
+        """Replace every tensor by a CPU copy owned by this save (see the module docstring)."""
+        t0 = time.perf_counter()
+        tensors: list[Any] = []
+        backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
+        if self._stager is not None:
+            batch = self._stager.stage([t.data for t in tensors], keys=[t.key for t in tensors])
+            copies = list(batch.tensors)
+            record.staged = batch
+        else:
+            copies = [t.data.detach().to("cpu", copy=True) for t in tensors]
+            record.staged = copies
+        swap = iter(copies)
+        backend.map_sharded_tensors(state, lambda t: replace(t, data=next(swap)))
+        record.nbytes = sum(c.numel() * c.element_size() for c in copies)
+        record.staging_s = time.perf_counter() - t0
+
+    def _request(self, state: Any, workdir: Path) -> Any:
+        dc = backend.dist_checkpointing()
+        request = dc.save(state, str(workdir), self._save_strategy(state),
+                          async_sharded_save=True)
+        request = strategy.sequential_request(request, self.options)
+        if self._cpu_shim:
+            request = strategy.cpu_request(request)
+        return backend.adapt_async_request(request) if self._async else request
+
+    def _save_strategy(self, state: Any) -> Any:
+        """The save strategy; kept across saves only while the state's structure is unchanged
+        (megatron-core's cached metadata would otherwise drop or misplace entries)."""
+        if not self.options.ckpt_assume_constant_structure:
+            return strategy.save_strategy(self.options, dp_group=self.dp_group)
+        key = _structure_key(state)
+        if self._strategy is None or key != self._structure:
+            if self._strategy is not None and _rank() == 0:
+                logger.info("checkpoint structure changed (%s): rebuilding the cached save plan",
+                            _describe_change(self._structure, key))
+            self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
+            self._structure = key
+        return self._strategy
+
+    # -- commit ------------------------------------------------------------------------------
+    def _commit(self, record: _Save) -> None:
+        """Collective: make ``record``'s checkpoint visible and name it in the tracker."""
+        if self._before_commit is not None:
+            self._before_commit(record)
+        self._barrier()
+        final = checkpoint_name(record.root, record.iteration)
+        if _rank() == 0:
+            _replace_dir(_incomplete(record.root, record.iteration), final)
+            _atomic_write(record.root / TRACKER, f"{record.iteration}\n")
+        self._barrier()
+        self._release(record)
+        self._report(record)
+
+    def _release(self, record: _Save) -> None:
+        if record.staged is not None and hasattr(record.staged, "release"):
+            record.staged.release()
+        record.staged = None
+
+    def _report(self, record: _Save) -> None:
+        entry = {"iteration": record.iteration, "mode": record.mode, "bytes": record.nbytes,
+                 "blocking_s": round(record.blocking_s, 6), "staging_s": round(record.staging_s, 6),
+                 "durable_s": round(time.perf_counter() - record.started, 6)}
+        if not self._async:
+            entry["blocking_s"] = entry["durable_s"]
+        self.reports.append(entry)
+        if _rank() == 0:
+            logger.info("checkpoint iter %d committed: %s, %.1f MB, blocking %.3f s, durable %.3f s",
+                        record.iteration, record.mode, record.nbytes / 1e6, entry["blocking_s"],
+                        entry["durable_s"])
+            with open(record.root / REPORT, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(entry) + "\n")
+
+    # -- finalize / load / close -------------------------------------------------------------
+    def maybe_finalize(self, *, blocking: bool = False) -> list[int]:
+        """Collective on every rank: commit the async saves all ranks have finished (all pending
+        ones when ``blocking``). Returns the iterations committed by this call."""
+        if self._queue is None or not self._pending:
+            return []
+        done = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
+        return [self._pending.pop(idx).iteration for idx in done if idx in self._pending]
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
+             iteration: int | None = None) -> dict:
+        """Load the committed checkpoint named by the tracker (or ``iteration``)."""
+        root = Path(checkpoint_dir)
+        _warn_incomplete(root)
+        if iteration is None:
+            iteration = read_tracker(root)
+            if iteration is None:
+                raise FileNotFoundError(
+                    f"no committed checkpoint under {root}: {TRACKER} is missing. Point --load "
+                    "at a directory saved by this plugin or Megatron, or start without --load.")
+        path = checkpoint_name(root, iteration)
+        if not (path / "metadata.json").exists():
+            raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
+        load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group)
+        return backend.dist_checkpointing().load(sharded_state_dict, str(path), load_strategy)
+
+    def close(self) -> None:
+        """Drain pending saves, stop the worker, free staging buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._queue is not None and self._pending:
+                self._queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+        finally:
+            if self._queue is not None:
+                self._queue.close()
+                self._queue = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._pending.clear()
+            self._strategy = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+
+    def _barrier(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier(group=self.process_group)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _rank() -> int:
+    return backend.rank()
+
+
+def _job_id() -> str:
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
+
+
+def _state_bytes(state: Any) -> int:
+    sizes: list[int] = []
+    backend.map_sharded_tensors(state, lambda t: sizes.append(t.data.numel() * t.data.element_size()) or t)
+    return sum(sizes)
+
+
+def _incomplete(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}{INCOMPLETE}"
+
+
+def _copy_structure(node: Any) -> Any:
+    """Copy nested dicts/lists (not their leaves), so the caller's dict is never modified."""
+    if isinstance(node, dict):
+        return {k: _copy_structure(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_copy_structure(v) for v in node]
+    return node
+
+
+def _structure_key(state: Any) -> tuple:
+    """Keys, shapes, dtypes and placement of every sharded item: what cached metadata assumes."""
+    items: list[tuple] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+        elif hasattr(node, "key"):
+            data = getattr(node, "data", None)
+            items.append((type(node).__name__, node.key, tuple(getattr(node, "global_shape", ()) or ()),
+                          tuple(getattr(node, "global_offset", ()) or ()),
+                          str(getattr(data, "dtype", "")), tuple(getattr(data, "shape", ()) or ())))
+
+    walk(state)
+    return tuple(sorted(items))
+
+
+def _describe_change(old: tuple | None, new: tuple) -> str:
+    old_keys, new_keys = {i[1] for i in old or ()}, {i[1] for i in new}
+    added, removed = sorted(new_keys - old_keys), sorted(old_keys - new_keys)
+    if added or removed:
+        return f"added {added[:3]}, removed {removed[:3]}"
+    return "shapes, dtypes or placement changed"
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    old = dst.with_name(dst.name + ".old")
+    if dst.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(dst, old)
+    os.rename(src, dst)
+    if old.exists():
+        shutil.rmtree(old)
+    _fsync_dir(dst.parent)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _warn_incomplete(root: Path) -> None:
+    if not root.is_dir():
+        return
+    leftovers = sorted(p.name for p in root.glob(f"iter_*{INCOMPLETE}"))
+    if leftovers:
+        backend.warn_once(f"incomplete:{root}",
+                          f"{root}: ignoring uncommitted checkpoint directories {leftovers} "
+                          "(a save was interrupted before its commit)")

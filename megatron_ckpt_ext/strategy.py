@@ -1,0 +1,98 @@
+"""megatron-core save/load strategies from options, and the write-path adjustments we make.
+
+* :func:`save_strategy`: torch_dist ``TorchDistSaveShardedStrategy`` with
+  ``thread_count = dist_ckpt_workers`` and ``cached_metadata = ckpt_assume_constant_structure``
+  (each only where the installed megatron-core accepts it), wrapped in the fully-parallel save
+  wrapper when ``ckpt_fully_parallel_save``.
+* :func:`load_strategy`: the fully-parallel load wrapper when ``ckpt_fully_parallel_load``, else
+  megatron-core's default.
+* :func:`sequential_request`: with ``--dist-ckpt-workers 1`` the write of every bucket runs in the
+  process that owns the save (the trainer for sync saves, the one async worker otherwise): no
+  forked writer processes (Megatron-LM PR #3424). Where the installed writer already does this it
+  is left alone; where it forks per bucket (megatron-core 0.16) the request's write function is
+  swapped for :func:`write_buckets_inline`, which calls the same per-bucket writer in-process.
+* :func:`cpu_request`: on CPU-only torch, wraps the request's functions so that the CPU device
+  shim (``_cpu_shim.py``) is active in whichever process runs them.
+"""
+
+from __future__ import annotations
+
+import queue
+from functools import partial
+from typing import Any
+
+from . import backend
+from ._cpu_shim import call_with_cpu_shim
+from .options import CkptOptions
+
+__all__ = ["cpu_request", "load_strategy", "save_strategy", "sequential_request",
+           "write_buckets_inline"]
+
+_BACKEND = "torch_dist"
+_VERSION = 1
+
+
+def save_strategy(options: CkptOptions, *, dp_group: Any = None) -> Any:
+    """The megatron-core save strategy the options ask for."""
+    strategy = backend.call_with_supported(
+        backend.torch_dist_save_strategy_cls(), _BACKEND, _VERSION,
+        thread_count=options.dist_ckpt_workers,
+        cached_metadata=options.ckpt_assume_constant_structure,
+    )
+    if options.ckpt_fully_parallel_save:
+        strategy = backend.call_with_supported(
+            backend.fully_parallel_save_wrapper_cls(), strategy, dp_group,
+            do_cache_distribution=options.ckpt_assume_constant_structure,
+        )
+    return strategy
+
+
+def load_strategy(options: CkptOptions, *, dp_group: Any = None) -> Any | None:
+    """The load strategy, or None for megatron-core's default."""
+    if not options.ckpt_fully_parallel_load:
+        return None
+    base = backend.torch_dist_load_strategy_cls()()
+    return backend.call_with_supported(backend.fully_parallel_load_wrapper_cls(), base, dp_group)
+
+
+def sequential_request(request: Any, options: CkptOptions) -> Any:
+    """``request`` with its buckets written inline, when one writer is asked for and the
+    installed writer would fork one process per bucket."""
+    if options.dist_ckpt_workers != 1 or request.async_fn is None:
+        return request
+    found = backend.sequential_writer(request.async_fn)
+    if found is None:
+        return request
+    writer_cls, (transform_list, use_msc) = found
+    inline = partial(write_buckets_inline, writer_cls, transform_list, use_msc)
+    return request._replace(async_fn=inline)
+
+
+def write_buckets_inline(writer_cls: type, transform_list: Any, use_msc: bool, rank: int,
+                         write_buckets: list, global_results_queue: Any) -> None:
+    """Write every bucket in this process, in order, and report like the forking writer does:
+    ``{bucket index: write results}`` (or the first exception) on ``global_results_queue``."""
+    local_results: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+    results: dict | Exception = {}
+    extra = {"use_msc": use_msc} if use_msc else {}
+    for index, bucket in enumerate(write_buckets):
+        done.put(index)
+        writer_cls.write_preloaded_data(transform_list, index, bucket, local_results, done,
+                                        True, **extra)
+        got_index, got = local_results.get()
+        if isinstance(got, Exception):
+            results = got
+            break
+        results[got_index] = got
+    global_results_queue.put(results)
+
+
+def cpu_request(request: Any) -> Any:
+    """``request`` with its write and preload functions run under the CPU device shim."""
+    fields: dict[str, Any] = {}
+    if request.async_fn is not None:
+        fields["async_fn"] = partial(call_with_cpu_shim, request.async_fn)
+    if getattr(request, "preload_fn", None) is not None:
+        fields["preload_fn"] = partial(call_with_cpu_shim, request.preload_fn)
+    return request._replace(**fields)
