@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _cpu_shim, backend, strategy
+from . import _cpu_shim, backend, preflight, strategy
 from .options import CkptOptions
 from .validation import check
 
@@ -139,6 +139,8 @@ class Checkpointer:
         record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=time.perf_counter(),
                        mode=self._mode())
         workdir = self._prepare_dir(record)
+        if self.reports and _rank() == 0:
+            preflight.check_disk(record.root, self.reports[-1]["bytes"])
         state = _copy_structure(sharded_state_dict)
         if self._async:
             self._stage(state, record)
@@ -178,6 +180,8 @@ class Checkpointer:
         tensors: list[Any] = []
         backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
         if self._stager is not None:
+            if self._stager.host_bytes() == 0:  # first staging: fail early, not with SIGBUS
+                preflight.check_shm(sum(t.data.numel() * t.data.element_size() for t in tensors))
             batch = self._stager.stage([t.data for t in tensors], keys=[t.key for t in tensors])
             copies = list(batch.tensors)
             record.staged = batch

@@ -1,0 +1,60 @@
+"""Checks before the first save: enough /dev/shm for staging, enough disk for a checkpoint.
+
+A shared-memory shortfall otherwise surfaces as SIGBUS in the middle of a save (tmpfs pages are
+only claimed on first touch), so it fails early, naming the needed and available bytes and the fix.
+The probes are injectable so tests can simulate a small /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from . import backend
+from .options import CkptOptionsError
+
+__all__ = ["check_disk", "check_shm", "ranks_on_node"]
+
+Probe = Callable[[str], "shutil._ntuple_diskusage"]
+
+
+def ranks_on_node() -> int:
+    """Ranks sharing this node's /dev/shm (torchrun's LOCAL_WORLD_SIZE; 1 when unknown)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def check_shm(bytes_per_rank: int, *, ranks: int | None = None, path: str = "/dev/shm",
+              probe: Probe = shutil.disk_usage) -> None:
+    """Raise CkptOptionsError when ``path`` cannot hold every local rank's staging buffers."""
+    ranks = ranks or ranks_on_node()
+    needed = bytes_per_rank * ranks
+    free = probe(path).free
+    if needed > free:
+        raise CkptOptionsError(
+            f"--async-ckpt-use-cpu-shm needs {_gib(needed)} of shared memory in {path} "
+            f"({_gib(bytes_per_rank)} per rank x {ranks} ranks on this node) but only {_gib(free)} "
+            f"is free. Fix: enlarge {path} (containers: docker run --shm-size=..., Kubernetes: an "
+            "emptyDir with medium: Memory), or drop --async-ckpt-use-cpu-shm.")
+
+
+def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: int, *,
+               probe: Probe = shutil.disk_usage) -> bool:
+    """Warn (rank 0, once) when the checkpoint directory has less free space than the last
+    checkpoint took. Returns True when there is enough."""
+    where = Path(checkpoint_dir)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = probe(str(where)).free
+    if free >= last_checkpoint_bytes:
+        return True
+    backend.warn_once(f"disk:{checkpoint_dir}",
+                      f"{checkpoint_dir}: {_gib(free)} free, but the last checkpoint took "
+                      f"{_gib(last_checkpoint_bytes)}; the next save will likely fail.")
+    return False
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

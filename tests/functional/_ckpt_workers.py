@@ -1,0 +1,127 @@
+"""Rank bodies for the checkpointer tests (a module of its own so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.checkpointer import read_tracker
+
+
+def sharded(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in tensors.items()}
+
+
+def step_state(step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Distinct values per step and rank; a mix of shapes and dtypes."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(64, 8, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16),
+            "step": torch.full((4,), step, dtype=torch.int64)}
+
+
+def load_back(ck: Checkpointer, rank: int, world: int, root: str, iteration: int | None) -> dict:
+    like = {k: torch.zeros_like(v) for k, v in step_state(0, rank).items()}
+    return ck.load(sharded(rank, world, like), root, iteration=iteration)
+
+
+def assert_equal(got: dict, want: dict, what: str) -> None:
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{what}: tensor {k!r} differs"
+
+
+def roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> None:
+    """``saves`` consecutive saves; after each save() returns the live tensors are overwritten in
+    place; every checkpoint must hold exactly its own step's values."""
+    live = step_state(0, rank)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in range(1, saves + 1):
+            for k, v in step_state(step, rank).items():
+                live[k].copy_(v)  # same storage every step (constant structure)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            for v in live.values():
+                v.fill_(-7)  # mutate right after save() returned
+            ck.maybe_finalize()
+        ck.maybe_finalize(blocking=True)
+        assert read_tracker(root) == saves
+        for step in range(1, saves + 1):
+            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"iteration {step}")
+        assert_equal(load_back(ck, rank, world, root, None), step_state(saves, rank), "tracker load")
+
+
+def count_forks_during_sync_save(rank: int, world: int, root: str, options: dict, out: str) -> None:
+    """Count os.fork calls made while a synchronous save runs (forked writers use os.fork)."""
+    forks = []
+    real_fork = os.fork
+
+    def counting_fork():
+        forks.append(1)
+        return real_fork()
+
+    with Checkpointer(CkptOptions(**options)) as ck:
+        os.fork = counting_fork
+        try:
+            ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
+        finally:
+            os.fork = real_fork
+    Path(out, f"forks{rank}").write_text(str(len(forks)))
+
+
+def crash_before_commit(rank: int, world: int, root: str, options: dict) -> None:
+    """Save 1 commits; save 2 fails just before its commit: the tracker stays at 1 and load
+    returns iteration 1."""
+    with Checkpointer(CkptOptions(**options)) as ck:
+        ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+
+        def boom(record):
+            if record.iteration == 2:
+                raise RuntimeError("injected failure before commit")
+
+        ck._before_commit = boom
+        try:
+            ck.save(sharded(rank, world, step_state(2, rank)), root, iteration=2)
+            ck.maybe_finalize(blocking=True)
+        except RuntimeError as e:
+            assert "injected" in str(e)
+        else:
+            raise AssertionError("the injected failure did not surface")
+        ck._before_commit = None
+    assert read_tracker(root) == 1
+    assert Path(root, "iter_0000002.incomplete").exists() and not Path(root, "iter_0000002").exists()
+    with Checkpointer(CkptOptions()) as fresh:
+        assert_equal(load_back(fresh, rank, world, root, None), step_state(1, rank), "after crash")
+
+
+def save_for_interop(rank: int, world: int, root: str, options: dict) -> None:
+    with Checkpointer(CkptOptions(**options)) as ck:
+        ck.save(sharded(rank, world, step_state(3, rank)), root, iteration=3)
+
+
+def stock_load(rank: int, world: int, root: str) -> None:
+    """megatron-core alone (no plugin object involved) loads the committed directory."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ckpt_ext import _cpu_shim
+
+    _cpu_shim.install()  # CPU-only torch: stock megatron-core calls torch.cuda on its load path too
+    like = {k: torch.zeros_like(v) for k, v in step_state(0, rank).items()}
+    got = dist_checkpointing.load(sharded(rank, world, like), str(Path(root, "iter_0000003")))
+    assert_equal(got, step_state(3, rank), "stock megatron-core load")
+
+
+def close_cleans_up(rank: int, world: int, root: str, options: dict, out: str) -> None:
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    ck = Checkpointer(CkptOptions(**options))
+    ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
+    ck.close()
+    ck.close()  # idempotent
+    gone, alive = psutil.wait_procs([p for p in me.children(recursive=True) if p.pid not in before], timeout=10)
+    Path(out, f"alive{rank}").write_text(" ".join(f"{p.pid}:{p.name()}" for p in alive))

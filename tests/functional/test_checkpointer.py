@@ -1,0 +1,65 @@
+"""Checkpointer on 2 gloo ranks (CPU): round trips in every mode, no forked writers, crash before
+commit, interop with stock megatron-core and plain torch DCP, clean close."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import _ckpt_workers as w
+from ._dist import run_ranks
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
+
+MODES = {
+    "sync": {},
+    "sync-workers2": {"dist_ckpt_workers": 2},
+    "sync-no-fully-parallel-save": {"ckpt_fully_parallel_save": False},
+    "async-temporal": {"async_save": True},
+    "async-persistent": {"async_save": True, "use_persistent_ckpt_worker": True},
+    "async-workers2": {"async_save": True, "dist_ckpt_workers": 2},
+    "async-fully-parallel-load": {"async_save": True, "ckpt_fully_parallel_load": True},
+    "async-constant-structure": {"async_save": True, "ckpt_assume_constant_structure": True},
+    "async-persistent-cpu-shm-constant": {"async_save": True, "use_persistent_ckpt_worker": True,
+                                          "async_ckpt_use_cpu_shm": True,
+                                          "ckpt_assume_constant_structure": True},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_roundtrip_is_bit_exact_and_holds_each_saves_own_values(mode, tmp_path):
+    run_ranks(w.roundtrip, args=(str(tmp_path), MODES[mode], 3), timeout=180)
+
+
+def test_one_writer_forks_no_writer_process_and_two_do(tmp_path):
+    run_ranks(w.count_forks_during_sync_save, args=(str(tmp_path / "a"), {}, str(tmp_path)))
+    assert [int((tmp_path / f"forks{r}").read_text()) for r in range(2)] == [0, 0]
+    run_ranks(w.count_forks_during_sync_save,
+              args=(str(tmp_path / "b"), {"dist_ckpt_workers": 2}, str(tmp_path)))
+    assert all(int((tmp_path / f"forks{r}").read_text()) > 0 for r in range(2))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-temporal", "async-persistent"])
+def test_failure_before_commit_keeps_previous_checkpoint_latest(mode, tmp_path):
+    run_ranks(w.crash_before_commit, args=(str(tmp_path), MODES[mode]))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-persistent-cpu-shm-constant"])
+def test_checkpoint_loads_with_stock_megatron_core_and_plain_torch_dcp(mode, tmp_path):
+    run_ranks(w.save_for_interop, args=(str(tmp_path), MODES[mode]))
+    run_ranks(w.stock_load, args=(str(tmp_path),))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "iter_0000003"), str(tmp_path / "plain.pt"))
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    for key in ("w", "b", "step"):
+        full = torch.cat([w.step_state(3, r)[key] for r in range(2)])
+        assert torch.equal(plain[key], full), key
+
+
+@pytest.mark.parametrize("mode", ["async-temporal", "async-persistent"])
+def test_close_leaves_no_child_process_and_is_idempotent(mode, tmp_path):
+    run_ranks(w.close_cleans_up, args=(str(tmp_path / "ck"), MODES[mode], str(tmp_path)))
+    assert [(tmp_path / f"alive{r}").read_text() for r in range(2)] == ["", ""]
