@@ -27,11 +27,11 @@ def ranks_on_node() -> int:
 
 
 def check_shm(bytes_per_rank: int, *, ranks: int | None = None, path: str = "/dev/shm",
-              probe: Probe = shutil.disk_usage) -> None:
+              probe: Probe | None = None) -> None:
     """Raise CkptOptionsError when ``path`` cannot hold every local rank's staging buffers."""
     ranks = ranks or ranks_on_node()
     needed = bytes_per_rank * ranks
-    free = probe(path).free
+    free = (probe or shutil.disk_usage)(path).free
     if needed > free:
         raise CkptOptionsError(
             f"--async-ckpt-use-cpu-shm needs {_gib(needed)} of shared memory in {path} "
@@ -41,13 +41,13 @@ def check_shm(bytes_per_rank: int, *, ranks: int | None = None, path: str = "/de
 
 
 def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: int, *,
-               probe: Probe = shutil.disk_usage) -> bool:
+               probe: Probe | None = None) -> bool:
     """Warn (rank 0, once) when the checkpoint directory has less free space than the last
     checkpoint took. Returns True when there is enough."""
     where = Path(checkpoint_dir)
     while not where.exists() and where != where.parent:
         where = where.parent
-    free = probe(str(where)).free
+    free = (probe or shutil.disk_usage)(str(where)).free
     if free >= last_checkpoint_bytes:
         return True
     backend.warn_once(f"disk:{checkpoint_dir}",

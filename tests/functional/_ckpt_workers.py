@@ -10,6 +10,8 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.checkpointer import read_tracker
 
+from ._dist import device
+
 
 def sharded(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -18,10 +20,11 @@ def sharded(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def step_state(step: int, rank: int) -> dict[str, torch.Tensor]:
-    """Distinct values per step and rank; a mix of shapes and dtypes."""
+    """Distinct values per step and rank; a mix of shapes and dtypes; on the test device."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return {"w": torch.randn(64, 8, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16),
-            "step": torch.full((4,), step, dtype=torch.int64)}
+    state = {"w": torch.randn(64, 8, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16),
+             "step": torch.full((4,), step, dtype=torch.int64)}
+    return {k: v.to(device()) for k, v in state.items()}
 
 
 def load_back(ck: Checkpointer, rank: int, world: int, root: str, iteration: int | None) -> dict:
@@ -125,3 +128,39 @@ def close_cleans_up(rank: int, world: int, root: str, options: dict, out: str) -
     ck.close()  # idempotent
     gone, alive = psutil.wait_procs([p for p in me.children(recursive=True) if p.pid not in before], timeout=10)
     Path(out, f"alive{rank}").write_text(" ".join(f"{p.pid}:{p.name()}" for p in alive))
+
+
+def trial_state(step: int, rank: int, keys: list[str]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    shapes = {"a": (128,), "b": (16, 16), "c": (33,), "new": (5, 3)}
+    return {k: torch.randn(shapes[k], generator=g).to(device()) for k in keys}
+
+
+def stale_and_dirty_trial(rank: int, world: int, root: str, options: dict, saves: int) -> None:
+    """The staging trials through the Checkpointer (issue 5). Between saves: values change in
+    place, some tensors are reallocated (same shape, new storage), once an entry is added. After
+    each save() returns, the sources are overwritten and freed and same-size tensors allocated
+    (provoking buffer reuse). Every checkpoint must load back exactly its own step's state."""
+    keys = ["a", "b", "c"]
+    live = trial_state(0, rank, keys)
+    expected = {}
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in range(1, saves + 1):
+            if step == 5:
+                keys = keys + ["new"]
+            want = trial_state(step, rank, keys)
+            for k in keys:
+                if k not in live or step % 3 == 0 and k == "b":
+                    live[k] = torch.empty_like(want[k])  # reallocated / new
+                live[k].copy_(want[k])
+            expected[step] = dict(want)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            for v in live.values():
+                v.fill_(float("nan"))  # dirty: overwrite, then free and allocate same sizes
+            live = {k: torch.empty_like(v).fill_(123.0) for k, v in live.items()}
+            ck.maybe_finalize()
+        ck.maybe_finalize(blocking=True)
+        for step, want in expected.items():
+            like = {k: torch.zeros_like(v) for k, v in want.items()}
+            got = ck.load(sharded(rank, world, like), root, iteration=step)
+            assert_equal(got, want, f"trial iteration {step}")

@@ -10,7 +10,17 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["device", "free_port", "run_ranks", "world"]
+
+
+def device() -> str:
+    """Where test tensors live: "cpu" (CI) or "cuda" (MCX_TEST_DEVICE=cuda on the GPU machine)."""
+    return os.environ.get("MCX_TEST_DEVICE", "cpu")
+
+
+def world() -> int:
+    """Ranks per test: 2 by default; MCX_TEST_WORLD=1 on a one-GPU machine."""
+    return int(os.environ.get("MCX_TEST_WORLD", "2"))
 
 
 def free_port() -> int:
@@ -27,7 +37,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if device() == "cuda":  # the GPU runs of the same tests (see docs/GPU.md)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device() == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -37,10 +49,11 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *, world_size: int = 2, timeout: float = 120.0,
+def run_ranks(fn: Callable[..., Any], *, world_size: int | None = None, timeout: float = 120.0,
               args: tuple = ()) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; raise if any rank
     fails, or kill them all and raise if they are not done within ``timeout`` seconds."""
+    world_size = world_size or world()
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from . import _ckpt_workers as w
-from ._dist import run_ranks
+from ._dist import device, run_ranks, world
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
@@ -35,10 +35,11 @@ def test_roundtrip_is_bit_exact_and_holds_each_saves_own_values(mode, tmp_path):
 
 def test_one_writer_forks_no_writer_process_and_two_do(tmp_path):
     run_ranks(w.count_forks_during_sync_save, args=(str(tmp_path / "a"), {}, str(tmp_path)))
-    assert [int((tmp_path / f"forks{r}").read_text()) for r in range(2)] == [0, 0]
+    assert [int((tmp_path / f"forks{r}").read_text()) for r in range(world())] == [0] * world()
     run_ranks(w.count_forks_during_sync_save,
               args=(str(tmp_path / "b"), {"dist_ckpt_workers": 2}, str(tmp_path)))
-    assert all(int((tmp_path / f"forks{r}").read_text()) > 0 for r in range(2))
+    if device() == "cpu":  # newer writers (GPU stack) may use threads instead of forks for N > 1
+        assert all(int((tmp_path / f"forks{r}").read_text()) > 0 for r in range(world()))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async-temporal", "async-persistent"])
@@ -55,11 +56,26 @@ def test_checkpoint_loads_with_stock_megatron_core_and_plain_torch_dcp(mode, tmp
     dcp_to_torch_save(str(tmp_path / "iter_0000003"), str(tmp_path / "plain.pt"))
     plain = torch.load(tmp_path / "plain.pt", weights_only=False)
     for key in ("w", "b", "step"):
-        full = torch.cat([w.step_state(3, r)[key] for r in range(2)])
+        full = torch.cat([w.step_state(3, r)[key].cpu() for r in range(world())])
         assert torch.equal(plain[key], full), key
 
 
 @pytest.mark.parametrize("mode", ["async-temporal", "async-persistent"])
 def test_close_leaves_no_child_process_and_is_idempotent(mode, tmp_path):
     run_ranks(w.close_cleans_up, args=(str(tmp_path / "ck"), MODES[mode], str(tmp_path)))
-    assert [(tmp_path / f"alive{r}").read_text() for r in range(2)] == ["", ""]
+    assert [(tmp_path / f"alive{r}").read_text() for r in range(world())] == [""] * world()
+
+
+TRIAL_MODES = {
+    "cpu-shm-persistent": {"async_save": True, "async_ckpt_use_cpu_shm": True,
+                           "ckpt_assume_constant_structure": True, "use_persistent_ckpt_worker": True},
+    "cpu-shm-temporal": {"async_save": True, "async_ckpt_use_cpu_shm": True,
+                         "ckpt_assume_constant_structure": True},
+    "no-shm-persistent": {"async_save": True, "ckpt_assume_constant_structure": True,
+                          "use_persistent_ckpt_worker": True},
+}
+
+
+@pytest.mark.parametrize("mode", list(TRIAL_MODES))
+def test_stale_and_dirty_data_trial_ten_async_saves(mode, tmp_path):
+    run_ranks(w.stale_and_dirty_trial, args=(str(tmp_path), TRIAL_MODES[mode], 10), timeout=200)
