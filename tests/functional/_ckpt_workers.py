@@ -164,3 +164,20 @@ def stale_and_dirty_trial(rank: int, world: int, root: str, options: dict, saves
             like = {k: torch.zeros_like(v) for k, v in want.items()}
             got = ck.load(sharded(rank, world, like), root, iteration=step)
             assert_equal(got, want, f"trial iteration {step}")
+
+
+def worker_cuda_contexts(rank: int, world: int, root: str, options: dict, out: str) -> None:
+    """GPU only: after a persistent-worker save, which of this rank's child processes hold a CUDA
+    context (nvidia-smi's compute apps)? Written to ``out/ctx{rank}`` as 'children|with_ctx'."""
+    import subprocess
+
+    import psutil
+
+    with Checkpointer(CkptOptions(**options)) as ck:
+        ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        children = {p.pid for p in psutil.Process().children(recursive=True)}
+        smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout
+        with_ctx = {int(x) for x in smi.split()} & children
+    Path(out, f"ctx{rank}").write_text(f"{sorted(children)}|{sorted(with_ctx)}")

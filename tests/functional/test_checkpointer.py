@@ -79,3 +79,14 @@ TRIAL_MODES = {
 @pytest.mark.parametrize("mode", list(TRIAL_MODES))
 def test_stale_and_dirty_data_trial_ten_async_saves(mode, tmp_path):
     run_ranks(w.stale_and_dirty_trial, args=(str(tmp_path), TRIAL_MODES[mode], 10), timeout=200)
+
+
+@pytest.mark.skipif(device() != "cuda", reason="needs CUDA tensors (MCX_TEST_DEVICE=cuda)")
+def test_cpu_shm_writer_holds_no_cuda_context(tmp_path):
+    run_ranks(w.worker_cuda_contexts, args=(str(tmp_path / "a"), TRIAL_MODES["cpu-shm-persistent"], str(tmp_path)))
+    children, with_ctx = (tmp_path / "ctx0").read_text().split("|")
+    assert children != "[]", "expected a persistent writer process"
+    assert with_ctx == "[]", f"writer processes with a CUDA context: {with_ctx}"
+    # Contrast (recorded, not asserted): without cpu-shm the worker maps the tensors via CUDA IPC.
+    run_ranks(w.worker_cuda_contexts, args=(str(tmp_path / "b"), TRIAL_MODES["no-shm-persistent"], str(tmp_path)))
+    print("without cpu-shm, children|with CUDA context:", (tmp_path / "ctx0").read_text())
