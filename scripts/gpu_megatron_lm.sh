@@ -44,8 +44,8 @@ TINY=(--num-layers 2 --hidden-size 256 --num-attention-heads 4
 BIG=(--use-distributed-optimizer --num-layers 8 --hidden-size 1024 --num-attention-heads 16
   --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000
   --micro-batch-size 4 --global-batch-size 4)
-OURS=(--async-save --async-ckpt-use-cpu-shm --ckpt-assume-constant-structure --dist-ckpt-workers 1)
-STOCK_ASYNC=(--async-save --ckpt-assume-constant-structure --dist-ckpt-workers 1)
+OURS=(--async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm --ckpt-assume-constant-structure --dist-ckpt-workers 1)
+STOCK_ASYNC=(--async-save --use-persistent-ckpt-worker --ckpt-assume-constant-structure --dist-ckpt-workers 1)
 
 # run NAME MODE(on|stock) -- megatron args...
 run() {
