@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""A Megatron-style GPT trainer over megatron-core, checkpointing through megatron-ckpt-ext.
+
+Launch with torchrun (gloo on CPU, NCCL on GPU), any number of ranks (data parallel):
+
+    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --num-layers 2 --hidden-size 64 \\
+        --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --train-iters 20 \\
+        --save ckpt --save-interval 10 --async-save --async-ckpt-use-cpu-shm \\
+        --ckpt-assume-constant-structure --metrics-file metrics.json
+
+Model + optimizer + RNG + iteration are saved with the Checkpointer; ``--load DIR`` resumes from
+the tracker's iteration (an error if DIR holds no committed checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpt  # noqa: E402
+
+import megatron_ckpt_ext as mcx  # noqa: E402
+
+log = logging.getLogger("pretrain_gpt")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_argument_group("model and training (Megatron spellings)")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--vocab-size", type=int, default=512)
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="only 1 is supported by this trainer (data parallel across ranks)")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--metrics-file", default=None, help="per-step losses (exact, hex) as JSON")
+    g.add_argument("--ckpt-config", default=None,
+                   help="YAML with checkpoint knobs (NeMo-RL megatron_cfg style); overrides flags")
+    mcx.add_arguments(p)
+    args = p.parse_args(argv)
+    if args.tensor_model_parallel_size != 1:
+        p.error("--tensor-model-parallel-size: this trainer runs data parallel only; use 1")
+    if args.save_interval and not args.save:
+        p.error("--save-interval needs --save DIR")
+    return args
+
+
+def init_distributed(options: mcx.CkptOptions) -> None:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = (timedelta(minutes=options.distributed_timeout_minutes)
+               if options.distributed_timeout_minutes else None)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+
+
+def sharded_state(model, optimizer, iteration: int, options: mcx.CkptOptions) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = {"model": model.sharded_state_dict(),
+             "optimizer": _gpt.optimizer_sharded_state(model, optimizer, rank),
+             "iteration": iteration}
+    if options.save_rng:
+        state["rng_state"] = _gpt.rng_sharded_state(rank, world)
+    return state
+
+
+def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    like = {"model": model.sharded_state_dict(),
+            "optimizer": _gpt.optimizer_sharded_state(model, optimizer, rank)}
+    if options.load_rng:
+        like["rng_state"] = _gpt.rng_sharded_state(rank, world)
+    try:
+        loaded = ckpt.load(like, args.load)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--load {args.load}: {e}") from None
+    model.load_state_dict(loaded["model"], strict=False)
+    for name, p in model.named_parameters():
+        st = optimizer.state[p]
+        st["exp_avg"].copy_(loaded["optimizer"][f"exp_avg.{name}"])
+        st["exp_avg_sq"].copy_(loaded["optimizer"][f"exp_avg_sq.{name}"])
+        st["step"].copy_(loaded["optimizer"][f"step.{name}"].reshape(()))
+    if options.load_rng:
+        _gpt.restore_rng(loaded["rng_state"])
+    return int(loaded["iteration"])
+
+
+def train_step(model, optimizer, args, iteration: int, device) -> float:
+    tokens, position_ids, labels = _gpt.batch(args, iteration, dist.get_rank(), device)
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(tokens, position_ids, None, labels=labels).float().mean()
+    loss.backward()
+    world = dist.get_world_size()
+    for p in model.parameters():  # data-parallel gradient average, in a fixed order
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+    optimizer.step()
+    reduced = loss.detach().clone()
+    dist.all_reduce(reduced)
+    return (reduced / world).item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    options = (mcx.CkptOptions.from_yaml(args.ckpt_config, extra="ignore") if args.ckpt_config
+               else mcx.CkptOptions.from_args(args))
+    logging.basicConfig(level=options.logging_level or logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    init_distributed(options)
+    rank = dist.get_rank()
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = _gpt.build_model(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    _gpt.init_optimizer_state(model, optimizer)
+    losses: dict[str, str] = {}
+    with mcx.Checkpointer(options) as ckpt:
+        start = load(ckpt, model, optimizer, args, options) if args.load else 0
+        if args.load:
+            log.info("resumed from %s at iteration %d", args.load, start)
+        for iteration in range(start + 1, args.train_iters + 1):
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, args, iteration, device)
+            losses[str(iteration)] = float(loss).hex()
+            ckpt.maybe_finalize()
+            if args.save_interval and iteration % args.save_interval == 0:
+                ckpt.save(sharded_state(model, optimizer, iteration, options), args.save,
+                          iteration=iteration)
+            if iteration % args.log_interval == 0:
+                log.info("iteration %d | loss %.6f | %.1f ms", iteration, loss,
+                         1e3 * (time.perf_counter() - t0))
+        ckpt.maybe_finalize(blocking=True)
+        reports = ckpt.reports
+    if rank == 0 and args.metrics_file:
+        Path(args.metrics_file).write_text(json.dumps(
+            {"losses": losses, "param_digest": _gpt.param_digest(model), "reports": reports,
+             "options": options.to_dict(), "world_size": dist.get_world_size()}, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
