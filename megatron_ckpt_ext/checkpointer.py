@@ -272,7 +272,7 @@ class Checkpointer:
         path = checkpoint_name(root, iteration)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
-        load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group)
+        load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
         return backend.dist_checkpointing().load(sharded_state_dict, str(path), load_strategy)
 
     def close(self) -> None:

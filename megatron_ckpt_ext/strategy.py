@@ -4,8 +4,8 @@
   ``thread_count = dist_ckpt_workers`` and ``cached_metadata = ckpt_assume_constant_structure``
   (each only where the installed megatron-core accepts it), wrapped in the fully-parallel save
   wrapper when ``ckpt_fully_parallel_save``.
-* :func:`load_strategy`: the fully-parallel load wrapper when ``ckpt_fully_parallel_load``, else
-  megatron-core's default.
+* :func:`load_strategy`: the fully-parallel load wrapper when ``ckpt_fully_parallel_load`` (and
+  CUDA is there: its shard exchange runs on CUDA), else megatron-core's default.
 * :func:`sequential_request`: with ``--dist-ckpt-workers 1`` the write of every bucket runs in the
   process that owns the save (the trainer for sync saves, the one async worker otherwise): no
   forked writer processes (Megatron-LM PR #3424). Where the installed writer already does this it
@@ -47,9 +47,15 @@ def save_strategy(options: CkptOptions, *, dp_group: Any = None) -> Any:
     return strategy
 
 
-def load_strategy(options: CkptOptions, *, dp_group: Any = None) -> Any | None:
-    """The load strategy, or None for megatron-core's default."""
-    if not options.ckpt_fully_parallel_load:
+def load_strategy(options: CkptOptions, *, dp_group: Any = None,
+                  caps: backend.Capabilities | None = None) -> Any | None:
+    """The load strategy, or None for megatron-core's default.
+
+    megatron-core's fully-parallel load exchanges shards on CUDA (it allocates with
+    ``device="cuda"``), so on a CPU-only host it falls back to the default load (validation warns).
+    """
+    caps = caps or backend.detect()
+    if not options.ckpt_fully_parallel_load or not caps.cuda_available:
         return None
     base = backend.torch_dist_load_strategy_cls()()
     return backend.call_with_supported(backend.fully_parallel_load_wrapper_cls(), base, dp_group)

@@ -165,6 +165,16 @@ def _cached_metadata(o: CkptOptions, caps: Capabilities | None) -> Iterable[Find
         )
 
 
+def _fully_parallel_load_needs_cuda(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if caps is not None and o.ckpt_fully_parallel_load and not caps.cuda_available:
+        yield _warn(
+            "fully-parallel-load-needs-cuda",
+            "--ckpt-fully-parallel-load: megatron-core exchanges the loaded shards on CUDA, which "
+            "this process does not have; checkpoints are loaded without it (each rank reads what "
+            "it needs). Drop the flag (or fully_parallel_load: false) on CPU-only runs.",
+        )
+
+
 def _symm_mem(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
     if not o.fsdp_use_symm_mem or caps is None:
         return
@@ -198,6 +208,7 @@ RULES: tuple[Rule, ...] = (
     _shm_worker_context,
     _priorities_supported,
     _cached_metadata,
+    _fully_parallel_load_needs_cuda,
     _symm_mem,
 )
 

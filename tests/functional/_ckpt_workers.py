@@ -181,3 +181,19 @@ def worker_cuda_contexts(rank: int, world: int, root: str, options: dict, out: s
                              capture_output=True, text=True, check=True).stdout
         with_ctx = {int(x) for x in smi.split()} & children
     Path(out, f"ctx{rank}").write_text(f"{sorted(children)}|{sorted(with_ctx)}")
+
+
+def replicated_fully_parallel_load(rank: int, world: int, root: str) -> None:
+    """A tensor replicated on every rank (like a data-parallel model): saved once, and with
+    fully-parallel load each rank reads a part and the shards are exchanged between ranks."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    weight = torch.arange(4096, dtype=torch.float32).reshape(64, 64).to(device())
+    bias = torch.arange(64, dtype=torch.float32).to(device())
+    make = lambda w, b: {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=rank),
+                         "b": ShardedTensor.from_rank_offsets("b", b, replica_id=rank)}
+    with Checkpointer(CkptOptions(async_save=True, ckpt_fully_parallel_load=True)) as ck:
+        ck.save(make(weight, bias), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        got = ck.load(make(torch.zeros_like(weight), torch.zeros_like(bias)), root)
+    assert torch.equal(got["w"], weight) and torch.equal(got["b"], bias)

@@ -90,3 +90,8 @@ def test_cpu_shm_writer_holds_no_cuda_context(tmp_path):
     # Contrast (recorded, not asserted): without cpu-shm the worker maps the tensors via CUDA IPC.
     run_ranks(w.worker_cuda_contexts, args=(str(tmp_path / "b"), TRIAL_MODES["no-shm-persistent"], str(tmp_path)))
     print("without cpu-shm, children|with CUDA context:", (tmp_path / "ctx0").read_text())
+
+
+@pytest.mark.skipif(device() != "cuda", reason="megatron-core's shard exchange runs on CUDA")
+def test_fully_parallel_load_exchanges_replicated_shards(tmp_path):
+    run_ranks(w.replicated_fully_parallel_load, args=(str(tmp_path),))

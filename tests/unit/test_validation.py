@@ -149,3 +149,10 @@ def test_unusable_dist_checkpointing_is_a_start_up_error(caps_factory):
     caps = caps_factory(mcore_dist_ckpt_importable=False, mcore_error="megatron-core 0.19.2 with nvidia-resiliency-ext 0.4.1 ...")
     f = codes(CkptOptions(), caps)["mcore-dist-ckpt-unusable"]
     assert f.level == "error" and "0.19.2" in f.message
+
+
+def test_fully_parallel_load_on_cpu_falls_back_with_a_warning(caps_factory):
+    f = codes(CkptOptions(ckpt_fully_parallel_load=True), caps_factory(cuda_available=False))
+    assert "--ckpt-fully-parallel-load" in f["fully-parallel-load-needs-cuda"].message
+    assert "fully-parallel-load-needs-cuda" not in codes(CkptOptions(ckpt_fully_parallel_load=True),
+                                                         caps_factory(cuda_available=True))
