@@ -105,7 +105,8 @@ def rng_sharded_state(rank: int, world: int) -> Any:
     from megatron.core.dist_checkpointing import ShardedObject
 
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+             "cuda_tracker": _tracker().get_states() if torch.cuda.is_available() else None}
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
@@ -114,6 +115,14 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if state.get("cuda_tracker") is not None and torch.cuda.is_available():
+        _tracker().set_states(state["cuda_tracker"])
+
+
+def _tracker():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker()
 
 
 def param_digest(model: torch.nn.Module) -> str:

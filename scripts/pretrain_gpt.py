@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_SEED = [1234]
+
+
+def options_seed() -> int:
+    return _SEED[0]
+
+
 def init_distributed(options: mcx.CkptOptions) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
@@ -75,6 +82,10 @@ def init_distributed(options: mcx.CkptOptions) -> None:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
+    if cuda:  # the stock local attention forks megatron's CUDA RNG tracker
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(options_seed())
 
 
 def sharded_state(model, optimizer, iteration: int, options: mcx.CkptOptions) -> dict:
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=options.logging_level or logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
+    _SEED[0] = args.seed
     torch.use_deterministic_algorithms(True, warn_only=True)
     if not torch.cuda.is_available():
         torch.set_num_threads(1)

@@ -15,7 +15,7 @@ import types
 import pytest
 
 from megatron_ckpt_ext import CkptOptions, backend, megatron_lm
-from test_backend_mlm import RECORDED, modules_from
+from .test_backend_mlm import RECORDED, modules_from
 
 
 class FakeCheckpointer:
