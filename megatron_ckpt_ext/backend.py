@@ -891,3 +891,20 @@ def sequential_writer(async_fn: Any) -> tuple[type, tuple] | None:
     writer already writes inline or is of an unknown shape (then it is used as it is)."""
     owner = _forking_multiproc_writer(async_fn)
     return None if owner is None else (owner, tuple(async_fn.args))
+
+
+def shutdown_write_results_queues() -> None:
+    """Stop the process behind the backends' global write-results queue (a multiprocessing
+    Manager server started at the first async save), so ``close()`` leaves no child behind. The
+    next save starts a new one."""
+    for name in (f"{NVRX_ASYNC}.filesystem_async", f"{MCORE_STRATEGIES}.filesystem_async"):
+        module = sys.modules.get(name)
+        queue = getattr(module, "_results_queue", None) if module is not None else None
+        manager = getattr(queue, "_manager", None)
+        if manager is not None:
+            try:
+                manager.shutdown()
+            except Exception as e:  # noqa: BLE001 - best effort at teardown
+                logger.debug("write-results queue manager shutdown: %s", e)
+        if queue is not None:
+            module._results_queue = None

@@ -136,6 +136,11 @@ class Checkpointer:
         returns after the commit when sync.
         """
         self._check_open()
+        if self._pending:
+            # One save in flight at a time, as Megatron-LM does: the backends' write-results
+            # queue is one global queue, so a second request's results could be taken for the
+            # first's (a wrong or missing entry once the structure changes).
+            self.maybe_finalize(blocking=True)
         record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=time.perf_counter(),
                        mode=self._mode())
         workdir = self._prepare_dir(record)
@@ -290,6 +295,7 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+            backend.shutdown_write_results_queues()
             self._pending.clear()
             self._strategy = None
 
