@@ -2,7 +2,7 @@
 
 A shared-memory shortfall otherwise surfaces as SIGBUS in the middle of a save (tmpfs pages are
 only claimed on first touch), so it fails early, naming the needed and available bytes and the fix.
-The probes are injectable so tests can simulate a small /dev/shm.
+The free-space probes are injectable so tests can simulate a small /dev/shm or a full disk.
 """
 
 from __future__ import annotations
@@ -10,40 +10,50 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import backend
-from .options import CkptOptionsError
 
-__all__ = ["check_disk", "check_shm", "ranks_on_node"]
-
-Probe = Callable[[str], "shutil._ntuple_diskusage"]
+__all__ = ["DiskUsage", "check_disk", "check_shm", "local_ranks"]
 
 
-def ranks_on_node() -> int:
+class DiskUsage(NamedTuple):
+    total: int
+    used: int
+    free: int
+
+
+Probe = Callable[[str], DiskUsage]
+
+
+def local_ranks() -> int:
     """Ranks sharing this node's /dev/shm (torchrun's LOCAL_WORLD_SIZE; 1 when unknown)."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
-def check_shm(bytes_per_rank: int, *, ranks: int | None = None, path: str = "/dev/shm",
+def check_shm(bytes_per_rank: int, ranks_on_node: int | None = None, *, path: str = "/dev/shm",
               probe: Probe | None = None) -> None:
-    """Raise CkptOptionsError when ``path`` cannot hold every local rank's staging buffers."""
-    ranks = ranks or ranks_on_node()
+    """Raise ``CkptOptionsError`` when ``path`` cannot hold every local rank's staging buffers.
+
+    ``ranks_on_node`` defaults to :func:`local_ranks`."""
+    from .options import CkptOptionsError
+
+    ranks = ranks_on_node or local_ranks()
     needed = bytes_per_rank * ranks
     free = (probe or shutil.disk_usage)(path).free
     if needed > free:
         raise CkptOptionsError(
-            f"--async-ckpt-use-cpu-shm needs {_gib(needed)} of shared memory in {path} "
-            f"({_gib(bytes_per_rank)} per rank x {ranks} ranks on this node) but only {_gib(free)} "
-            f"is free. Fix: enlarge {path} (containers: docker run --shm-size=..., Kubernetes: an "
-            "emptyDir with medium: Memory), or drop --async-ckpt-use-cpu-shm.")
+            f"--async-ckpt-use-cpu-shm needs {_size(needed)} of shared memory in {path} "
+            f"({_size(bytes_per_rank)} per rank x {ranks} ranks on this node) but only "
+            f"{_size(free)} is free. Fix: enlarge {path} (containers: docker run --shm-size=..., "
+            "Kubernetes: an emptyDir with medium: Memory), or drop --async-ckpt-use-cpu-shm.")
 
 
 def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: int, *,
                probe: Probe | None = None) -> bool:
-    """Warn (rank 0, once) when the checkpoint directory has less free space than the last
-    checkpoint took. Returns True when there is enough."""
+    """Warn (rank 0, once per directory) when the checkpoint directory has less free space than
+    the last checkpoint took. Returns True when there is enough."""
     where = Path(checkpoint_dir)
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -51,10 +61,11 @@ def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: in
     if free >= last_checkpoint_bytes:
         return True
     backend.warn_once(f"disk:{checkpoint_dir}",
-                      f"{checkpoint_dir}: {_gib(free)} free, but the last checkpoint took "
-                      f"{_gib(last_checkpoint_bytes)}; the next save will likely fail.")
+                      f"{checkpoint_dir}: {_size(free)} free, but the last checkpoint took "
+                      f"{_size(last_checkpoint_bytes)}; the next save will likely fail. Free "
+                      "space there, or point --save at a larger file system.")
     return False
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"

@@ -1,23 +1,36 @@
 """ShmStager: stale-data and dirty-data trials at the stager level, in-flight isolation, reuse,
-no shared memory left behind by a killed process; preflight messages."""
+named segments handed to a spawned writer without a copy, close/unlink, orphan sweep.
+
+Source tensors live on MCX_TEST_DEVICE (``cpu`` in CI, ``cuda`` on the GPU machine)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections import namedtuple
+import uuid
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from megatron_ckpt_ext import preflight
+from megatron_ckpt_ext import staging
 from megatron_ckpt_ext.options import CkptOptionsError
-from megatron_ckpt_ext.staging import ShmStager
+from megatron_ckpt_ext.staging import ShmStager, sweep_orphans
+
+DEVICE = os.environ.get("MCX_TEST_DEVICE", "cpu")
+
+
+def new_stager(*, reuse: bool = True, job: str | None = None) -> ShmStager:
+    return ShmStager(job_id=job or f"t{uuid.uuid4().hex[:8]}", rank=0, reuse=reuse)
+
+
+def ours(job: str) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"mcx_{job}_")}
 
 
 class StructureKeyedStager(ShmStager):
@@ -35,153 +48,264 @@ class StructureKeyedStager(ShmStager):
 def stale_data_trial(stager: ShmStager, steps: int = 10) -> list[int]:
     """Steps whose staged batch differs from that step's state. Between steps: values change in
     place, some tensors are reallocated (same shape, new storage), once an entry is added."""
-    state = {"a": torch.zeros(64), "b": torch.zeros(8, 8), "c": torch.zeros(5, dtype=torch.int32)}
+    state = {"a": torch.zeros(64, device=DEVICE), "b": torch.zeros(8, 8, device=DEVICE),
+             "c": torch.zeros(5, dtype=torch.int32, device=DEVICE)}
     bad = []
     for step in range(1, steps + 1):
         state["a"].fill_(step)  # in place
         if step % 3 == 0:
-            state["b"] = torch.full((8, 8), float(step))  # reallocated, same shape
+            state["b"] = torch.full((8, 8), float(step), device=DEVICE)  # reallocated
         else:
             state["b"].fill_(step)
         state["c"].fill_(step)
         if step == 6:
-            state["d"] = torch.full((3,), float(step))  # a new entry
+            state["d"] = torch.zeros(3, device=DEVICE)  # a new entry
         if "d" in state:
             state["d"].fill_(step)
         keys = sorted(state)
         batch = stager.stage([state[k] for k in keys], keys=keys)
-        if any(not torch.equal(s, state[k]) for s, k in zip(batch.tensors, keys)):
+        if any(not torch.equal(s, state[k].cpu()) for s, k in zip(batch.tensors, keys)):
             bad.append(step)
         batch.release()
     return bad
 
 
-def test_stale_data_trial_passes_with_reuse(caplog):
-    stager = ShmStager(job_id="t", rank=0, reuse=True)
-    with caplog.at_level("INFO", logger="megatron_ckpt_ext.staging"):
+def test_stale_data_trial_every_batch_equals_its_own_step(caplog):
+    with new_stager() as stager, caplog.at_level("INFO", logger="megatron_ckpt_ext.staging"):
         assert stale_data_trial(stager) == []
-    assert stager.stats["allocations"] == 2  # first save, and once when the entry was added
-    assert stager.stats["rebuilds"] == 3  # steps 3, 6 and 9 changed the state's storage/structure
-    assert "added ['d']" in caplog.text and "reallocated ['b']" in caplog.text
-    stager.close()
+        # steps 3, 6 and 9 changed the state's storage/structure: each one rebuild, with a reason
+        assert stager.stats["rebuilds"] == 3
+        assert stager.stats["last_rebuild_reason"] == "reallocated ['b']"
+        assert "added ['d']; reallocated ['b']" in caplog.text
+        assert stager.stats["allocations"] == 4  # a, b, c at the first save; d when added
 
 
-def test_stale_data_trial_catches_a_structure_keyed_cache():
-    assert stale_data_trial(StructureKeyedStager(job_id="t", rank=0, reuse=True)) != []
+def test_stale_data_trial_fails_on_a_structure_keyed_cache():
+    stager = StructureKeyedStager(job_id="structure", rank=0, reuse=True)
+    with stager:
+        assert stale_data_trial(stager) == [3, 4, 5, 9, 10]
 
 
-def test_rebuild_reason_names_reallocated_tensors(caplog):
-    stager = ShmStager(job_id="t", rank=0, reuse=True)
-    a = torch.ones(4)
-    stager.stage([a], keys=["a"]).release()
-    with caplog.at_level("INFO", logger="megatron_ckpt_ext.staging"):
+def test_added_entry_keeps_the_other_buffers():
+    with new_stager() as stager:
+        first = stager.stage([torch.ones(4), torch.ones(2)], keys=["a", "b"])
+        ptrs = [t.data_ptr() for t in first.tensors]
+        first.release()
+        second = stager.stage([torch.ones(4), torch.ones(2), torch.ones(3)], keys=["a", "b", "c"])
+        assert [t.data_ptr() for t in second.tensors[:2]] == ptrs
+        assert stager.stats["allocations"] == 3
+        second.release()
+
+
+def test_reshaped_entry_gets_a_new_buffer_and_the_old_one_is_unlinked(caplog):
+    with new_stager() as stager:
         stager.stage([torch.ones(4)], keys=["a"]).release()
-    assert "reallocated ['a']" in caplog.text
+        old = set(stager.segments())
+        with caplog.at_level("INFO", logger="megatron_ckpt_ext.staging"):
+            batch = stager.stage([torch.ones(6)], keys=["a"])
+        assert torch.equal(batch.tensors[0], torch.ones(6))
+        assert "reshaped ['a']" in caplog.text
+        assert not any(os.path.exists(p) for p in old)
+        batch.release()
 
 
-def test_dirty_data_staged_batch_is_independent_of_the_sources():
-    stager = ShmStager(job_id="t", rank=0, reuse=True)
-    src = [torch.arange(1000, dtype=torch.float32), torch.full((256,), 3.0)]
-    want = [t.clone() for t in src]
-    batch = stager.stage(src, keys=["x", "y"])
-    for t in src:
-        t.fill_(-1)
-    del src
-    junk = [torch.full((1000,), 9.0) for _ in range(50)]  # provoke allocator reuse
-    assert all(torch.equal(b, w) for b, w in zip(batch.tensors, want))
-    assert junk[0][0] == 9.0
-    batch.release()
+def test_dirty_data_staged_batch_equals_the_state_at_stage_time():
+    with new_stager() as stager:
+        src = [torch.arange(1000, dtype=torch.float32, device=DEVICE),
+               torch.full((256,), 3.0, device=DEVICE)]
+        want = [t.cpu().clone() for t in src]
+        batch = stager.stage(src, keys=["x", "y"])
+        for t in src:
+            t.fill_(-1)
+        del src
+        junk = [torch.full((1000,), 9.0, device=DEVICE) for _ in range(50)]  # reuse freed memory
+        assert all(torch.equal(b, w) for b, w in zip(batch.tensors, want))
+        assert float(junk[-1][0]) == 9.0
+        batch.release()
 
 
 def test_two_batches_in_flight_never_share_buffers():
-    stager = ShmStager(job_id="t", rank=0, reuse=True)
-    first = stager.stage([torch.ones(16)], keys=["w"])
-    second = stager.stage([torch.full((16,), 2.0)], keys=["w"])
-    assert first.tensors[0].data_ptr() != second.tensors[0].data_ptr()
-    assert torch.equal(first.tensors[0], torch.ones(16))
-    first.release()
-    third = stager.stage([torch.full((16,), 3.0)], keys=["w"])
-    assert third.tensors[0].data_ptr() == first_ptr(stager, exclude=second)  # the idle set is reused
-    second.release(), third.release()
-    assert stager.stats["allocations"] == 2
+    with new_stager() as stager:
+        first = stager.stage([torch.ones(16)], keys=["w"])
+        first_ptr, first_segments = first.tensors[0].data_ptr(), set(stager.segments())
+        second = stager.stage([torch.full((16,), 2.0)], keys=["w"])
+        assert second.tensors[0].data_ptr() != first_ptr
+        assert set(stager.segments()) - first_segments, "the second batch needs its own segment"
+        assert torch.equal(first.tensors[0], torch.ones(16))  # not overwritten by the second
+        first.release()
+        third = stager.stage([torch.full((16,), 3.0)], keys=["w"])
+        assert third.tensors[0].data_ptr() == first_ptr  # the released set is reused
+        assert torch.equal(second.tensors[0], torch.full((16,), 2.0))
+        second.release(), third.release()
+        assert stager.stats["allocations"] == 2
 
 
-def first_ptr(stager, exclude):
-    return next(s.buffers[0].data_ptr() for s in stager._sets
-                if s.buffers[0].data_ptr() != exclude.tensors[0].data_ptr())
+def test_release_is_idempotent_and_empties_the_batch():
+    with new_stager() as stager:
+        batch = stager.stage([torch.ones(8)], keys=["w"])
+        batch.release()
+        batch.release()
+        assert batch.tensors == []
+        assert stager.stage([torch.ones(8)], keys=["w"]).tensors[0].sum() == 8
+        assert stager.stats["allocations"] == 1
 
 
-def test_without_reuse_buffers_are_freed_at_release():
-    stager = ShmStager(job_id="t", rank=0, reuse=False)
-    batch = stager.stage([torch.ones(1024)], keys=["w"])
-    assert stager.host_bytes() == 4096
+def test_without_reuse_buffers_are_freed_and_unlinked_at_release():
+    with new_stager(reuse=False) as stager:
+        batch = stager.stage([torch.ones(1024)], keys=["w"])
+        (path,) = stager.segments()
+        assert stager.host_bytes() == 4096 and os.path.exists(path)
+        batch.release()
+        assert stager.host_bytes() == 0 and not os.path.exists(path)
+
+
+def test_prepare_allocates_ahead_so_the_first_stage_allocates_nothing():
+    with new_stager() as stager:
+        state = [torch.ones(32), torch.zeros(3, 3)]
+        stager.prepare(state, keys=["a", "b"])
+        assert stager.stats["allocations"] == 2
+        stager.stage(state, keys=["a", "b"]).release()
+        assert stager.stats["allocations"] == 2
+
+
+def test_background_prepare_is_waited_for_by_stage():
+    with new_stager() as stager:
+        state = [torch.ones(2**20)]
+        stager.prepare(state, keys=["a"], background=True)
+        batch = stager.stage(state, keys=["a"])
+        assert stager.stats["allocations"] == 1 and torch.equal(batch.tensors[0], state[0])
+        batch.release()
+
+
+def test_segments_are_named_for_job_rank_and_pid_and_close_unlinks_them():
+    job = f"name{uuid.uuid4().hex[:6]}"
+    stager = ShmStager(job_id=job, rank=3, reuse=True)
+    batch = stager.stage([torch.ones(8), torch.ones(0)], keys=["w", "empty"])
+    (name,) = ours(job)  # one segment: a zero-size tensor needs none
+    assert name.startswith(f"mcx_{job}_3_{os.getpid()}_")
+    assert batch.tensors[0].is_shared() and batch.tensors[1].shape == (0,)
     batch.release()
-    assert stager.host_bytes() == 0
+    stager.close()
+    stager.close()
+    assert ours(job) == set()
+    with pytest.raises(RuntimeError, match="closed"):
+        stager.stage([torch.ones(8)], keys=["w"])
 
 
-def test_staged_buffers_are_shared_memory():
-    batch = ShmStager(job_id="t", rank=0, reuse=True).stage([torch.ones(8)], keys=["w"])
-    assert batch.tensors[0].is_shared()
+def _writer(tensor, queue):
+    queue.put((float(tensor[0]), tensor.is_shared()))
+    tensor[1] = 42.0  # visible to the parent only if the buffer was not copied on the way
+
+
+@pytest.mark.timeout(120)
+def test_spawned_writer_receives_the_staged_buffer_without_a_copy():
+    ctx = mp.get_context("spawn")
+    with new_stager() as stager:
+        batch = stager.stage([torch.full((1024,), 7.0)], keys=["w"])
+        ptr = batch.tensors[0].data_ptr()
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_writer, args=(batch.tensors[0], queue))
+        proc.start()
+        got = queue.get(timeout=90)
+        proc.join(timeout=30)
+        assert proc.exitcode == 0 and got == (7.0, True)
+        assert float(batch.tensors[0][1]) == 42.0
+        assert batch.tensors[0].data_ptr() == ptr  # torch did not move it to a segment of its own
+        batch.release()
+
+
+def test_full_shm_is_an_error_naming_the_fix_and_leaves_no_segment(monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.os, "posix_fallocate", no_space)
+    job = f"full{uuid.uuid4().hex[:6]}"
+    with ShmStager(job_id=job, rank=0, reuse=True) as stager:
+        with pytest.raises(CkptOptionsError, match=r"cannot reserve 4096 bytes .* 'w'.*--shm-size"):
+            stager.stage([torch.ones(1024)], keys=["w"])
+    assert ours(job) == set()
+
+
+def test_too_few_file_descriptors_is_an_error_naming_ulimit(monkeypatch):
+    monkeypatch.setattr(staging.resource, "getrlimit", lambda what: (64, 64))
+    with new_stager() as stager:
+        with pytest.raises(OSError, match="ulimit -n"):
+            stager.stage([torch.ones(1) for _ in range(10)])
+
+
+def test_keys_must_match_tensors():
+    with new_stager() as stager:
+        with pytest.raises(ValueError, match="2 keys for 1 tensors"):
+            stager.stage([torch.ones(1)], keys=["a", "b"])
 
 
 HOLDER = textwrap.dedent("""
     import sys, time, torch
     from megatron_ckpt_ext.staging import ShmStager
-    s = ShmStager(job_id="kill", rank=0, reuse=True)
-    b = s.stage([torch.ones(64 * 2**20 // 4)], keys=["w"])
+    s = ShmStager(job_id=sys.argv[1], rank=0, reuse=True)
+    b = s.stage([torch.ones(2**20), torch.ones(16)], keys=["w", "b"])
     print("ready", flush=True)
-    time.sleep(60)
+    time.sleep(120)
 """)
 
 
-def test_killed_process_leaves_no_shared_memory_behind():
-    before_names, before_used = set(os.listdir("/dev/shm")), shutil.disk_usage("/dev/shm").used
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+def _holder(job: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", HOLDER, job], stdout=subprocess.PIPE, text=True)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+@pytest.mark.timeout(120)
+def test_sweep_removes_a_killed_runs_segments_and_keeps_a_live_ones():
+    dead_job, live_job = f"dead{uuid.uuid4().hex[:6]}", f"live{uuid.uuid4().hex[:6]}"
+    dead, live = _holder(dead_job), _holder(live_job)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        held = shutil.disk_usage("/dev/shm").used - before_used
-        assert held >= 60 * 2**20, "the staged 64 MiB should be in /dev/shm while held"
+        assert dead.stdout.readline().strip() == "ready"
+        assert live.stdout.readline().strip() == "ready"
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(timeout=30)
+        left = ours(dead_job)
+        assert len(left) == 2, "kill -9 leaves the named segments behind"
+        assert {os.path.basename(p) for p in sweep_orphans(dry_run=True)} >= left
+        assert ours(dead_job) == left  # dry run removes nothing
+        removed = {os.path.basename(p) for p in sweep_orphans()}
+        assert left <= removed and ours(dead_job) == set()
+        assert len(ours(live_job)) == 2 and not removed & ours(live_job)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    time.sleep(0.5)
-    assert set(os.listdir("/dev/shm")) - before_names == set()
-    assert shutil.disk_usage("/dev/shm").used - before_used < 8 * 2**20
+        for proc in (dead, live):
+            proc.kill()
+            proc.wait(timeout=30)
+    sweep_orphans(prefix=f"mcx_{live_job}_")
+    assert ours(live_job) == set()
 
 
-Usage = namedtuple("Usage", "total used free")
+def test_sweep_keeps_a_dead_owners_segment_that_is_still_mapped_and_ignores_others():
+    job = f"mapped{uuid.uuid4().hex[:6]}"
+    pid = _dead_pid()
+    mapped = f"/dev/shm/mcx_{job}_0_{pid}_0"
+    unlocked = f"/dev/shm/mcx_{job}_0_{pid}_1"
+    foreign = f"/dev/shm/other_{job}_0_{pid}_0"
+    fds = [os.open(p, os.O_CREAT | os.O_RDWR, 0o600) for p in (mapped, unlocked, foreign)]
+    try:
+        fcntl.flock(fds[0], fcntl.LOCK_SH)  # as a live writer holding the mapping would
+        removed = sweep_orphans(prefix=f"mcx_{job}_")
+        assert removed == [unlocked]
+        assert os.path.exists(mapped) and os.path.exists(foreign)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for p in (mapped, unlocked, foreign):
+            if os.path.exists(p):
+                os.unlink(p)
 
 
-def test_preflight_shm_shortfall_names_needed_available_and_fix():
-    small = lambda path: Usage(2**30, 2**30 - 2**28, 2**28)  # 256 MiB free
-    with pytest.raises(CkptOptionsError) as e:
-        preflight.check_shm(2**28, ranks=4, probe=small)
-    msg = str(e.value)
-    assert "needs 1.00 GiB" in msg and "0.25 GiB is free" in msg and "4 ranks" in msg
-    assert "--shm-size" in msg and "drop --async-ckpt-use-cpu-shm" in msg
-    preflight.check_shm(2**26, ranks=4, probe=small)  # 256 MiB needed: fits
-
-
-def test_preflight_disk_warns_when_below_last_checkpoint(tmp_path, caplog):
-    from megatron_ckpt_ext import backend
-
-    backend._reset_warnings_for_tests()
-    tiny = lambda path: Usage(10**9, 10**9 - 10**6, 10**6)
-    with caplog.at_level("WARNING"):
-        assert preflight.check_disk(tmp_path / "ckpt", 10**8, probe=tiny) is False
-    assert "the last checkpoint took" in caplog.text
-    assert preflight.check_disk(tmp_path, 10**5, probe=tiny) is True
-
-
-def test_checkpointer_fails_before_first_cpu_shm_save_when_shm_is_short(monkeypatch, tmp_path):
-    """End to end in one process (no process group): the start of the first save raises."""
-    from megatron_ckpt_ext import Checkpointer, CkptOptions
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: Usage(2**20, 2**20, 100))
-    opts = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True)
-    with Checkpointer(opts) as ck:
-        with pytest.raises(CkptOptionsError, match=r"needs 0\.00 GiB of shared memory .* 0\.00 GiB is free"):
-            ck.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1000))}, tmp_path, iteration=1)
-
-
+def test_a_new_stager_sweeps_orphans_at_start():
+    job = f"start{uuid.uuid4().hex[:6]}"
+    orphan = f"/dev/shm/mcx_{job}_0_{_dead_pid()}_0"
+    open(orphan, "wb").close()
+    with new_stager():
+        assert not os.path.exists(orphan)
