@@ -32,6 +32,11 @@ Why and how (measured on CPU with torch 2.13; see tests/unit/test_staging.py):
   background thread with ``background=True``) or at the first stage, never per save when buffers
   are reused. Without CUDA (``pin=False``) registration is skipped.
 
+  Measured on one H100 (torch 2.11, 4 GiB bf16 in 64 tensors, one run): pinned-copy floor
+  0.078 s; :meth:`ShmStager.prepare` 1.87 s (allocate + fallocate + register, at start-up);
+  steady-state stage() 0.078-0.092 s (47-55 GB/s, i.e. at the floor); the same segments
+  unpinned: 2.9 s first stage, 0.28 s after (15.6 GB/s); a first stage without prepare() 1.6 s.
+
 * **A cache that cannot go stale.** With ``reuse=True`` (``--ckpt-assume-constant-structure``)
   buffers are kept and reused. Every :meth:`ShmStager.stage` copies from the tensors it is given
   (sources are never remembered: the NeMo-RL #3312 failure cannot happen), and compares a key of
@@ -39,8 +44,8 @@ Why and how (measured on CPU with torch 2.13; see tests/unit/test_staging.py):
   offset. On a difference it logs once on rank 0 what changed (``stats["last_rebuild_reason"]``)
   and rebuilds only what no longer fits: buffers whose key, shape and dtype still match are kept,
   new entries get new buffers, dropped ones are freed. The check is one tuple per tensor and a
-  tuple compare: about 1.6 us per tensor on a 2-core CI VM (8 ms for 5,000 tensors), against ~150 ms for
-  one pinned copy of 8 GiB.
+  tuple compare: about 1.6 us per tensor on a 2-core CI VM (8 ms for 5,000 tensors), against
+  ~150 ms for one pinned copy of 8 GiB at ~54 GB/s.
 
 * **Lifetime.** A :class:`StagedBatch` holds its buffer set until :meth:`StagedBatch.release`
   (called by the checkpointer after the commit). A stage() while another batch is in flight uses

@@ -69,6 +69,7 @@ def test_checkpointer_fails_before_the_first_cpu_shm_save_when_shm_is_short(monk
     opts = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
                        ckpt_assume_constant_structure=True)
     with Checkpointer(opts) as ck:
-        with pytest.raises(CkptOptionsError, match=r"needs .* \(4000 bytes\) .* \(100 bytes\) is free"):
+        with pytest.raises(CkptOptionsError,
+                           match=r"needs .* \(4000 bytes\) .* \(100 bytes\) is free"):
             ck.save({"w": sharded_tensor.from_rank_offsets("w", torch.ones(1000))}, tmp_path,
                     iteration=1)
