@@ -33,6 +33,7 @@ Fallback policy, one line per feature (a warning only where the user asked for t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -908,3 +909,74 @@ def shutdown_write_results_queues() -> None:
                 logger.debug("write-results queue manager shutdown: %s", e)
         if queue is not None:
             module._results_queue = None
+
+
+def prime_write_results_queue() -> bool:
+    """Start megatron-core's global write-results queue now (start-up), not inside the first save.
+
+    The queue lives in a multiprocessing Manager server. Left to megatron-core it is started at
+    the first save with the ``spawn`` context, whose child re-imports the training script's
+    ``__main__`` (seconds with Megatron-LM's imports, all of it on the first save's critical path).
+    Megatron-LM's own persistent-worker start-up primes it with ``mp_mode="fork"`` (a fork of the
+    trainer, milliseconds); we do the same: through ``get_write_results_queue(mp_mode=...)`` where
+    megatron-core takes it (0.19), else by setting the module's ``_results_queue`` the way its
+    getter would (0.16 has only ``_get_write_results_queue()`` with a fixed spawn context).
+    Returns whether a queue is in place; False (lazy, as before) on an unknown shape."""
+    import multiprocessing as mp
+    import os
+
+    try:
+        module = importlib.import_module(f"{MCORE_STRATEGIES}.filesystem_async")
+    except Exception as e:  # noqa: BLE001 - optional speed-up; the save path reports real errors
+        logger.debug("write-results queue not primed: %s", e)
+        return False
+    if "fork" not in mp.get_all_start_methods() or os.environ.get("MCX_PRIME_RESULTS_QUEUE") == "0":
+        return False
+    getter = getattr(module, "get_write_results_queue", None)
+    if getter is not None and _takes(getter, "mp_mode"):
+        getter(mp_mode="fork")
+        return True
+    if hasattr(module, "_results_queue") and hasattr(module, "_get_write_results_queue"):
+        if module._results_queue is None:
+            module._results_queue = mp.get_context("fork").Manager().Queue()
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def spawn_skips_main() -> Any:
+    """Within this block, processes started with the ``spawn`` method do not re-import the
+    training script (``__main__``).
+
+    A spawned child normally imports the parent's ``__main__`` module by path before it runs; for
+    a Megatron-LM ``pretrain_gpt.py`` that is all of megatron.training (seconds), paid by the
+    persistent writer at start-up, before it can take the first save. The writer needs nothing
+    from ``__main__`` (requests carry functions of megatron-core, nvrx and this package, and
+    pickled bytes), so while it is started ``sys.modules["__main__"]`` is a bare module without
+    ``__file__``/``__spec__``: multiprocessing then has no main to re-import. Set
+    ``MCX_SPAWN_IMPORTS_MAIN=1`` to keep the default behaviour."""
+    import os
+    import types
+
+    if os.environ.get("MCX_SPAWN_IMPORTS_MAIN") == "1":
+        yield
+        return
+    main = sys.modules.get("__main__")
+    bare = types.ModuleType("__main__")
+    bare.__spec__ = None
+    sys.modules["__main__"] = bare
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def warm_up_writer_imports() -> None:
+    """Import, in a writer process, the modules a save request's functions live in (run by the
+    persistent worker's warm-up request, so the first save does not wait for these imports)."""
+    for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{MCORE_STRATEGIES}.torch",
+                 f"{NVRX_ASYNC}.filesystem_async", "megatron_ckpt_ext.strategy"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a missing optional module is not an error here
+            logger.debug("writer warm-up: %s not imported: %s", name, e)
