@@ -70,7 +70,21 @@ class _Save:
     nbytes: int = 0
     staging_s: float = 0.0
     mode: str = ""
+    host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
+    phases: dict = field(default_factory=dict)  # seconds per step of save(), see _PHASES
     extra: dict = field(default_factory=dict)
+
+    def phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - since
+        return now
+
+
+# The steps of save() timed in every report (max over ranks), in order: waiting for the previous
+# save's commit, creating the .incomplete directory (a barrier), staging (device-to-host copies),
+# megatron-core's planning (dist_checkpointing.save: metadata exchange, write buckets), and handing
+# the request to the writer (async) or writing and committing it (sync).
+_PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s", "write_commit_s")
 
 
 class Checkpointer:
@@ -80,6 +94,11 @@ class Checkpointer:
     fully-parallel save/load wrappers. Construction validates the options against the installed
     backend (raising on errors, warning once on rank 0) and starts the persistent worker, if any,
     so the first save does not pay for it.
+
+    Start-up work moved off the first save: the persistent worker is started here, megatron-core's
+    write-results queue (a Manager process) is started here with a fork instead of a spawn inside
+    the first save (:func:`backend.prime_write_results_queue`), and :meth:`prepare` allocates and
+    pins the staging buffers in the background once the trainer has built its state.
     """
 
     def __init__(self, options: CkptOptions, *, process_group: Any = None, dp_group: Any = None,
@@ -91,7 +110,7 @@ class Checkpointer:
         self.dp_group = dp_group
         self.reports: list[dict] = []
         self._closed = False
-        self._pending: dict[int, _Save] = {}
+        self._pending: dict[int, _Save | None] = {}
         self._strategy: Any = None
         self._structure: Any = None
         self._before_commit: Callable[[_Save], None] | None = None  # fault-injection hook (tests)
@@ -100,6 +119,9 @@ class Checkpointer:
         self._cpu_shm = self._async and options.async_ckpt_use_cpu_shm
         self._stager = self._make_stager(job_id) if self._cpu_shm else None
         self._queue = self._make_queue() if self._async else None
+        t0 = time.perf_counter()
+        self._primed = backend.prime_write_results_queue()
+        self.startup = {"write_results_queue_s": round(time.perf_counter() - t0, 6)}
 
     # -- construction ------------------------------------------------------------------------
     def _make_queue(self) -> Any:
@@ -117,8 +139,18 @@ class Checkpointer:
             persistent=persistent, is_daemon=True, cpu_shm_mode=self._cpu_shm and persistent,
             cpu_priority=o.async_ckpt_cpu_priority, io_priority=o.async_ckpt_io_priority)
         if persistent and self.caps.warmup_persistent_caller:
-            backend.call_with_supported(queue.warmup_persistent_caller, _rank(), is_daemon=True,
-                                        cpu_shm_mode=self._cpu_shm)
+            with backend.spawn_skips_main():  # the writer starts in ~1 s, not after the main's imports
+                backend.call_with_supported(queue.warmup_persistent_caller, _rank(),
+                                            is_daemon=True, cpu_shm_mode=self._cpu_shm)
+        if persistent:
+            # The worker imports megatron-core's writer modules only when it unpickles the first
+            # request (seconds, inside the first save: the trainer waits for its preload). A
+            # warm-up request does that now; where nvrx has no warm-up call (0.4) it also starts
+            # the worker. It is finalized by the first maybe_finalize (or the first save).
+            warm = backend.async_request_cls()(async_fn=_warm_up, async_fn_args=(),
+                                               finalize_fns=[])
+            with backend.spawn_skips_main():
+                self._pending[queue.schedule_async_request(warm)] = None
         return queue
 
     def _make_stager(self, job_id: str | None) -> Any:
@@ -126,6 +158,20 @@ class Checkpointer:
 
         return ShmStager(job_id=job_id or _job_id(), rank=_rank(),
                          reuse=self.options.ckpt_assume_constant_structure)
+
+    def prepare(self, sharded_state_dict: Any) -> None:
+        """Optional, once the model and optimizer exist: allocate (and pin, on CUDA) the staging
+        buffers for this state in a background thread, so the first save copies into ready
+        memory instead of allocating on its critical path. Returns at once; a save meanwhile
+        waits for it. Without cpu-shm staging there is nothing to prepare."""
+        self._check_open()
+        if self._stager is None:
+            return
+        tensors: list[Any] = []
+        backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
+        preflight.check_shm(sum(t.data.numel() * t.data.element_size() for t in tensors))
+        self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
+                             background=True)
 
     # -- save --------------------------------------------------------------------------------
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
@@ -136,30 +182,37 @@ class Checkpointer:
         returns after the commit when sync.
         """
         self._check_open()
+        started = time.perf_counter()
         if self._pending:
             # One save in flight at a time, as Megatron-LM does: the backends' write-results
             # queue is one global queue, so a second request's results could be taken for the
             # first's (a wrong or missing entry once the structure changes).
             self.maybe_finalize(blocking=True)
-        record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=time.perf_counter(),
+        record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=started,
                        mode=self._mode())
+        t = record.phase("wait_previous_s", started)
         workdir = self._prepare_dir(record)
         if self.reports and _rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes"])
         state = _copy_structure(sharded_state_dict)
+        t = record.phase("prepare_dir_s", t)
         if self._async:
             self._stage(state, record)
         else:
             record.nbytes = _state_bytes(state)
+        t = record.phase("stage_s", t)
         request = self._request(state, workdir)
+        t = record.phase("plan_s", t)
         if self._async:
             request.add_finalize_fn(lambda: self._commit(record))
             call_idx = self._queue.schedule_async_request(request)
             self._pending[call_idx] = record
             del request, state
+            record.phase("schedule_s", t)
         else:
             request.execute_sync()
             del request, state
+            record.phase("write_commit_s", t)  # before _commit, which reports the phases
             self._commit(record)
         record.blocking_s = time.perf_counter() - record.started
 
@@ -196,6 +249,8 @@ class Checkpointer:
         swap = iter(copies)
         backend.map_sharded_tensors(state, lambda t: replace(t, data=next(swap)))
         record.nbytes = sum(c.numel() * c.element_size() for c in copies)
+        record.host_bytes = (self._stager.host_bytes() if self._stager is not None
+                             else record.nbytes)
         record.staging_s = time.perf_counter() - t0
 
     def _request(self, state: Any, workdir: Path) -> Any:
@@ -226,31 +281,68 @@ class Checkpointer:
         """Collective: make ``record``'s checkpoint visible and name it in the tracker."""
         if self._before_commit is not None:
             self._before_commit(record)
-        self._barrier()
+        ranks = self._gather_stats(record)  # also the commit's first barrier
         final = checkpoint_name(record.root, record.iteration)
         if _rank() == 0:
             _replace_dir(_incomplete(record.root, record.iteration), final)
             _atomic_write(record.root / TRACKER, f"{record.iteration}\n")
         self._barrier()
         self._release(record)
-        self._report(record)
+        self._report(record, ranks)
 
     def _release(self, record: _Save) -> None:
         if record.staged is not None and hasattr(record.staged, "release"):
             record.staged.release()
         record.staged = None
 
-    def _report(self, record: _Save) -> None:
-        entry = {"iteration": record.iteration, "mode": record.mode, "bytes": record.nbytes,
-                 "blocking_s": round(record.blocking_s, 6), "staging_s": round(record.staging_s, 6),
-                 "durable_s": round(time.perf_counter() - record.started, 6)}
+    def _gather_stats(self, record: _Save) -> dict:
+        """Max over ranks of this save's times and sizes, and the sum of its bytes: one small
+        all-reduce that replaces the commit's first barrier (so no extra synchronisation)."""
+        now = time.perf_counter()
+        local = [now - record.started, record.blocking_s, record.staging_s,
+                 float(record.host_bytes), float(record.nbytes),
+                 *(record.phases.get(name, 0.0) for name in _PHASES)]
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return {"max": local, "bytes_total": record.nbytes, "world": 1, "at": now}
+        group = self.process_group
+        on_cuda = torch.distributed.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        stats = torch.tensor(local, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
+        total = torch.tensor([float(record.nbytes)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(total, group=group)
+        return {"max": stats.tolist(), "bytes_total": int(total.item()),
+                "world": torch.distributed.get_world_size(group), "at": now}
+
+    def _report(self, record: _Save, ranks: dict) -> None:
+        # Every figure is the slowest rank's: durable is the slowest rank's time from its save()
+        # call to the commit's first collective, plus the commit itself (rename, tracker, barrier).
+        elapsed, blocking, staging, host, nbytes_max, *phases = ranks["max"]
+        durable = elapsed + time.perf_counter() - ranks["at"]
         if not self._async:
-            entry["blocking_s"] = entry["durable_s"]
+            blocking = durable
+        write_s = max(durable - blocking, 1e-9) if self._async else max(
+            phases[_PHASES.index("write_commit_s")], 1e-9)
+        entry = {
+            "iteration": record.iteration, "mode": record.mode, "world": ranks["world"],
+            "bytes": record.nbytes, "bytes_total": ranks["bytes_total"],
+            "blocking_s": round(blocking, 6), "staging_s": round(staging, 6),
+            "staging_gbps": _sig(nbytes_max / staging / 1e9) if staging > 0 else None,
+            "durable_s": round(durable, 6),
+            # the writer's time after save() returned until the commit (async: bounded below by
+            # how often the trainer calls maybe_finalize), as aggregate GB/s of all ranks
+            "write_gbps": _sig(ranks["bytes_total"] / write_s / 1e9),
+            "host_extra_bytes": int(host),
+            "phases": {name: round(v, 6) for name, v in zip(_PHASES, phases)},
+        }
         self.reports.append(entry)
         if _rank() == 0:
-            logger.info("checkpoint iter %d committed: %s, %.1f MB, blocking %.3f s, durable %.3f s",
-                        record.iteration, record.mode, record.nbytes / 1e6, entry["blocking_s"],
-                        entry["durable_s"])
+            slowest = max(_PHASES, key=lambda n: entry["phases"][n])
+            logger.info("checkpoint iter %d committed: %s, %.1f MB/rank, blocking %.3f s (most in "
+                        "%s %.3f s), staging %.3f s, durable %.3f s, write %.2f GB/s, host extra "
+                        "%.1f MB", record.iteration, record.mode, nbytes_max / 1e6,
+                        entry["blocking_s"], slowest[:-2], entry["phases"][slowest],
+                        entry["staging_s"], entry["durable_s"], entry["write_gbps"], host / 1e6)
             with open(record.root / REPORT, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(entry) + "\n")
 
@@ -261,7 +353,8 @@ class Checkpointer:
         if self._queue is None or not self._pending:
             return []
         done = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-        return [self._pending.pop(idx).iteration for idx in done if idx in self._pending]
+        records = [self._pending.pop(idx) for idx in done if idx in self._pending]
+        return [r.iteration for r in records if r is not None]  # None: the worker's warm-up
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict:
@@ -315,6 +408,16 @@ class Checkpointer:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _warm_up() -> None:
+    """The persistent worker's first request: imports what unpickling a save request needs."""
+    backend.warm_up_writer_imports()
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (a tiny test state's GB/s stays non-zero)."""
+    return float(f"{x:.{digits}g}")
+
+
 def _rank() -> int:
     return backend.rank()
 

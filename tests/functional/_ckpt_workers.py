@@ -42,6 +42,7 @@ def roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> No
     place; every checkpoint must hold exactly its own step's values."""
     live = step_state(0, rank)
     with Checkpointer(CkptOptions(**options)) as ck:
+        ck.prepare(sharded(rank, world, live))  # staging buffers in the background (cpu-shm)
         for step in range(1, saves + 1):
             for k, v in step_state(step, rank).items():
                 live[k].copy_(v)  # same storage every step (constant structure)
@@ -54,6 +55,25 @@ def roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> No
         for step in range(1, saves + 1):
             assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"iteration {step}")
         assert_equal(load_back(ck, rank, world, root, None), step_state(saves, rank), "tracker load")
+        check_reports(ck.reports, rank, world, root, saves, async_save=options.get("async_save", False))
+
+
+def check_reports(reports: list[dict], rank: int, world: int, root: str, saves: int, *,
+                  async_save: bool) -> None:
+    """The per-save report: one entry per save, sizes exact, times consistent, file on rank 0."""
+    import json
+
+    nbytes = sum(v.numel() * v.element_size() for v in step_state(0, rank).values())
+    assert [r["iteration"] for r in reports] == list(range(1, saves + 1))
+    for r in reports:
+        assert (r["bytes"], r["bytes_total"], r["world"]) == (nbytes, nbytes * world, world), r
+        assert r["host_extra_bytes"] == (nbytes if async_save else 0), r
+        assert 0 < r["blocking_s"] <= r["durable_s"] + 1e-6, r
+        assert max(r["phases"].values()) <= r["durable_s"] + 1e-6, r  # each phase: max over ranks
+        assert r["write_gbps"] > 0 and (r["staging_gbps"] is None) == (not async_save), r
+    if rank == 0:
+        lines = (Path(root) / "ckpt_report.jsonl").read_text().splitlines()
+        assert [json.loads(line)["iteration"] for line in lines] == list(range(1, saves + 1))
 
 
 def count_forks_during_sync_save(rank: int, world: int, root: str, options: dict, out: str) -> None:
