@@ -12,7 +12,7 @@ where Megatron looks them up:
 * ``checkpointing.schedule_async_save`` / ``is_empty_async_queue`` and
   ``training.maybe_finalize_async_save`` (plus their definitions in ``async_utils``) -> our
   schedule and finalize, so Megatron's finalize callbacks run after our atomic commit;
-* ``initialize.init_persistent_async_worker`` -> a no-op where present (our Checkpointer owns the
+* ``initialize.init_persistent_async_worker`` -> builds our Checkpointer early (it owns the
   worker; Megatron's would be a second, idle one).
 
 Where a seam is missing, :func:`install` raises one :class:`MegatronAdapterError` naming the
@@ -353,5 +353,11 @@ def _finalize(*, blocking: bool) -> list[int]:
 
 
 def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:
-    logger.debug("megatron-ckpt-ext: Megatron's persistent worker skipped on rank %d (%s); the "
-                 "Checkpointer starts its own", rank, mp_mode)
+    """Megatron calls this in ``initialize_megatron`` (with ``--async-save
+    --use-persistent-ckpt-worker``), before the model is built. Instead of Megatron's worker we
+    build the Checkpointer here: its writer process and write-results queue start now and warm up
+    while the model is built, not inside the first save."""
+    logger.debug("megatron-ckpt-ext: Megatron's persistent worker replaced on rank %d (%s) by the "
+                 "Checkpointer's, started now", rank, mp_mode)
+    with _lock:
+        _state.get_checkpointer()

@@ -151,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # Built before the model, so its writer process starts while the model is being built.
+    checkpointer = mcx.Checkpointer(options)
     model = _gpt.build_model(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     _gpt.init_optimizer_state(model, optimizer)
     losses: dict[str, str] = {}
-    with mcx.Checkpointer(options) as ckpt:
+    with checkpointer as ckpt:
         start = load(ckpt, model, optimizer, args, options) if args.load else 0
         if args.load:
             log.info("resumed from %s at iteration %d", args.load, start)
+        if args.save and args.save_interval:  # staging buffers allocated now, in the background
+            ckpt.prepare(sharded_state(model, optimizer, start, options))
         for iteration in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             loss = train_step(model, optimizer, args, iteration, device)

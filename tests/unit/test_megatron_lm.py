@@ -188,11 +188,16 @@ def test_uninstall_restores_every_patched_name(mlm):
     assert {(s, n): getattr(mlm.mods[s], n) for s, n in megatron_lm._PATCHES} == before
 
 
-def test_megatrons_persistent_worker_is_not_started_twice(mlm):
-    _install(mlm, async_save=True, use_persistent_ckpt_worker=True)
+def test_megatrons_persistent_worker_is_replaced_by_an_early_checkpointer(mlm):
+    made = _install(mlm, async_save=True, use_persistent_ckpt_worker=True)
+    assert made == []  # nothing built at install (arguments not parsed, no process group yet)
     assert mlm.mods["initialize"].init_persistent_async_worker(0, "forkserver") is None
     assert mlm.mods["initialize"].init_persistent_async_worker is not mlm.mods[
         "async_utils"].init_persistent_async_worker
+    # built in initialize_megatron (its worker warms up while the model is built), once
+    assert len(made) == 1
+    mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/iter_0000003", None)
+    assert len(made) == 1 and made[0].saves[0][2] == 3
 
 
 def test_a_request_not_made_by_the_adapter_is_refused(mlm):
