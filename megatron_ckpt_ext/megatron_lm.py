@@ -207,6 +207,7 @@ class _State:
             if self.options is None:
                 self.options = CkptOptions.from_args(self.modules["checkpointing"].get_args())
             self.checkpointer = self.factory(self.options)
+        _bind_dp_group(self.checkpointer)
         return self.checkpointer
 
     def close(self) -> None:
@@ -239,9 +240,25 @@ def _real_modules() -> dict[str, Any]:
 def _default_factory(options: CkptOptions) -> Any:
     from .checkpointer import Checkpointer
 
+    return Checkpointer(options, dp_group=_dp_group())
+
+
+def _dp_group() -> Any:
+    """Megatron's data-parallel group (with context parallel), or None before
+    ``initialize_model_parallel`` ran: the early Checkpointer is built in initialize_megatron
+    before the groups exist, and gets the group at its first use (:func:`_bind_dp_group`)."""
     mpu = getattr(_state.modules["checkpointing"], "mpu", None)
-    dp_group = mpu.get_data_parallel_group(with_context_parallel=True) if mpu is not None else None
-    return Checkpointer(options, dp_group=dp_group)
+    if mpu is None:
+        return None
+    ready = getattr(mpu, "model_parallel_is_initialized", None)
+    if ready is not None and not ready():
+        return None
+    return mpu.get_data_parallel_group(with_context_parallel=True)
+
+
+def _bind_dp_group(checkpointer: Any) -> None:
+    if getattr(checkpointer, "dp_group", True) is None:
+        checkpointer.dp_group = _dp_group()
 
 
 def _apply_patches(modules: dict[str, Any]) -> None:

@@ -25,6 +25,17 @@ Why and how (measured on CPU with torch 2.13; see tests/unit/test_staging.py):
     ``file_system`` sharing strategy pickling would copy into torch's own segment, so that
     strategy is reported once as a warning.
 
+* **Handed to a spawned writer by name.** torch pickles an fd-shared storage by passing its file
+  descriptor through ``multiprocessing``'s resource sharer: one authenticated socket round trip
+  per storage, in the receiver's unpickling, which the trainer waits for (the persistent worker's
+  preload hand-shake). Measured on one H100 with 2.06 GB in 252 tensors: 0.86 s per save, more
+  than staging itself (0.04 s). Our segments have names, so they are pickled as ``(path,
+  nbytes)`` and the receiver opens and maps the segment itself (:func:`_open_segment`, ~20 us;
+  it takes the same shared ``flock``). Only storages registered by a live stager are pickled this
+  way (:data:`_SEGMENTS`, keyed by data pointer and checked against the size); every other
+  storage goes through torch's own reducer unchanged. ``MCX_PICKLE_SEGMENTS_BY_NAME=0`` turns
+  this off.
+
 * **Pinned where CUDA exists.** Each buffer is registered with the CUDA driver
   (``cudaHostRegister``, as torch DCP's DefaultStager does), so device-to-host copies run at
   pinned speed into memory the writer reads without a CUDA context. It is unregistered before it
@@ -79,6 +90,9 @@ StagingKey = tuple  # per tensor: (id, shape, dtype, device, storage data_ptr, s
 _Spec = tuple  # (id, shape, dtype)
 _FD_MARGIN = 256  # descriptors left for everything else in the process
 _counter = itertools.count()
+# data pointer of every live segment storage -> (path, nbytes): what _reduce_storage pickles by name
+_SEGMENTS: dict[int, tuple[str, int]] = {}
+_reducer_installed = False
 
 
 @dataclass
@@ -284,6 +298,7 @@ class ShmStager:
         path = os.path.join(self.shm_dir, f"{SEGMENT_PREFIX}{self.job_id}_{self.rank}_"
                                           f"{os.getpid()}_{next(_counter)}")
         storage = _shared_segment(path, nbytes, key=spec[0])
+        _register_segment(storage, path, nbytes)
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         buffer = _Buffer(tensor, path)
         if self.pin:
@@ -299,6 +314,7 @@ class ShmStager:
                 torch.cuda.cudart().cudaHostUnregister(buffer.tensor.data_ptr())
                 buffer.registered = False
             if buffer.path:
+                _SEGMENTS.pop(buffer.tensor.untyped_storage().data_ptr(), None)
                 _unlink(buffer.path)
             buffer.tensor = torch.empty(0)  # drop our mapping; a holder still keeps its own
 
@@ -347,6 +363,39 @@ def _shared_segment(path: str, nbytes: int, *, key: str) -> torch.UntypedStorage
         raise
     finally:
         os.close(fd)  # torch keeps its own dup (with our lock) for the life of the mapping
+
+
+def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int) -> None:
+    global _reducer_installed
+    if os.environ.get("MCX_PICKLE_SEGMENTS_BY_NAME", "1") == "0":
+        return
+    _SEGMENTS[storage.data_ptr()] = (path, nbytes)
+    if not _reducer_installed:
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+        _reducer_installed = True
+
+
+def _reduce_storage(storage: torch.UntypedStorage) -> tuple:
+    """torch.multiprocessing's storage reducer, except for our live segments (sent by name)."""
+    entry = _SEGMENTS.get(storage.data_ptr()) if storage.device.type == "cpu" else None
+    if entry is not None and entry[1] == storage.nbytes():
+        return _open_segment, entry
+    from torch.multiprocessing.reductions import reduce_storage
+
+    return reduce_storage(storage)
+
+
+def _open_segment(path: str, nbytes: int) -> torch.UntypedStorage:
+    """The receiver's side of :func:`_reduce_storage`: map the named segment (shared lock held
+    for as long as the mapping lives, like the owner's)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def _shm_full_error(path: str, nbytes: int, key: str) -> Exception:

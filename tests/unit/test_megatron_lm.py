@@ -21,6 +21,7 @@ from .test_backend_mlm import RECORDED, modules_from
 class FakeCheckpointer:
     def __init__(self, options: CkptOptions) -> None:
         self.options = options
+        self.dp_group = None  # as the real one built before Megatron's groups exist
         self.saves: list[tuple[dict, str, int]] = []
         self.loads: list[tuple[str, int]] = []
         self.finalize_calls: list[bool] = []
@@ -198,6 +199,23 @@ def test_megatrons_persistent_worker_is_replaced_by_an_early_checkpointer(mlm):
     assert len(made) == 1
     mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/iter_0000003", None)
     assert len(made) == 1 and made[0].saves[0][2] == 3
+
+
+def test_an_early_checkpointer_gets_the_data_parallel_group_once_megatron_has_built_it(mlm):
+    # initialize_megatron calls init_persistent_async_worker before initialize_model_parallel:
+    # asking mpu for the group then asserts in megatron-core 0.19.2 (seen on the H100).
+    ready = [False]
+    mpu = types.SimpleNamespace(
+        model_parallel_is_initialized=lambda: ready[0],
+        get_data_parallel_group=lambda with_context_parallel: (
+            "dp-cp-group" if ready[0] else pytest.fail("group asked for before it exists")))
+    mlm.mods["checkpointing"].mpu = mpu
+    made = _install(mlm, async_save=True, use_persistent_ckpt_worker=True)
+    mlm.mods["initialize"].init_persistent_async_worker(0, "forkserver")
+    assert made[0].dp_group is None
+    ready[0] = True
+    mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/iter_0000003", None)
+    assert made[0].dp_group == "dp-cp-group" and made[0].saves[0][2] == 3
 
 
 def test_a_request_not_made_by_the_adapter_is_refused(mlm):

@@ -214,6 +214,25 @@ def test_spawned_writer_receives_the_staged_buffer_without_a_copy():
         batch.release()
 
 
+def test_a_staged_tensor_is_pickled_by_segment_name_and_any_other_storage_as_torch_does():
+    # By name: no file descriptor through the resource sharer (one socket round trip per storage
+    # in the receiver, 0.86 s per save for 252 tensors on the H100). Others: torch's reducer.
+    from multiprocessing.reduction import ForkingPickler
+
+    with new_stager() as stager:
+        batch = stager.stage([torch.full((256,), 3.0)], keys=["w"])
+        path = stager.segments()[0]
+        payload = bytes(ForkingPickler.dumps(batch.tensors[0]))
+        assert path.encode() in payload and b"rebuild_storage_fd" not in payload
+        assert b"_open_segment" in payload
+        other = bytes(ForkingPickler.dumps(torch.ones(4).share_memory_()))
+        assert b"rebuild_storage_fd" in other and b"_open_segment" not in other
+        storage_ptr = batch.tensors[0].untyped_storage().data_ptr()
+        assert storage_ptr in staging._SEGMENTS
+        batch.release()
+    assert storage_ptr not in staging._SEGMENTS  # closed: forgotten, never pickled by a dead name
+
+
 def test_full_shm_is_an_error_naming_the_fix_and_leaves_no_segment(monkeypatch):
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
