@@ -72,6 +72,7 @@ __all__ = [
     "megatron_training_module",
     "megatron_training_seams",
     "new_async_calls_queue",
+    "persistent_worker_forks",
     "persistent_worker_runs_here",
     "rank",
     "sharded_tensor_cls",
@@ -90,12 +91,6 @@ MCORE_DC = "megatron.core.dist_checkpointing"
 MCORE_STRATEGIES = f"{MCORE_DC}.strategies"
 # The nvrx release from which megatron-core 0.19 accepts nvrx at import time.
 MCORE_019_NVRX_MIN = "0.6.0"
-_FSDP_ENTRY_POINTS = (
-    ("megatron_fsdp", "fully_shard"),
-    ("megatron_fsdp.experimental.fully_shard", "fully_shard"),
-    ("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard", "fully_shard"),
-    ("megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.fully_shard", "fully_shard"),
-)
 
 
 class BackendUnavailable(ImportError):
@@ -455,14 +450,7 @@ def _module_present(name: str) -> bool:
 
 
 def _fsdp_symm_mem() -> bool:
-    for module_name, attr in _FSDP_ENTRY_POINTS:
-        if not _module_present(module_name.split(".")[0]):
-            continue
-        module, _ = _try_import(module_name)
-        fn = _attr(module, attr)
-        if callable(fn) and _accepted_names(fn) is not None and _takes(fn, "use_symm_mem"):
-            return True
-    return False
+    return fsdp_symm_mem_support()[0]  # one probe for Capabilities and wrap_fsdp
 
 
 def _torch_facts() -> tuple[str, bool]:
@@ -971,6 +959,45 @@ def spawn_skips_main() -> Any:
         sys.modules["__main__"] = main
 
 
+@contextlib.contextmanager
+def persistent_worker_forks(queue: Any, *, cpu_shm_mode: bool) -> Any:
+    """Within this block, nvrx's persistent writer is started with ``fork`` instead of ``spawn``
+    where that is safe: the worker will not use CUDA (nvrx's ``cpu_shm_mode``) or CUDA is not
+    initialised in this process. Returns whether it applied (``yield``-ed value).
+
+    A spawned worker starts a fresh interpreter and imports torch, nvrx and megatron-core before
+    it takes a request: 18-19 s on the H100 machine, so a trainer that saves early waits for it
+    inside its first save. A forked one has them all, in milliseconds. This is the method
+    megatron-core's temporal writer and write-results queue already use after CUDA
+    initialisation. Cost: the worker shares the trainer's pages copy-on-write (bounded by the
+    trainer's host memory at start-up). ``MCX_PERSISTENT_WORKER_START=spawn`` keeps spawn."""
+    import os
+
+    import torch
+
+    module = sys.modules.get(type(queue).__module__)  # the module whose mp starts the worker
+    mp = getattr(module, "mp", None)
+    safe = cpu_shm_mode or not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    if (os.environ.get("MCX_PERSISTENT_WORKER_START", "fork") == "spawn" or mp is None
+            or not hasattr(mp, "get_context") or not safe):
+        yield False
+        return
+
+    class _ForkInsteadOfSpawn:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mp, name)
+
+        @staticmethod
+        def get_context(method: str | None = None) -> Any:
+            return mp.get_context("fork" if method == "spawn" else method)
+
+    module.mp = _ForkInsteadOfSpawn()
+    try:
+        yield True
+    finally:
+        module.mp = mp
+
+
 def warm_up_writer_imports() -> None:
     """Import, in a writer process, the modules a save request's functions live in (run by the
     persistent worker's warm-up request, so the first save does not wait for these imports)."""
@@ -980,3 +1007,109 @@ def warm_up_writer_imports() -> None:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - a missing optional module is not an error here
             logger.debug("writer warm-up: %s not imported: %s", name, e)
+
+
+# -- Megatron-FSDP's experimental fully_shard (megatron_ckpt_ext.fsdp asks these) ---------------
+# Where the experimental fully_shard lives, in order of preference: megatron-core's own copy (the
+# one its models use), then the separate megatron-fsdp package. All classes are taken from the
+# package whose fully_shard is used: its isinstance checks reject another copy's Placements.
+FSDP_EXPERIMENTAL_MODULES = (
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental",
+    "megatron_fsdp.experimental",
+)
+FSDP_SYMM_MEM_RELEASE = "megatron-core 0.19.2"  # a release whose fully_shard takes use_symm_mem
+
+
+@dataclass(frozen=True)
+class FsdpApi:
+    """The experimental Megatron-FSDP entry points of one installed package."""
+
+    module: str  # the package they come from
+    version: str | None  # of its distribution, for messages
+    fully_shard: Callable[..., Any]
+    fully_shard_optimizer: Callable[..., Any] | None
+    flat: type  # placement: dim-0 sharded
+    placements: type  # Placements(dp_axes, parameter, gradient, optimizer)
+    mixed_precision_policy: type | None
+    fsdp_module: type  # the mixin fully_shard attaches (isinstance marks a wrapped module)
+    use_symm_mem: bool  # fully_shard declares a ``use_symm_mem`` parameter
+
+
+def megatron_fsdp_api() -> FsdpApi:
+    """The experimental Megatron-FSDP API; raises BackendUnavailable saying why not and the fix."""
+    api, problem = _fsdp_probe()
+    if api is None:
+        raise BackendUnavailable(
+            f"no experimental Megatron-FSDP fully_shard can be imported here ({problem}); "
+            f"install {FSDP_SYMM_MEM_RELEASE} or newer (megatron.core.distributed.fsdp.src."
+            "megatron_fsdp.experimental)."
+        )
+    return api
+
+
+def fsdp_symm_mem_support() -> tuple[bool, str]:
+    """Does the installed experimental fully_shard take ``use_symm_mem``? (answer, reason).
+
+    Detected once, lazily, from ``inspect.signature`` of the real callable (a ``**kwargs``
+    catch-all does not count); never raises."""
+    try:
+        api, problem = _fsdp_probe()
+    except Exception as e:  # noqa: BLE001 - detection must never take the run down
+        return False, f"Megatron-FSDP detection failed: {type(e).__name__}: {e}"
+    if api is None:
+        return False, (f"no experimental Megatron-FSDP fully_shard is importable ({problem}); "
+                       f"{FSDP_SYMM_MEM_RELEASE} has one with use_symm_mem")
+    where = f"{api.module}.fully_shard ({_fsdp_dist(api.module)} {api.version or 'unknown'})"
+    if not api.use_symm_mem:
+        return False, f"{where} has no use_symm_mem parameter; {FSDP_SYMM_MEM_RELEASE} has it"
+    return True, f"{where} takes use_symm_mem"
+
+
+@functools.lru_cache(maxsize=8)
+def _fsdp_probe(
+    candidates: tuple[str, ...] = FSDP_EXPERIMENTAL_MODULES,
+) -> tuple[FsdpApi | None, str]:
+    """(the first candidate package's API, "") or (None, why none was usable); cached."""
+    problems = []
+    for name in candidates:
+        api, problem = _fsdp_api_from(name)
+        if api is not None:
+            return api, ""
+        problems.append(f"{name}: {problem}")
+    return None, "; ".join(problems)
+
+
+def _fsdp_api_from(name: str) -> tuple[FsdpApi | None, str]:
+    if not _module_present(name.split(".")[0]):
+        return None, "not installed"
+    module, error = _try_import(name)
+    if module is None:
+        return None, error or "import failed"
+    fully_shard = _attr(module, "fully_shard")
+    flat, placements = _attr(module, "Flat"), _attr(module, "Placements")
+    fsdp_module = _attr(_try_import(f"{name}.module")[0], "FsdpModule")
+    if not callable(fully_shard) or None in (flat, placements, fsdp_module):
+        return None, "no fully_shard/Flat/Placements/FsdpModule"
+    parent = name.rsplit(".", 1)[0]
+    parent_module = _try_import(parent)[0]
+    version = _installed_version(parent.split(".")[0], _fsdp_dist(name))
+    if version in (None, "unknown"):  # a source checkout: the package's own version string
+        version = str(_attr(parent_module, "__version__") or "unknown")
+    return FsdpApi(
+        module=name,
+        version=version,
+        fully_shard=fully_shard,
+        fully_shard_optimizer=_attr(module, "fully_shard_optimizer"),
+        flat=flat,
+        placements=placements,
+        mixed_precision_policy=_attr(parent_module, "MixedPrecisionPolicy"),
+        fsdp_module=fsdp_module,
+        use_symm_mem=_names_param(fully_shard, "use_symm_mem"),
+    ), ""
+
+
+def _fsdp_dist(module_name: str) -> str:
+    return MCORE_DIST if module_name.startswith("megatron.") else "megatron-fsdp"
+
+
+__all__ += ["FsdpApi", "fsdp_symm_mem_support", "megatron_fsdp_api"]

@@ -19,7 +19,7 @@ from .options import CkptOptions, CkptOptionsError
 if TYPE_CHECKING:
     from .backend import Capabilities
 
-__all__ = ["Finding", "check", "validate"]
+__all__ = ["Finding", "check", "check_fsdp", "validate"]
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,17 @@ def _symm_mem(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
         )
 
 
+def _symm_mem_ranks(o: CkptOptions, caps: Capabilities | None,
+                    fsdp_ranks: int) -> Iterable[Finding]:
+    if o.fsdp_use_symm_mem and caps is not None and caps.cuda_available and fsdp_ranks < 2:
+        yield _error(
+            "symm-mem-needs-2-gpus",
+            f"--fsdp-use-symm-mem needs at least 2 GPUs in the FSDP mesh (one rank per GPU); "
+            f"this mesh has {fsdp_ranks}. Launch with torchrun --nproc-per-node 2 (or more), "
+            "or drop the flag.",
+        )
+
+
 def _versions(caps: Capabilities) -> str:
     return f"nvidia-resiliency-ext {caps.nvrx_version}, megatron-core {caps.mcore_version}"
 
@@ -220,7 +231,17 @@ def validate(options: CkptOptions, caps: Capabilities | None = None) -> list[Fin
 
 def check(options: CkptOptions, caps: Capabilities | None = None) -> list[Finding]:
     """Raise on errors (all of them, in one message); warn once on rank 0; return the findings."""
-    findings = validate(options, caps)
+    return _raise_or_warn(validate(options, caps))
+
+
+def check_fsdp(options: CkptOptions, caps: Capabilities | None, *,
+               fsdp_ranks: int) -> list[Finding]:
+    """:func:`check` for wrapping a model with Megatron-FSDP over ``fsdp_ranks`` ranks: the
+    ``--fsdp-use-symm-mem`` rules plus the GPU count, which only the wrapping call knows."""
+    return _raise_or_warn([*_symm_mem(options, caps), *_symm_mem_ranks(options, caps, fsdp_ranks)])
+
+
+def _raise_or_warn(findings: list[Finding]) -> list[Finding]:
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise CkptOptionsError("invalid checkpoint options:\n  " + "\n  ".join(map(str, errors)))
