@@ -1,0 +1,129 @@
+"""The checkpoint benchmark's CPU smoke run (scripts/bench_ckpt.py --cpu-smoke, 2 gloo ranks):
+the JSON has the documented schema, every mode either has one record per save or a recorded
+reason, byte counts match the state, and our checkpoints load back bit-exact. No timing is
+asserted (shared CI cores)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import _bench_modes as bm  # noqa: E402
+
+SAVES = 2
+RECORD_KEYS = {"mode", "source", "cpu_shm", "state_bytes", "save_index", "blocking_s",
+               "durable_s", "host_extra_bytes", "staging_done_s"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "scripts" / "bench_ckpt.py"), "--cpu-smoke", "--saves", str(SAVES),
+           "--out", str(out / "ckpt"), "--json", str(out / "bench.json"), "--mem-sample-s", "0.2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[bench" in r.stdout and "save 1/2" in r.stdout  # progress lines, rank 0
+    assert not (out / "ckpt" / bm.MODES[0].name).exists()  # checkpoints deleted after each mode
+    return json.loads((out / "bench.json").read_text())
+
+
+def _expected_bytes() -> int:
+    """Per-rank bytes of the smoke state, computed without building it."""
+    shape = bm.GptShape(*bm.SMOKE_SHAPE)
+    return shape.params() * bm.BYTES_PER_PARAM
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(450)
+def test_json_has_the_schema(result):
+    assert {"device", "versions", "floors", "runs", "modes", "summary"} <= set(result)
+    assert {"torch", "megatron-core", "nvrx", "python"} <= set(result["versions"])
+    assert result["floors"]["d2h_pinned_gbps"] > 0 and result["floors"]["write_gbps"] > 0
+    assert result["world"] == 2
+    for record in result["runs"]:
+        assert RECORD_KEYS <= set(record), sorted(RECORD_KEYS - set(record))
+        assert record["source"] in ("ours", "megatron", "torch_dcp")
+        assert 0 < record["blocking_s"] <= record["staging_done_s"] + 1e-6
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(450)
+def test_every_mode_saved_every_time_or_says_why_not(result):
+    modes = {m["mode"]: m for m in result["modes"]}
+    assert set(modes) == {m.name for m in bm.MODES}
+    for name, mode in modes.items():
+        indices = sorted(r["save_index"] for r in result["runs"] if r["mode"] == name)
+        if mode["status"] == "skipped":
+            assert mode["reason"] and indices == [], mode
+        else:
+            assert mode["status"] == "ok", mode
+            assert indices == list(range(1, SAVES + 1)), (name, indices)
+    for spec in bm.MODES:  # ours, stock sync/temporal and DCP's default run on any backend
+        if spec.source == "ours" or spec.worker in ("sync", "temporal") or (
+                spec.source == "torch_dcp" and spec.stager is None):
+            assert modes[spec.name]["status"] == "ok", modes[spec.name]
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(450)
+def test_bytes_match_the_state(result):
+    want = _expected_bytes()
+    assert {r["state_bytes"] for r in result["runs"]} == {want}
+    for r in result["runs"]:
+        if r["source"] == "ours":
+            assert r["report"]["bytes"] == want and r["report"]["bytes_total"] == 2 * want
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(450)
+def test_our_checkpoints_load_back_bit_exact(result):
+    ours = [m for m in result["modes"] if m["source"] == "ours"]
+    assert ours and all(m.get("verified_bit_exact") is True for m in ours), ours
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(450)
+def test_summary_covers_the_runs(result):
+    summary = result["summary"]
+    [table] = summary["per_size"].values()
+    for name, row in table.items():
+        assert row["saves"] == SAVES and len(row["blocking_first3_s"]) == SAVES, name
+    assert {r["ours"] for r in summary["ratios"]} == {m.name for m in bm.MODES if m.source == "ours"}
+
+
+def test_gpt_shape_comes_close_to_the_requested_size():
+    for gib in (2, 4, 8):
+        shape = bm.gpt_shape(gib * 2**30)
+        got = shape.params() * bm.BYTES_PER_PARAM / 2**30
+        assert abs(got - gib) / gib < 0.1 and shape.layers >= 4, (gib, shape, got)
+
+
+def test_summary_ratios_and_flatness_from_records():
+    import bench_ckpt
+
+    def rec(mode, source, i, blocking, host):
+        return {"mode": mode, "source": source, "size": "1.00GiB", "save_index": i,
+                "state_bytes": 100, "blocking_s": blocking, "staging_done_s": blocking,
+                "durable_s": 2 * blocking, "host_extra_bytes": host, "host_extra_sys_bytes": host,
+                "floor_d2h_s": 0.1, "floor_write_s": 1.0}
+
+    runs = [rec("megatron-async-persistent-cpu-shm", "megatron", i, b, 100)
+            for i, b in enumerate([8.0, 0.8, 0.7, 0.7, 0.9], 1)]
+    runs += [rec("ours-async-persistent-cpu-shm", "ours", i, b, h)
+             for i, (b, h) in enumerate([(1.0, 90), (0.1, 100), (0.1, 100), (0.1, 101), (0.2, 100)], 1)]
+    s = bench_ckpt.summarize(runs, [])
+    row = s["per_size"]["1.00GiB"]["ours-async-persistent-cpu-shm"]
+    assert row["blocking_first3_s"] == [1.0, 0.1, 0.1] and row["blocking_median_4_n_s"] == 0.15
+    [ratio] = s["ratios"]
+    assert ratio["first_stock_over_ours"] == 8.0 and ratio["steady_stock_over_ours"] == 7.0
+    assert s["host_flatness"]["1.00GiB/ours-async-persistent-cpu-shm"]["flat_pm_1pct"] is True
+    runs[-1]["host_extra_bytes"] = 110  # 10 % growth on the last save: not flat
+    s = bench_ckpt.summarize(runs, [])
+    assert s["host_flatness"]["1.00GiB/ours-async-persistent-cpu-shm"]["flat_pm_1pct"] is False
