@@ -73,6 +73,9 @@ __all__ = [
     "megatron_training_seams",
     "new_async_calls_queue",
     "persistent_worker_forks",
+    "writer_clones_cpu_tensors",
+    "writer_keeps_snapshots",
+    "without_host_preload",
     "persistent_worker_runs_here",
     "rank",
     "sharded_tensor_cls",
@@ -900,26 +903,37 @@ def shutdown_write_results_queues() -> None:
 
 
 def prime_write_results_queue() -> bool:
-    """Start megatron-core's global write-results queue now (start-up), not inside the first save.
+    """Start the backends' global write-results queues now (start-up), not inside the first save.
 
-    The queue lives in a multiprocessing Manager server. Left to megatron-core it is started at
-    the first save with the ``spawn`` context, whose child re-imports the training script's
+    Each queue lives in a multiprocessing Manager server. Left to the writer it is started at the
+    first save with the ``spawn`` context, whose child re-imports the training script's
     ``__main__`` (seconds with Megatron-LM's imports, all of it on the first save's critical path).
     Megatron-LM's own persistent-worker start-up primes it with ``mp_mode="fork"`` (a fork of the
-    trainer, milliseconds); we do the same: through ``get_write_results_queue(mp_mode=...)`` where
-    megatron-core takes it (0.19), else by setting the module's ``_results_queue`` the way its
-    getter would (0.16 has only ``_get_write_results_queue()`` with a fixed spawn context).
-    Returns whether a queue is in place; False (lazy, as before) on an unknown shape."""
+    trainer, milliseconds); we do the same, for every writer module that keeps such a queue:
+    megatron-core's ``filesystem_async`` and, where installed, nvrx's (nvrx 0.7's writer, used by
+    megatron-core 0.19 with nvrx, has its own). Through ``get_write_results_queue(mp_mode=...)``
+    where the module takes it, else by setting the module's ``_results_queue`` the way its getter
+    would (megatron-core 0.16 has only ``_get_write_results_queue()`` with a fixed spawn
+    context). Returns whether megatron-core's queue is in place; False (lazy, as before) on an
+    unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy."""
     import multiprocessing as mp
     import os
 
-    try:
-        module = importlib.import_module(f"{MCORE_STRATEGIES}.filesystem_async")
-    except Exception as e:  # noqa: BLE001 - optional speed-up; the save path reports real errors
-        logger.debug("write-results queue not primed: %s", e)
-        return False
     if "fork" not in mp.get_all_start_methods() or os.environ.get("MCX_PRIME_RESULTS_QUEUE") == "0":
         return False
+    primed = {}
+    for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{NVRX_ASYNC}.filesystem_async"):
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - optional speed-up; the save path reports errors
+            logger.debug("write-results queue of %s not primed: %s", name, e)
+            primed[name] = False
+            continue
+        primed[name] = _prime_module_queue(module, mp)
+    return primed[f"{MCORE_STRATEGIES}.filesystem_async"]
+
+
+def _prime_module_queue(module: Any, mp: Any) -> bool:
     getter = getattr(module, "get_write_results_queue", None)
     if getter is not None and _takes(getter, "mp_mode"):
         getter(mp_mode="fork")
@@ -957,6 +971,96 @@ def spawn_skips_main() -> Any:
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+_CLONES_CPU: dict[str, bool] = {}
+
+
+def writer_clones_cpu_tensors(writer_cls: type | None = None) -> bool:
+    """Whether the async writer's ``prepare_write_data`` clones every CPU tensor it is given
+    (nvrx >= 0.7's FileSystemWriterAsync does, so a persistent worker never reads live training
+    tensors; megatron-core's own writer clones only views). Read from the source, cached."""
+    if writer_cls is None:
+        try:
+            writer_cls = filesystem_writer_async_cls()
+        except BackendUnavailable:
+            return False
+    key = f"{writer_cls.__module__}.{writer_cls.__qualname__}"
+    if key not in _CLONES_CPU:
+        fn = getattr(writer_cls, "prepare_write_data", None)
+        _CLONES_CPU[key] = (_source_has(fn, "ten.clone()", default=False)
+                            and _source_has(fn, 'device.type == "cpu"', default=False))
+    return _CLONES_CPU[key]
+
+
+@contextlib.contextmanager
+def writer_keeps_snapshots(is_snapshot: Callable[[Any], bool]) -> Any:
+    """Within this block, ``Tensor.clone()`` with no arguments returns the tensor itself for
+    tensors ``is_snapshot`` accepts (this save's staged copies), and clones everything else.
+
+    nvrx 0.7's writer clones every CPU tensor of a save request (``_clone_or_dequantize_if_
+    needed``), to snapshot live training tensors. Ours are already snapshots owned by the save
+    until its commit, so that clone is a second full copy on the critical path (0.7-0.9 s for
+    8.5 GB on the H100), into fresh memory that torch then copies again into a new shared
+    segment to pickle it for the persistent worker (3.2-3.9 s). Used only around the request's
+    planning, only where :func:`writer_clones_cpu_tensors`; ``MCX_KEEP_WRITER_CLONES=1`` keeps
+    the clones."""
+    import os
+
+    import torch
+
+    if os.environ.get("MCX_KEEP_WRITER_CLONES") == "1" or not writer_clones_cpu_tensors():
+        yield False
+        return
+    original = torch.Tensor.clone
+
+    def clone(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and self.device.type == "cpu" and is_snapshot(self):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.clone = clone
+    try:
+        yield True
+    finally:
+        torch.Tensor.clone = original
+
+
+def without_host_preload(request: Any) -> Any:
+    """``request`` without its preload function when that would only move CPU tensors to the
+    CPU; the request unchanged otherwise (or where ``MCX_KEEP_PRELOAD=1``).
+
+    megatron-core's async writer hands nvrx ``partial(preload_tensors, write_buckets, True)``:
+    copy each bucket's tensors to the host, then ``torch.cuda.synchronize()``. Our cpu-shm
+    staging already put every tensor in host memory, so the copies are no-ops, but the
+    synchronize is not: nvrx's persistent worker runs the preload itself (``cpu_shm_mode``
+    skipped its CUDA start-up), so the first one creates a CUDA context in the writer, about
+    8 s of the first save's write on the H100 (27 MB took 8.4 s to be durable, 0.4 s after),
+    and a context we promise the writer does not hold. Without a preload nvrx also skips its
+    hand-over (the trainer's join on the worker's preload), so scheduling returns once the
+    request is queued. Recognised by shape (a ``functools.partial`` of a function named
+    ``preload_tensors`` over a list of write buckets), never by version."""
+    import functools
+    import os
+
+    import torch
+
+    preload = getattr(request, "preload_fn", None)
+    if preload is None or os.environ.get("MCX_KEEP_PRELOAD") == "1":
+        return request
+    if not (isinstance(preload, functools.partial)
+            and getattr(preload.func, "__name__", "") == "preload_tensors"
+            and preload.args and isinstance(preload.args[0], list)):
+        return request
+    try:
+        for bucket in preload.args[0]:
+            _file_name, _storage_key, (_bytes_data, tensor_data) = bucket
+            for _item, tensor in tensor_data:
+                if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                    return request
+    except (TypeError, ValueError):  # another bucket layout: leave it to the backend
+        return request
+    return request._replace(preload_fn=None)
 
 
 @contextlib.contextmanager

@@ -15,16 +15,30 @@ A save, step by step:
    barrier, rank 0 renames the directory to ``iter_XXXXXXX`` and rewrites the tracker atomically
    (temp file, fsync, rename, fsync of the directory), a barrier. Staging buffers are released only
    now. A crash anywhere before the rename leaves the previous checkpoint as the latest.
+
+Bounded waits (issue 9): an async writer that dies (SIGKILL, OOM, a raising write in a persistent
+worker) or stays alive past ``--ckpt-timeout`` seconds never leaves a rank waiting forever. Every
+poll of :meth:`Checkpointer.maybe_finalize` first agrees on the writers' state over the process
+group (one small all-reduce, which replaces the queue's own "is everyone done" all-reduce while a
+write runs); if any rank's writer died or timed out, every rank abandons the save and raises
+:class:`CheckpointWriteError` (the writers are stopped and restarted at the next save; the last
+committed checkpoint stays the latest). A rank that stops calling the collectives altogether is
+the process group's timeout's business (``--distributed-timeout-minutes``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue as queue_mod
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,13 +48,19 @@ from . import _cpu_shim, backend, preflight, strategy
 from .options import CkptOptions
 from .validation import check
 
-__all__ = ["Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
+__all__ = ["CheckpointWriteError", "Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
 REPORT = "ckpt_report.jsonl"
+_POLL_S = 0.05  # how often a blocking finalize re-checks the writers
+
+
+class CheckpointWriteError(RuntimeError):
+    """An async save failed on some rank: its writer died, its write raised, or it outlived
+    ``--ckpt-timeout``. Raised on every rank; the previous committed checkpoint stays the latest."""
 
 
 def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
@@ -118,9 +138,13 @@ class Checkpointer:
         self._async = options.async_save and self.caps.async_provider != "sync"
         self._cpu_shm = self._async and options.async_ckpt_use_cpu_shm
         self._stager = self._make_stager(job_id) if self._cpu_shm else None
+        if self._stager is None:  # a stager sweeps itself; a crashed cpu-shm run's segments
+            _sweep_shm_orphans()  # must not outlive the next start in another mode (issue 9)
+        self._queue_started = time.perf_counter()
         self._queue = self._make_queue() if self._async else None
         t0 = time.perf_counter()
-        self._primed = backend.prime_write_results_queue()
+        with _forks_die_with_this_process():
+            self._primed = backend.prime_write_results_queue()
         self.startup = {"write_results_queue_s": round(time.perf_counter() - t0, 6)}
 
     # -- construction ------------------------------------------------------------------------
@@ -138,8 +162,12 @@ class Checkpointer:
         queue = backend.new_async_calls_queue(
             persistent=persistent, is_daemon=True, cpu_shm_mode=self._cpu_shm and persistent,
             cpu_priority=o.async_ckpt_cpu_priority, io_priority=o.async_ckpt_io_priority)
+        # The worker needs no CUDA where nvrx honours cpu_shm_mode: then it is forked (ready in
+        # ms, see backend.persistent_worker_forks); else spawned without re-importing __main__.
+        no_cuda = self._cpu_shm and self.caps.worker_cpu_shm_skips_cuda
         if persistent and self.caps.warmup_persistent_caller:
-            with backend.spawn_skips_main():  # the writer starts in ~1 s, not after the main's imports
+            with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda), \
+                    backend.spawn_skips_main():
                 backend.call_with_supported(queue.warmup_persistent_caller, _rank(),
                                             is_daemon=True, cpu_shm_mode=self._cpu_shm)
         if persistent:
@@ -147,9 +175,10 @@ class Checkpointer:
             # request (seconds, inside the first save: the trainer waits for its preload). A
             # warm-up request does that now; where nvrx has no warm-up call (0.4) it also starts
             # the worker. It is finalized by the first maybe_finalize (or the first save).
-            warm = backend.async_request_cls()(async_fn=_warm_up, async_fn_args=(),
+            warm = backend.async_request_cls()(async_fn=_warm_up, async_fn_args=(os.getpid(),),
                                                finalize_fns=[])
-            with backend.spawn_skips_main():
+            with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda), \
+                    backend.spawn_skips_main():
                 self._pending[queue.schedule_async_request(warm)] = None
         return queue
 
@@ -188,6 +217,7 @@ class Checkpointer:
             # queue is one global queue, so a second request's results could be taken for the
             # first's (a wrong or missing entry once the structure changes).
             self.maybe_finalize(blocking=True)
+        self._ready_writers(iteration, Path(checkpoint_dir))
         record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=started,
                        mode=self._mode())
         t = record.phase("wait_previous_s", started)
@@ -205,10 +235,13 @@ class Checkpointer:
         t = record.phase("plan_s", t)
         if self._async:
             request.add_finalize_fn(lambda: self._commit(record))
-            call_idx = self._queue.schedule_async_request(request)
+            with _unblock_if_worker_dies(self._queue), _forks_die_with_this_process():
+                call_idx = self._queue.schedule_async_request(request)
             self._pending[call_idx] = record
             del request, state
             record.phase("schedule_s", t)
+            _trace_event(os.environ.get("MCX_WRITER_TRACE"), "scheduled",
+                         iteration=record.iteration)
         else:
             request.execute_sync()
             del request, state
@@ -246,6 +279,7 @@ class Checkpointer:
         else:
             copies = [t.data.detach().to("cpu", copy=True) for t in tensors]
             record.staged = copies
+        self._snapshot_ptrs = {c.untyped_storage().data_ptr() for c in copies}
         swap = iter(copies)
         backend.map_sharded_tensors(state, lambda t: replace(t, data=next(swap)))
         record.nbytes = sum(c.numel() * c.element_size() for c in copies)
@@ -255,9 +289,17 @@ class Checkpointer:
 
     def _request(self, state: Any, workdir: Path) -> Any:
         dc = backend.dist_checkpointing()
-        request = dc.save(state, str(workdir), self._save_strategy(state),
-                          async_sharded_save=True)
+        # this save's own staged copies (async; _stage): the writer need not clone them again
+        storages = getattr(self, "_snapshot_ptrs", frozenset()) if self._async else frozenset()
+        with backend.writer_keeps_snapshots(
+                lambda t: t.untyped_storage().data_ptr() in storages):
+            request = dc.save(state, str(workdir), self._save_strategy(state),
+                              async_sharded_save=True)
+        request = backend.without_host_preload(request)
         request = strategy.sequential_request(request, self.options)
+        trace = os.environ.get("MCX_WRITER_TRACE")
+        if trace:
+            request = _traced_request(request, trace)
         if self._cpu_shim:
             request = strategy.cpu_request(request)
         return backend.adapt_async_request(request) if self._async else request
@@ -287,6 +329,7 @@ class Checkpointer:
             _replace_dir(_incomplete(record.root, record.iteration), final)
             _atomic_write(record.root / TRACKER, f"{record.iteration}\n")
         self._barrier()
+        _trace_event(os.environ.get("MCX_WRITER_TRACE"), "committed", iteration=record.iteration)
         self._release(record)
         self._report(record, ranks)
 
@@ -349,12 +392,107 @@ class Checkpointer:
     # -- finalize / load / close -------------------------------------------------------------
     def maybe_finalize(self, *, blocking: bool = False) -> list[int]:
         """Collective on every rank: commit the async saves all ranks have finished (all pending
-        ones when ``blocking``). Returns the iterations committed by this call."""
-        if self._queue is None or not self._pending:
-            return []
-        done = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-        records = [self._pending.pop(idx) for idx in done if idx in self._pending]
+        ones when ``blocking``). Returns the iterations committed by this call.
+
+        Raises :class:`CheckpointWriteError` on every rank when any rank's writer died, its
+        write failed, or the save is older than ``--ckpt-timeout`` seconds."""
+        committed: list[int] = []
+        while self._queue is not None and self._pending:
+            if self._agree_on_writers():  # some rank's writer is still writing
+                if not blocking:
+                    break
+                time.sleep(_POLL_S)
+                continue
+            committed += self._finalize_finished()
+            if not blocking:
+                break
+        return committed
+
+    def _finalize_finished(self) -> list[int]:
+        """Every rank's head writer has finished: run the queue's finalization (megatron-core's
+        metadata write and our commit, collectives) for what is done."""
+        before = self._queue.get_num_unfinalized_calls()
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
+        except Exception as e:  # a write that raised: megatron-core raises it on every rank
+            raise self._abandon(f"its write or commit failed: {type(e).__name__}: {e}") from e
+        # Count, do not trust the returned indices: nvrx 0.4-0.7 return each request's own
+        # call_idx, which the queue never sets (always 0). Calls finalize in schedule order.
+        finished = before - self._queue.get_num_unfinalized_calls()
+        records = [self._pending.pop(idx) for idx in list(self._pending)[:finished]]
         return [r.iteration for r in records if r is not None]  # None: the worker's warm-up
+
+    def _agree_on_writers(self, before: tuple[int, Path] | None = None) -> bool:
+        """Collective: True while some rank's writer is still running. Raises on every rank
+        when any rank's writer died or ran past the timeout (``before``: the save about to
+        start, for the message)."""
+        state, detail = _writer_state(self._queue)
+        timed_out = state == "running" and time.perf_counter() > self._head_deadline()
+        dead = state == "dead"
+        local = [float(state == "running"), float(dead), float(timed_out),
+                 float(_rank() if dead or timed_out else -1)]
+        running, any_dead, any_late, which = self._all_max(local)
+        if any_dead or any_late:
+            why = (f"the async writer of rank {int(which)} stopped before finishing its write"
+                   if any_dead else f"it did not finish within --ckpt-timeout {self.options.ckpt_timeout}"
+                   f" s (config key 'ckpt_timeout'; raise it if writes are legitimately this slow)")
+            raise self._abandon(why + (f" ({detail})" if detail else ""), before=before)
+        return bool(running)
+
+    def _all_max(self, values: list[float]) -> list[float]:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return values
+        on_cuda = torch.distributed.get_backend(self.process_group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return t.tolist()
+
+    def _head_deadline(self) -> float:
+        record = next(iter(self._pending.values()), None) if self._pending else None
+        started = record.started if record is not None else self._queue_started
+        return started + self.options.ckpt_timeout
+
+    def _ready_writers(self, iteration: int, root: Path) -> None:
+        """Before a save: a new queue when the last one was abandoned; with a persistent worker,
+        agree that every rank's worker is alive (a dead one would block the hand-over forever)."""
+        if not self._async:
+            return
+        if self._queue is None:
+            self._queue_started = time.perf_counter()
+            self._queue = self._make_queue()
+        elif self._persistent:
+            self._agree_on_writers(before=(iteration, root))
+
+    def _abandon(self, why: str, *, before: tuple[int, Path] | None = None) -> CheckpointWriteError:
+        """Stop this rank's writers, drop the pending saves, and say what happened."""
+        record = next((r for r in self._pending.values() if r is not None), None)
+        if record is not None:
+            what, root = f"checkpoint iteration {record.iteration} under {record.root}", record.root
+        elif before is not None:
+            what, root = f"checkpoint iteration {before[0]} under {before[1]} (before it started)", before[1]
+        else:
+            what, root = "the persistent checkpoint writer's start-up", None
+        latest = _tracker_text(root) if root is not None else ""
+        self._kill_writers()
+        return CheckpointWriteError(
+            f"{what} failed on every rank: {why}. The save is abandoned{latest}; the async writers "
+            "are restarted at the next save()."
+        )
+
+    def _kill_writers(self) -> None:
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            _stop_writers(queue)
+        for record in self._pending.values():
+            if record is not None:
+                self._release(record)
+        self._pending.clear()
+        # Other ranks' finished writers left their results in the global write-results queue,
+        # where the next save would read them as its own: start a fresh queue.
+        backend.shutdown_write_results_queues()
+        with _forks_die_with_this_process():
+            self._primed = backend.prime_write_results_queue()
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict:
@@ -378,13 +516,17 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        drained = False
         try:
-            if self._queue is not None and self._pending:
-                self._queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            self.maybe_finalize(blocking=True)
+            drained = True
         finally:
             if self._queue is not None:
-                self._queue.close()
-                self._queue = None
+                if drained and _writer_state(self._queue)[0] != "dead":
+                    self._queue.close()
+                    self._queue = None
+                else:  # the queue's own close would wait for a dead or unfinished writer
+                    self._kill_writers()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -407,10 +549,215 @@ class Checkpointer:
             torch.distributed.barrier(group=self.process_group)
 
 
+# -- the async queue's writers ------------------------------------------------------------------
+# The queue of nvrx 0.4-0.7 and megatron-core's own share these shapes: ``async_calls`` (a deque
+# of (idx, caller, request)), a temporal caller's forked ``process`` per save, a persistent
+# caller's long-lived ``process`` with ``comp_q`` (finished call indices, read into ``cur_item``)
+# and ``preload_q`` (the hand-over the trainer joins). Anything else reads as "running", so an
+# unknown shape degrades to the timeout, never to a false error.
+def _persistent_caller(queue: Any) -> Any:
+    return getattr(queue, "persistent_caller", None) if getattr(queue, "persistent", False) else None
+
+
+def _writer_state(queue: Any) -> tuple[str, str]:
+    """This rank's writer for the oldest pending call: ("done" | "running" | "dead", detail)."""
+    calls = getattr(queue, "async_calls", None)
+    if not calls:
+        caller = _persistent_caller(queue)  # idle: is the persistent worker still there?
+        return ("dead", _exit_text(caller.process)) if _died(caller) else ("done", "")
+    caller = calls[0].async_caller
+    process = getattr(caller, "process", None)
+    if hasattr(caller, "comp_q"):  # persistent: done once it reported the call
+        if caller.cur_item is None:
+            with contextlib.suppress(queue_mod.Empty):
+                caller.cur_item = caller.comp_q.get_nowait()
+        if caller.cur_item is not None or process is None:
+            return "done", ""
+        return ("running", "") if process.is_alive() else ("dead", _exit_text(process))
+    if process is None or process.is_alive():
+        return ("done", "") if process is None else ("running", "")
+    return ("done", "") if process.exitcode == 0 else ("dead", _exit_text(process))
+
+
+def _died(caller: Any) -> bool:
+    process = getattr(caller, "process", None)
+    return process is not None and not process.is_alive()
+
+
+def _exit_text(process: Any) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"writer pid {process.pid} was killed by {signal.Signals(-code).name}"
+    return f"writer pid {process.pid} exited with code {code}; its traceback is in that rank's log"
+
+
+def _stop_writers(queue: Any) -> None:
+    """Kill this queue's writer processes and forget its calls, so nothing waits on them (the
+    queue's own close would join a dead worker's queue forever)."""
+    callers = [call.async_caller for call in getattr(queue, "async_calls", ())]
+    callers.append(_persistent_caller(queue))
+    for caller in filter(None, callers):
+        process = getattr(caller, "process", None)
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+            caller.process = None
+        for name in ("queue", "preload_q", "comp_q"):  # no exit-time flush into a dead pipe
+            with contextlib.suppress(Exception):
+                getattr(caller, name).cancel_join_thread()
+    with contextlib.suppress(AttributeError):
+        queue.async_calls.clear()
+
+
+@contextlib.contextmanager
+def _unblock_if_worker_dies(queue: Any) -> Any:
+    """While a request is handed to the persistent worker, the trainer joins the worker's
+    preload queue; if the worker dies meanwhile, release that join (the next maybe_finalize then
+    reports the dead worker on every rank) instead of waiting forever."""
+    caller = _persistent_caller(queue)
+    if caller is None or not hasattr(caller, "preload_q"):
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(_POLL_S):
+            if _died(caller):
+                with contextlib.suppress(ValueError):  # the worker had already released it
+                    caller.preload_q.task_done()
+                return
+
+    watcher = threading.Thread(target=watch, name="mcx-preload-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def _traced_request(request: Any, folder: str) -> Any:
+    """``MCX_WRITER_TRACE=<folder>`` (diagnostics): the request's preload and write functions
+    append their wall-clock start and end, process id and name to ``<folder>/writer_trace.jsonl``
+    from whichever process runs them (the persistent worker, a temporal fork, the trainer)."""
+    fields: dict[str, Any] = {}
+    if request.async_fn is not None:
+        fields["async_fn"] = partial(_traced_call, folder, "write", request.async_fn)
+    if getattr(request, "preload_fn", None) is not None:
+        fields["preload_fn"] = partial(_traced_call, folder, "preload", request.preload_fn)
+    return request._replace(**fields)
+
+
+class _TracedQueue:
+    """The write-results queue, with each ``put`` traced (the hand-back to the trainer)."""
+
+    def __init__(self, queue: Any, folder: str) -> None:
+        self._queue, self._folder = queue, folder
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        try:
+            return self._queue.put(*args, **kwargs)
+        finally:
+            _trace_event(self._folder, "results_put", start=start)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def _traced_call(folder: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    start = time.time()
+    if what == "write" and args and hasattr(args[-1], "put"):
+        args = (*args[:-1], _TracedQueue(args[-1], folder))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _trace_event(folder, what, start=start)
+
+
+def _trace_event(folder: str | None, what: str, **fields: Any) -> None:
+    if not folder:
+        return
+    now = time.time()
+    line = {"what": what, "pid": os.getpid(), "rank": _rank(), "end": now, **fields}
+    if "start" in fields:
+        line["s"] = round(now - fields["start"], 4)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / "writer_trace.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _tracker_text(root: Path) -> str:
+    try:
+        latest = read_tracker(root)
+    except (OSError, ValueError):
+        return ""
+    if latest is None:
+        return f" (no committed checkpoint under {root} yet)"
+    return f"; the latest committed checkpoint is still iteration {latest} ({root / TRACKER})"
+
+
 # -- helpers -----------------------------------------------------------------------------------
-def _warm_up() -> None:
-    """The persistent worker's first request: imports what unpickling a save request needs."""
+def _sweep_shm_orphans() -> None:
+    from .staging import sweep_orphans
+
+    try:
+        sweep_orphans()
+    except OSError as e:  # best effort: a start-up must not fail over another run's files
+        logger.debug("shm orphan sweep: %s", e)
+
+
+def _warm_up(trainer_pid: int | None = None) -> None:
+    """The persistent worker's first request: ties the worker's life to its trainer's, then
+    imports what unpickling a save request needs."""
+    if trainer_pid is not None:
+        _die_with_parent(trainer_pid)
     backend.warm_up_writer_imports()
+
+
+_FORK_WATCH: dict[str, int | None] = {"parent": None}
+
+
+@contextlib.contextmanager
+def _forks_die_with_this_process() -> Any:
+    """Processes forked inside this block (the backends' write-results Manager server, a
+    temporal writer) get :func:`_die_with_parent`. Without it a Manager server outlives a
+    SIGKILLed trainer forever (measured: one per rank and crash). Forks elsewhere in the
+    training process are not touched."""
+    if not _FORK_WATCH.get("registered"):
+        os.register_at_fork(after_in_child=_watch_forked_child)
+        _FORK_WATCH["registered"] = 1
+    _FORK_WATCH["parent"] = os.getpid()
+    try:
+        yield
+    finally:
+        _FORK_WATCH["parent"] = None
+
+
+def _watch_forked_child() -> None:
+    parent = _FORK_WATCH["parent"]
+    _FORK_WATCH["parent"] = None  # this child's own forks are its business
+    if parent is not None:
+        _die_with_parent(parent)
+
+
+def _die_with_parent(trainer_pid: int) -> None:
+    """Watchdog for writer-side processes (Linux): SIGKILL this process when its trainer dies.
+    Without it a persistent worker whose trainer was SIGKILLed waits on its request queue
+    forever, holding the staging segments it maps (so the next start cannot sweep them).
+    Nothing such a process could still write would be committed: only the trainer commits."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # not Linux: the worker outlives a crashed trainer
+        return
+    if os.getppid() != trainer_pid:  # the trainer died before the watchdog was armed
+        os._exit(1)
 
 
 def _sig(x: float, digits: int = 4) -> float:

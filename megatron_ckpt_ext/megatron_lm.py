@@ -124,9 +124,14 @@ def reports() -> list[dict]:
     """Per-save records: the adapter's own (``blocking_s`` inside Megatron's save) merged with
     the Checkpointer's ``reports`` where it has them."""
     ours = [dict(r) for r in _state.records]
-    theirs = list(getattr(_state.checkpointer, "reports", None) or _state.closed_reports)
-    for record, extra in zip(ours, theirs):
-        record["checkpointer"] = dict(extra)
+    # every Checkpointer of this run (one is closed at Megatron's terminate and a later save
+    # makes a new one), matched by iteration, the latest report of an iteration winning
+    theirs = [*_state.closed_reports, *(getattr(_state.checkpointer, "reports", None) or [])]
+    by_iteration = {extra.get("iteration"): extra for extra in theirs}
+    for record in ours:
+        extra = by_iteration.get(record.get("iteration"))
+        if extra is not None:
+            record["checkpointer"] = dict(extra)
     return ours
 
 
@@ -195,7 +200,7 @@ class _State:
     checkpointer: Any = None
     scheduled: dict[int, _PendingSave] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
-    closed_reports: list[dict] = field(default_factory=list)  # the last Checkpointer's, kept
+    closed_reports: list[dict] = field(default_factory=list)  # closed Checkpointers', kept
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
               factory: CheckpointerFactory) -> None:
@@ -216,7 +221,7 @@ class _State:
             self.drop_checkpointer()
 
     def drop_checkpointer(self) -> None:
-        self.closed_reports = list(getattr(self.checkpointer, "reports", None) or [])
+        self.closed_reports.extend(getattr(self.checkpointer, "reports", None) or [])
         self.checkpointer.close()
         self.checkpointer = None
 

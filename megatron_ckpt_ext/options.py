@@ -170,6 +170,15 @@ class CkptOptions:
         help="I/O priority (best-effort class, 0-7) of the async checkpoint worker, where the "
         "backend supports it.",
     )
+    ckpt_timeout: int = _knob(
+        1800,
+        flag="--ckpt-timeout",
+        minimum=1,
+        help="Seconds an async save may take from save() to its commit before every rank raises "
+        "(the writer is then stopped). A writer that dies is reported at the next "
+        "maybe_finalize() whatever this is; this bounds a writer that is alive but stuck, so set "
+        "it above your longest healthy write.",
+    )
 
     def __post_init__(self) -> None:
         for knob in knobs():

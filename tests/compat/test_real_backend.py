@@ -155,3 +155,76 @@ def test_mcore_019_nvrx_trap(tmp_path):
         assert row["status"] == "missing"
     else:
         assert caps["mcore_dist_ckpt_importable"] is True, caps["mcore_error"]
+
+
+def test_writer_clone_detection_matches_release():
+    # nvrx 0.7's writer clones every CPU tensor of a request; our staged copies skip that clone
+    # (backend.writer_keeps_snapshots). Older writers clone only views: nothing to skip.
+    assert backend.writer_clones_cpu_tensors() is (_key() == "0.7.0")
+
+
+def test_clone_is_skipped_only_for_snapshots_and_only_inside_the_block(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(backend, "writer_clones_cpu_tensors", lambda writer_cls=None: True)
+    mine, other = torch.ones(4), torch.ones(4)
+    with backend.writer_keeps_snapshots(lambda t: t.data_ptr() == mine.data_ptr()) as active:
+        assert active
+        assert mine.clone() is mine
+        assert other.clone() is not other and torch.equal(other.clone(), other)
+        assert mine.clone(memory_format=torch.contiguous_format) is not mine  # arguments: real
+    assert mine.clone() is not mine  # restored
+    monkeypatch.setenv("MCX_KEEP_WRITER_CLONES", "1")
+    with backend.writer_keeps_snapshots(lambda t: True) as active:
+        assert not active and mine.clone() is not mine
+
+
+def test_host_preload_dropped_only_when_every_tensor_is_already_on_the_host(monkeypatch):
+    # The real writer's preload (megatron-core's FileSystemWriterAsync.preload_tensors with
+    # non_blocking=True) ends in torch.cuda.synchronize(): run in nvrx's persistent worker it
+    # creates a CUDA context there. Our staged tensors are host tensors: the preload is dropped.
+    from functools import partial
+
+    import torch
+
+    writer = backend.filesystem_writer_async_cls()
+    request_cls = backend.async_request_cls()
+
+    def request(tensor):
+        buckets = [("__0_0.distcp", "__0_", ([], [(object(), tensor)]))]
+        return request_cls(async_fn=print, async_fn_args=(0, buckets, None), finalize_fns=[],
+                           preload_fn=partial(writer.preload_tensors, buckets, True))
+
+    on_host = request(torch.ones(3))
+    dropped = backend.without_host_preload(on_host)
+    assert dropped.preload_fn is None and dropped.async_fn_args is on_host.async_fn_args
+    elsewhere = request(torch.empty(3, device="meta"))  # stands for a device tensor
+    assert backend.without_host_preload(elsewhere) is elsewhere
+    monkeypatch.setenv("MCX_KEEP_PRELOAD", "1")
+    assert backend.without_host_preload(on_host) is on_host
+    monkeypatch.delenv("MCX_KEEP_PRELOAD")
+    other = on_host._replace(preload_fn=partial(print, "x"))  # unknown preload: untouched
+    assert backend.without_host_preload(other) is other
+
+
+def test_write_results_queues_primed_with_fork_for_every_writer_module():
+    # Each writer module (megatron-core's, and nvrx 0.7's own) keeps a global results queue in a
+    # Manager server; left lazy it is spawned inside the first save. Primed: forked, at start-up.
+    import multiprocessing as mp
+    import sys
+
+    assert backend.prime_write_results_queue() is True
+    modules = [sys.modules[f"{backend.MCORE_STRATEGIES}.filesystem_async"]]
+    nvrx_fs = sys.modules.get(f"{backend.NVRX_ASYNC}.filesystem_async")
+    if _key() == "0.7.0":
+        assert nvrx_fs is not None
+    if nvrx_fs is not None and hasattr(nvrx_fs, "get_write_results_queue"):
+        modules.append(nvrx_fs)
+    try:
+        for module in modules:
+            queue = module._results_queue
+            assert queue is not None, module.__name__
+            assert queue._manager._ctx is mp.get_context("fork"), module.__name__
+    finally:
+        backend.shutdown_write_results_queues()
+    assert all(module._results_queue is None for module in modules)

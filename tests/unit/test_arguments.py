@@ -19,7 +19,7 @@ FROZEN_FLAGS = [
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--no-save-rng",
     "--no-load-rng", "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
-    "--async-ckpt-io-priority",
+    "--async-ckpt-io-priority", "--ckpt-timeout",
 ]
 
 
@@ -64,7 +64,8 @@ def test_megatron_dests_are_used():
 
 @pytest.mark.parametrize("argv", [["--dist-ckpt-workers", "0"], ["--dist-ckpt-workers", "-2"],
                                   ["--dist-ckpt-workers", "two"],
-                                  ["--distributed-timeout-minutes", "-5"]])
+                                  ["--distributed-timeout-minutes", "-5"],
+                                  ["--ckpt-timeout", "0"]])
 def test_invalid_value_exits_naming_the_flag(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse(argv)

@@ -247,3 +247,19 @@ def test_extra_args_provider_keeps_the_hosts_flag_and_installs(mlm, monkeypatch)
     assert parser._option_string_actions["--async-save"] is host
     assert "--async-ckpt-use-cpu-shm" in parser._option_string_actions
     assert installed == [True]
+
+
+def test_reports_match_every_checkpointers_records_by_iteration(monkeypatch):
+    # Megatron's terminate closes the Checkpointer and a later save makes a new one: the reports
+    # of both are kept and each lands on its own save, not on the first records in order.
+    class Done:
+        reports = [{"iteration": 16, "blocking_s": 1.5}]
+
+    state = megatron_lm._state
+    monkeypatch.setattr(state, "records", [{"iteration": i, "async": True} for i in (3, 6, 16)])
+    monkeypatch.setattr(state, "closed_reports", [{"iteration": 3, "blocking_s": 0.5},
+                                                  {"iteration": 6, "blocking_s": 0.25}])
+    monkeypatch.setattr(state, "checkpointer", Done())
+    got = {r["iteration"]: r.get("checkpointer", {}).get("blocking_s")
+           for r in megatron_lm.reports()}
+    assert got == {3: 0.5, 6: 0.25, 16: 1.5}

@@ -14,6 +14,7 @@ CLI_DEFAULTS = dict(
     ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, save_rng=True, load_rng=True,
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
+    ckpt_timeout=1800,
 )
 # The config path's historical defaults (NeMo-RL megatron_cfg): these four differ from the CLI.
 CONFIG_DEFAULTS = {**CLI_DEFAULTS, "ckpt_fully_parallel_load": True, "load_rng": False,
@@ -95,6 +96,7 @@ def test_wrong_type_names_key_value_and_expected_type(key, value, expected):
     ("distributed_timeout_minutes", 0, "--distributed-timeout-minutes"),
     ("async_ckpt_io_priority", 8, "--async-ckpt-io-priority"),
     ("logging_level", 99, "--logging-level"),
+    ("ckpt_timeout", 0, "--ckpt-timeout"),
 ])
 def test_out_of_range_error_names_flag_and_valid_range(field, value, flag):
     with pytest.raises(CkptOptionsError, match=rf"{flag} .* must be an integer (>=|in) .*got {value}"):

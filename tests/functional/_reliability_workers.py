@@ -1,0 +1,408 @@
+"""Rank bodies of the reliability harness (issue 9): crash jobs, worker death, soak.
+
+Used by ``scripts/reliability.py`` (the long trials) and ``tests/functional/test_reliability.py``
+(the CI subset). A module of its own, importable from the repository root, because the functions
+injected into a save request (a held or failing write) are pickled to spawned writer processes.
+
+States are a deterministic function of (iteration, rank), so whoever loads a checkpoint can
+recompute what it must hold.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext import checkpointer as ckpt_mod
+from megatron_ckpt_ext.checkpointer import CheckpointWriteError, checkpoint_name, read_tracker
+
+__all__ = ["MODES", "PHASES", "crash_job", "soak", "trial_state", "verify_committed",
+           "worker_death"]
+
+MODES: dict[str, dict[str, Any]] = {
+    # the new stack: one long-lived writer, per-tensor shm staging, cached plan
+    "persistent-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
+                       "async_ckpt_use_cpu_shm": True, "ckpt_assume_constant_structure": True},
+    # plain async: a fresh forked writer per save, plain CPU copies
+    "temporal": {"async_save": True},
+}
+# Where a crash job holds (so the harness SIGKILLs it exactly there), in save order.
+PHASES = ("before_save", "staging", "write", "before_rename", "after_rename", "after_tracker")
+HOLD_S = 120.0  # a held rank waits this long for the harness's SIGKILL
+
+
+def device() -> str:
+    return os.environ.get("MCX_TEST_DEVICE", "cpu")
+
+
+def trial_state(iteration: int, rank: int) -> dict[str, torch.Tensor]:
+    """Distinct values per iteration and rank; fp32, bf16 and int64; ~70 KB per rank."""
+    g = torch.Generator().manual_seed(100_003 * iteration + rank)
+    state = {"w": torch.randn(128, 96, generator=g),
+             "b": torch.randn(4096, generator=g).to(torch.bfloat16),
+             "it": torch.full((8,), iteration, dtype=torch.int64)}
+    return {k: v.to(device()) for k, v in state.items()}
+
+
+def sharded(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in tensors.items()}
+
+
+def options_for(mode: str, **extra: Any) -> CkptOptions:
+    return CkptOptions(**{**MODES[mode], **extra})
+
+
+# -- verification ------------------------------------------------------------------------------
+def committed_iterations(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
+
+
+def verify_committed(ck: Checkpointer, rank: int, world: int, root: Path) -> dict:
+    """Load the tracker's checkpoint (as a resuming job would) and every other committed one;
+    each must load and equal the state of its own save. Collective (same order on every rank)."""
+    tracker = read_tracker(root)
+    out: dict[str, Any] = {"tracker": tracker, "checked": [], "torn": [], "errors": [],
+                           "incomplete": sorted(p.name for p in root.glob("iter_*.incomplete"))}
+    for it in ([None] if tracker is not None else []) + committed_iterations(root):
+        label = tracker if it is None else it
+        like = {k: torch.zeros_like(v) for k, v in trial_state(0, rank).items()}
+        try:
+            got = ck.load(sharded(rank, world, like), root, iteration=it)
+        except Exception as e:  # noqa: BLE001 - a committed checkpoint that does not load is torn
+            out["torn"].append(label)
+            out["errors"].append(f"iteration {label}: {type(e).__name__}: {e}"[:400])
+            continue
+        want = trial_state(label, rank)
+        if not all(torch.equal(got[k], want[k]) for k in want):
+            out["torn"].append(label)
+            out["errors"].append(f"iteration {label}: values differ from its own save")
+        out["checked"].append(label)
+    return out
+
+
+def prune(root: Path, keep_from: int | None) -> None:
+    """Rank 0 housekeeping: drop committed checkpoints older than ``keep_from`` and stale
+    ``.incomplete`` directories (disk stays bounded over many trials)."""
+    if keep_from is None:
+        return
+    for it in committed_iterations(root):
+        if it < keep_from:
+            shutil.rmtree(checkpoint_name(root, it), ignore_errors=True)
+    for p in root.glob("iter_*.incomplete"):
+        if int(p.name[5:12]) < keep_from:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def shm_segments(job_id: str | None = None) -> list[Path]:
+    prefix = "mcx_" + (f"{job_id}_" if job_id else "")
+    return sorted(Path("/dev/shm").glob(prefix + "*"))
+
+
+def dead_owner_segments(job_prefix: str) -> list[str]:
+    """Staging segments of jobs named ``job_prefix*`` whose owner process is gone: what the
+    sweep at start-up should have removed (other runs sharing /dev/shm are not counted)."""
+    from megatron_ckpt_ext.staging import SEGMENT_PREFIX, sweep_orphans
+
+    return sweep_orphans(dry_run=True, prefix=SEGMENT_PREFIX + job_prefix)
+
+
+# -- hooks: hold a rank (or its writer) where the harness will SIGKILL it ---------------------
+def _hold(marker_dir: str, phase: str, rank: int) -> None:
+    Path(marker_dir, f"hit_{phase}_r{rank}").write_text(f"{os.getpid()} {time.time()}")
+    time.sleep(HOLD_S)
+    raise RuntimeError(f"crash job: the harness did not kill the run held at {phase}")
+
+
+def hold_in_writer(marker: str, hold_s: float, write: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> Any:
+    """Runs in the writer process: say where it is (pid), wait, then write for real."""
+    Path(marker).write_text(str(os.getpid()))
+    time.sleep(hold_s)
+    return write(*args, **kwargs)
+
+
+def failing_write(write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A writer whose storage is full: raises ENOSPC before writing anything."""
+    raise OSError(errno.ENOSPC, "No space left on device (injected by the reliability harness)")
+
+
+def fsize_limited_write(limit: int, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A real failing write(2): the writer may not grow a file past ``limit`` bytes (EFBIG)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return write(*args, **kwargs)
+
+
+def wrap_writes(ck: Checkpointer, when: Callable[[], bool], wrap: Callable[[Any], Any]) -> None:
+    """Make ``ck``'s next save requests run ``wrap(async_fn)`` while ``when()`` holds."""
+    make = ck._request
+
+    def request(state: Any, workdir: Path) -> Any:
+        req = make(state, workdir)
+        return req._replace(async_fn=wrap(req.async_fn)) if when() else req
+
+    ck._request = request  # type: ignore[method-assign]
+
+
+def install_crash_hook(ck: Checkpointer, phase: str, rank: int, kill_iter: int, now: dict,
+                       marker_dir: str) -> None:
+    """Hold this rank (or its writer) at ``phase`` of the save of ``kill_iter``."""
+    at_kill = lambda: now["it"] == kill_iter  # noqa: E731
+    hold = partial(_hold, marker_dir, phase, rank)
+    if phase == "staging":
+        stage = ck._stage
+
+        def staged(state: Any, record: Any) -> None:
+            stage(state, record)
+            if at_kill():
+                hold()
+
+        ck._stage = staged  # type: ignore[method-assign]
+    elif phase == "write":
+        marker = str(Path(marker_dir, f"hit_write_r{rank}"))
+        wrap_writes(ck, at_kill, lambda fn: partial(hold_in_writer, marker, HOLD_S, fn))
+    elif phase == "before_rename":
+        ck._before_commit = lambda record: hold() if record.iteration == kill_iter else None
+    elif phase == "after_rename":  # _replace_dir(src, dst=<root>/iter_XXXXXXX)
+        _hold_after(ckpt_mod, "_replace_dir", lambda src, dst: int(dst.name[5:]) == kill_iter, hold)
+    elif phase == "after_tracker":  # _atomic_write(<tracker>, "<iteration>\n")
+        _hold_after(ckpt_mod, "_atomic_write", lambda path, text: int(text) == kill_iter, hold)
+
+
+def _hold_after(module: Any, name: str, match: Callable[..., bool], hold: Callable[[], None]) -> None:
+    """Wrap ``module.name``: run it, then hold when its arguments are the kill iteration's (the
+    commit of iteration N runs inside save(N+1), so the loop's iteration would be one late)."""
+    real = getattr(module, name)
+
+    def then_hold(*args: Any) -> None:
+        real(*args)
+        if match(*args):
+            hold()
+
+    setattr(module, name, then_hold)
+
+
+# -- crash job ------------------------------------------------------------------------------------
+def crash_job(rank: int, world: int, spec: dict) -> None:
+    """One job of a crash trial: verify what the previous (killed) job left, then save every
+    step until the harness kills it (or ``saves`` steps are done)."""
+    import torch.distributed as dist
+
+    root, out = Path(spec["root"]), Path(spec["out"])
+    with Checkpointer(options_for(spec["mode"]), job_id=spec["job_id"]) as ck:  # sweeps orphans
+        verified = verify_committed(ck, rank, world, root)
+        verified["shm_dead_owner_after_start"] = len(dead_owner_segments(spec["campaign"]))
+        start = verified["tracker"] or 0
+        _write_json(out / f"verify_r{rank}.json", verified)
+        dist.barrier()
+        if rank == 0:
+            prune(root, start - 1 if start else None)
+            _write_json(out / "ready.json", {"start": start, "time": time.time()})
+        dist.barrier()
+        kill_iter = start + spec.get("kill_offset", 2)
+        now = {"it": 0}
+        if spec.get("phase") in PHASES and rank == spec.get("hook_rank", 0):
+            install_crash_hook(ck, spec["phase"], rank, kill_iter, now, str(out))
+        run_saves(ck, rank, world, root, range(start + 1, start + 1 + spec["saves"]), now,
+                  hold_before_save=(spec.get("phase") == "before_save"
+                                    and rank == spec.get("hook_rank", 0)),
+                  kill_iter=kill_iter, marker_dir=str(out))
+        ck.maybe_finalize(blocking=True)
+    if rank == 0:
+        _write_json(out / "finished.json", {"tracker": read_tracker(root), "time": time.time()})
+
+
+def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: range, now: dict,
+              *, hold_before_save: bool = False, kill_iter: int = -1, marker_dir: str = "") -> None:
+    live = trial_state(0, rank)
+    for it in iterations:
+        now["it"] = it
+        for k, v in trial_state(it, rank).items():
+            live[k].copy_(v)  # same storage every step (constant structure)
+        if hold_before_save and it == kill_iter:
+            _hold(marker_dir, "before_save", rank)
+        ck.save(sharded(rank, world, live), root, iteration=it)
+        for v in live.values():
+            v.fill_(-1)  # training moves on at once: the checkpoint must not see this
+        ck.maybe_finalize()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+# -- worker death -------------------------------------------------------------------------------
+def _persistent_process(ck: Checkpointer) -> Any:
+    caller = getattr(ck._queue, "persistent_caller", None)
+    process = getattr(caller, "process", None)
+    if process is None:
+        raise RuntimeError("no persistent writer process to kill")
+    return process
+
+
+def _wait_for(path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+    time.sleep(0.05)
+    return path.read_text()
+
+
+def worker_death(rank: int, world: int, root: str, mode: str, how: str, out: str,
+                 timeout_s: int = 60) -> None:
+    """Save 1 commits; the save of 2 fails on the victim rank (the last one) in the way ``how``
+    says; every rank must raise CheckpointWriteError in bounded time, the tracker must still
+    name 1 and load it; a retry (save 3) must commit; close() must leave no child process.
+
+    ``how``: ``kill`` (SIGKILL the writer mid-write), ``kill_idle`` (SIGKILL the persistent
+    worker between saves), ``hang`` (the writer never finishes; --ckpt-timeout 3), ``enospc``
+    (the write raises ENOSPC), ``fsize`` (a real write(2) fails with EFBIG)."""
+    import psutil
+
+    rootp, victim = Path(root), rank == world - 1
+    ck_timeout = 3 if how == "hang" else timeout_s
+    result: dict[str, Any] = {"rank": rank, "mode": mode, "how": how}
+    ck = Checkpointer(options_for(mode, ckpt_timeout=ck_timeout))
+    live = trial_state(1, rank)
+    ck.save(sharded(rank, world, live), rootp, iteration=1)
+    ck.maybe_finalize(blocking=True)
+    marker = Path(out, f"writer_r{rank}")
+    if victim:
+        _inject(ck, how, marker)
+    t0 = time.perf_counter()
+    try:
+        for k, v in trial_state(2, rank).items():
+            live[k].copy_(v)
+        ck.save(sharded(rank, world, live), rootp, iteration=2)
+        if victim and how == "kill":
+            os.kill(int(_wait_for(marker, 60)), signal.SIGKILL)
+        ck.maybe_finalize(blocking=True)
+        result["error"] = None
+    except CheckpointWriteError as e:
+        result["error"] = str(e)
+    result["seconds_to_error"] = round(time.perf_counter() - t0, 3)
+    result["tracker_after_failure"] = read_tracker(rootp)
+    result["iter2_committed"] = checkpoint_name(rootp, 2).exists()
+    like = {k: torch.zeros_like(v) for k, v in trial_state(0, rank).items()}
+    got = ck.load(sharded(rank, world, like), rootp)
+    result["previous_intact"] = all(torch.equal(got[k], v) for k, v in trial_state(1, rank).items())
+    for k, v in trial_state(3, rank).items():  # the documented retry: the next save just works
+        live[k].copy_(v)
+    ck.save(sharded(rank, world, live), rootp, iteration=3)
+    ck.maybe_finalize(blocking=True)
+    result["tracker_after_retry"] = read_tracker(rootp)
+    got = ck.load(sharded(rank, world, like), rootp)
+    result["retry_intact"] = all(torch.equal(got[k], v) for k, v in trial_state(3, rank).items())
+    ck.close()
+    me = psutil.Process()
+    _, alive = psutil.wait_procs(me.children(recursive=True), timeout=10)
+    result["children_after_close"] = [f"{p.pid}:{p.name()}" for p in alive]
+    _write_json(Path(out, f"death_r{rank}.json"), result)
+
+
+def _inject(ck: Checkpointer, how: str, marker: Path) -> None:
+    once = {"armed": True}
+
+    def first() -> bool:  # only the save of iteration 2 (the retry must write normally)
+        armed, once["armed"] = once["armed"], False
+        return armed
+
+    if how == "kill":
+        wrap_writes(ck, first, lambda fn: partial(hold_in_writer, str(marker), HOLD_S, fn))
+    elif how == "hang":
+        wrap_writes(ck, first, lambda fn: partial(hold_in_writer, str(marker), 3600.0, fn))
+    elif how == "enospc":
+        wrap_writes(ck, first, lambda fn: partial(failing_write, fn))
+    elif how == "fsize":
+        wrap_writes(ck, first, lambda fn: partial(fsize_limited_write, 1024, fn))
+    elif how == "kill_idle":  # dead (and reaped) before the next save starts
+        process = _persistent_process(ck)
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(timeout=30)
+    else:
+        raise ValueError(f"unknown worker-death case {how!r}")
+
+
+# -- soak -----------------------------------------------------------------------------------------
+def soak(rank: int, world: int, root: str, mode: str, saves: int, out: str,
+         sample_every: int = 10, verify_every: int = 20) -> None:
+    """``saves`` async saves of a constant structure; every ``sample_every`` saves (after a
+    blocking finalize) sample RSS, our /dev/shm bytes, open fds and child processes; every
+    ``verify_every`` saves load that checkpoint back bit-exact; older checkpoints are deleted."""
+    import psutil
+
+    rootp, me = Path(root), psutil.Process()
+    job = f"soak{os.getppid()}"
+    samples, verified, mismatched = [], [], []
+    now = {"it": 0}
+    with Checkpointer(options_for(mode), job_id=job) as ck:
+        live = trial_state(0, rank)
+        ck.prepare(sharded(rank, world, live))
+        for it in range(1, saves + 1):
+            run_saves(ck, rank, world, rootp, range(it, it + 1), now)
+            if it % sample_every and it % verify_every:
+                continue
+            ck.maybe_finalize(blocking=True)
+            if it % verify_every == 0:
+                like = {k: torch.zeros_like(v) for k, v in trial_state(0, rank).items()}
+                got = ck.load(sharded(rank, world, like), rootp, iteration=it)
+                same = all(torch.equal(got[k], v) for k, v in trial_state(it, rank).items())
+                (verified if same else mismatched).append(it)
+            torch.distributed.barrier()
+            if rank == 0:
+                prune(rootp, it)
+            if it % sample_every == 0:
+                samples.append(_sample(me, job, rank, it))
+    _write_json(Path(out, f"soak_r{rank}.json"), {"samples": samples, "verified": verified,
+                                                   "mismatched": mismatched})
+
+
+def _sample(me: Any, job: str, rank: int, it: int) -> dict:
+    children = me.children(recursive=True)
+    return {"save": it, "rss": me.memory_info().rss,
+            "children_rss": sum(_rss(p) for p in children),
+            "shm_bytes": sum(p.stat().st_size for p in shm_segments(f"{job}_{rank}")),
+            "fds": me.num_fds(), "children": len(children)}
+
+
+def _rss(p: Any) -> int:
+    try:
+        return p.memory_info().rss
+    except Exception:  # noqa: BLE001 - a child that just exited
+        return 0
+
+
+# -- entry point of a crash-job rank (started by scripts/reliability.py) -------------------------
+def rank_main(spec_path: str) -> None:
+    """``python -c 'import tests.functional._reliability_workers as w; w.rank_main(SPEC)'``
+    with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set: one rank of a crash job."""
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device() == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device() == "cuda" else "gloo")
+    try:
+        crash_job(rank, world, spec)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # see tests/functional/_dist.py: torch 2.13's exit-time teardown can abort
