@@ -414,8 +414,12 @@ class Checkpointer:
         before = self._queue.get_num_unfinalized_calls()
         try:
             self._queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
-        except Exception as e:  # a write that raised: megatron-core raises it on every rank
-            raise self._abandon(f"its write or commit failed: {type(e).__name__}: {e}") from e
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        # a write that raised: the backend raises it on every rank, as torch's CheckpointException
+        # (a BaseException, not an Exception) from nvrx 0.7's finalize, else as a RuntimeError
+        except BaseException as e:  # noqa: BLE001
+            raise self._abandon(f"its write or commit failed: {_failure_text(e)}") from e
         # Count, do not trust the returned indices: nvrx 0.4-0.7 return each request's own
         # call_idx, which the queue never sets (always 0). Calls finalize in schedule order.
         finished = before - self._queue.get_num_unfinalized_calls()
@@ -687,6 +691,21 @@ def _trace_event(folder: str | None, what: str, **fields: Any) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / "writer_trace.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+def _failure_text(e: BaseException) -> str:
+    """One line for a failed write: torch's CheckpointException names each failing rank's own
+    exception (``failures``), which its ``str`` leaves out."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # torch wraps each as (exception, traceback frames) (WRAPPED_EXCEPTION)
+        failures = {rank: exc[0] if isinstance(exc, tuple) and exc and
+                    isinstance(exc[0], BaseException) else exc for rank, exc in failures.items()}
+        parts = [f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+                 if str(exc).strip() else f"rank {rank}: {type(exc).__name__}"
+                 for rank, exc in sorted(failures.items())]
+        return f"{type(e).__name__} ({'; '.join(parts)})"
+    return f"{type(e).__name__}: {str(e).strip()[:500]}"
 
 
 def _tracker_text(root: Path) -> str:

@@ -290,8 +290,14 @@ def death_case(mode: str, how: str, *, world: int, timeout_s: int = 60) -> dict:
     """One worker-death run: per-rank results and the checks, with failures counted."""
     with tempfile.TemporaryDirectory(prefix="mcx_death_") as tmp:
         t0 = time.perf_counter()
-        run_ranks(rw.worker_death, world_size=world, timeout=180,
-                  args=(str(Path(tmp, "ckpt")), mode, how, tmp, timeout_s))
+        try:
+            run_ranks(rw.worker_death, world_size=world, timeout=180,
+                      args=(str(Path(tmp, "ckpt")), mode, how, tmp, timeout_s))
+        except Exception as e:  # noqa: BLE001 - a rank that crashed or hung is this case's failure
+            return {"mode": mode, "how": how, "world": world,
+                    "wall_s": round(time.perf_counter() - t0, 1), "max_seconds_to_error": -1.0,
+                    "checks": {"ranks_finished": False}, "failures": 1,
+                    "messages": [f"ranks did not finish: {type(e).__name__}: {e}"]}
         wall = time.perf_counter() - t0
         ranks = [json.loads(Path(tmp, f"death_r{r}.json").read_text()) for r in range(world)]
     bound = 3 + 10 if how == "hang" else 10.0  # seconds from save(2) to the error, every rank

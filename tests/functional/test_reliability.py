@@ -55,7 +55,8 @@ def test_sigkill_at_every_phase_leaves_the_last_commit_loadable_and_nothing_behi
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode,how", [("persistent-shm", "kill"), ("temporal", "kill"),
-                                      ("persistent-shm", "kill_idle"), ("temporal", "enospc")])
+                                      ("persistent-shm", "kill_idle"), ("temporal", "enospc"),
+                                      ("persistent-shm", "fsize")])
 def test_writer_death_or_failure_raises_on_every_rank_and_keeps_the_previous_checkpoint(mode, how):
     case = rel.death_case(mode, how, world=world())
     assert case["failures"] == 0, case
