@@ -256,13 +256,26 @@ class Checkpointer:
         return f"async-{worker}" + ("-cpu-shm" if self._cpu_shm else "")
 
     def _prepare_dir(self, record: _Save) -> Path:
+        """Rank 0 creates the save's working directory; every rank learns whether it could (one
+        small all-reduce in place of a barrier), so an unwritable root is an error on every rank
+        before anything is staged, not rank 0 alone dying while the others wait."""
         workdir = _incomplete(record.root, record.iteration)
+        error: OSError | None = None
         if _rank() == 0:
-            record.root.mkdir(parents=True, exist_ok=True)
-            if workdir.exists():
-                shutil.rmtree(workdir)
-            workdir.mkdir()
-        self._barrier()
+            try:
+                record.root.mkdir(parents=True, exist_ok=True)
+                if workdir.exists():
+                    shutil.rmtree(workdir)
+                workdir.mkdir()
+            except OSError as e:
+                error = e
+        (failed,) = self._all_max([1.0 if error is not None else 0.0])
+        if failed:
+            cause = f" ({type(error).__name__}: {error})" if error is not None else " (see rank 0)"
+            raise CheckpointWriteError(
+                f"checkpoint iteration {record.iteration}: cannot create {workdir} on rank 0"
+                f"{cause}. Nothing was written. Fix: point the checkpoint directory (--save) at a "
+                "writable directory.") from error
         return workdir
 
     def _stage(self, state: Any, record: _Save) -> None:

@@ -217,3 +217,26 @@ def replicated_fully_parallel_load(rank: int, world: int, root: str) -> None:
         ck.maybe_finalize(blocking=True)
         got = ck.load(make(torch.zeros_like(weight), torch.zeros_like(bias)), root)
     assert torch.equal(got["w"], weight) and torch.equal(got["b"], bias)
+
+
+def unwritable_root(rank: int, world: int, root: str, options: dict) -> None:
+    """The root lies under a regular file: rank 0 cannot create it. Every rank must raise
+    CheckpointWriteError naming the path (no rank left waiting), and nothing is created."""
+    from megatron_ckpt_ext.checkpointer import CheckpointWriteError
+
+    blocker = Path(root).parent
+    if rank == 0:
+        blocker.parent.mkdir(parents=True, exist_ok=True)
+        blocker.write_text("a regular file\n")
+    torch.distributed.barrier()
+    ck = Checkpointer(CkptOptions(**options))
+    try:
+        ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
+    except CheckpointWriteError as e:
+        assert f"cannot create {root}/iter_0000001.incomplete on rank 0" in str(e), str(e)
+        assert "(--save)" in str(e) and ("NotADirectoryError" in str(e) or rank != 0), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: save under a regular file did not raise")
+    finally:
+        ck.close()
+    assert blocker.is_file()

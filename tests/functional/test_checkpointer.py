@@ -95,3 +95,9 @@ def test_cpu_shm_writer_holds_no_cuda_context(tmp_path):
 @pytest.mark.skipif(device() != "cuda", reason="megatron-core's shard exchange runs on CUDA")
 def test_fully_parallel_load_exchanges_replicated_shards(tmp_path):
     run_ranks(w.replicated_fully_parallel_load, args=(str(tmp_path),))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-persistent-cpu-shm-constant"])
+def test_unwritable_root_raises_on_every_rank_before_staging(mode, tmp_path):
+    root = tmp_path / "afile" / "ckpt"
+    run_ranks(w.unwritable_root, args=(str(root), MODES[mode]), timeout=120)
