@@ -1,7 +1,7 @@
 """CPU device shim: lets the stock megatron-core / nvrx save paths run on CPU-only torch.
 
-The stock save paths call ``torch.cuda.synchronize()`` after their device-to-host preload and
-build the cross-rank agreement tensors on ``torch.cuda.current_device()``. On a torch built
+The stock save paths synchronise the CUDA device after their device-to-host preload and build
+the cross-rank agreement tensors on ``torch.cuda.current_device()``. On a torch built
 without CUDA both raise. This shim is the smallest honest fix we found (measured on megatron-core
 0.16.1 + nvrx 0.4.1/0.7.0): it is installed **only when** ``torch.cuda.is_available()`` is False,
 and then replaces exactly two functions:

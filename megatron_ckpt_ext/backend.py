@@ -42,7 +42,9 @@ import importlib.util
 import inspect
 import logging
 import platform
+import queue as queue_mod
 import re
+import signal
 import sys
 import threading
 import warnings
@@ -50,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping
+
+from .options import env_switch
 
 __all__ = [
     "BackendUnavailable",
@@ -917,9 +921,8 @@ def prime_write_results_queue() -> bool:
     context). Returns whether megatron-core's queue is in place; False (lazy, as before) on an
     unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy."""
     import multiprocessing as mp
-    import os
 
-    if "fork" not in mp.get_all_start_methods() or os.environ.get("MCX_PRIME_RESULTS_QUEUE") == "0":
+    if "fork" not in mp.get_all_start_methods() or env_switch("MCX_PRIME_RESULTS_QUEUE") == "0":
         return False
     primed = {}
     for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{NVRX_ASYNC}.filesystem_async"):
@@ -957,10 +960,9 @@ def spawn_skips_main() -> Any:
     pickled bytes), so while it is started ``sys.modules["__main__"]`` is a bare module without
     ``__file__``/``__spec__``: multiprocessing then has no main to re-import. Set
     ``MCX_SPAWN_IMPORTS_MAIN=1`` to keep the default behaviour."""
-    import os
     import types
 
-    if os.environ.get("MCX_SPAWN_IMPORTS_MAIN") == "1":
+    if env_switch("MCX_SPAWN_IMPORTS_MAIN") == "1":
         yield
         return
     main = sys.modules.get("__main__")
@@ -1005,11 +1007,10 @@ def writer_keeps_snapshots(is_snapshot: Callable[[Any], bool]) -> Any:
     segment to pickle it for the persistent worker (3.2-3.9 s). Used only around the request's
     planning, only where :func:`writer_clones_cpu_tensors`; ``MCX_KEEP_WRITER_CLONES=1`` keeps
     the clones."""
-    import os
 
     import torch
 
-    if os.environ.get("MCX_KEEP_WRITER_CLONES") == "1" or not writer_clones_cpu_tensors():
+    if env_switch("MCX_KEEP_WRITER_CLONES") == "1" or not writer_clones_cpu_tensors():
         yield False
         return
     original = torch.Tensor.clone
@@ -1030,23 +1031,22 @@ def without_host_preload(request: Any) -> Any:
     """``request`` without its preload function when that would only move CPU tensors to the
     CPU; the request unchanged otherwise (or where ``MCX_KEEP_PRELOAD=1``).
 
-    megatron-core's async writer hands nvrx ``partial(preload_tensors, write_buckets, True)``:
-    copy each bucket's tensors to the host, then ``torch.cuda.synchronize()``. Our cpu-shm
-    staging already put every tensor in host memory, so the copies are no-ops, but the
-    synchronize is not: nvrx's persistent worker runs the preload itself (``cpu_shm_mode``
-    skipped its CUDA start-up), so the first one creates a CUDA context in the writer, about
-    8 s of the first save's write on the H100 (27 MB took 8.4 s to be durable, 0.4 s after),
-    and a context we promise the writer does not hold. Without a preload nvrx also skips its
-    hand-over (the trainer's join on the worker's preload), so scheduling returns once the
-    request is queued. Recognised by shape (a ``functools.partial`` of a function named
-    ``preload_tensors`` over a list of write buckets), never by version."""
+    megatron-core's own async writer (used with megatron-core 0.16, or 0.19 without nvrx) hands
+    the queue ``partial(preload_tensors, write_buckets, True)``: copy each bucket's tensors to
+    the host, then a CUDA device synchronize. After our staging every tensor is already in host
+    memory, so the preload does nothing useful, but a persistent worker runs it and the trainer
+    joins on that hand-over: measured on CPU (megatron-core 0.16.1 writer, nvrx 0.7.0 queue,
+    0.1 GB), scheduling took 0.17-0.35 s per save with the preload and under 0.01 s without.
+    Without it no synchronize runs in the writer either. nvrx 0.7's own writer (megatron-core
+    0.19 with nvrx) builds its buckets in its preload: another shape, left alone. Recognised by
+    shape (a ``functools.partial`` of a function named ``preload_tensors`` over a list of write
+    buckets), never by version."""
     import functools
-    import os
 
     import torch
 
     preload = getattr(request, "preload_fn", None)
-    if preload is None or os.environ.get("MCX_KEEP_PRELOAD") == "1":
+    if preload is None or env_switch("MCX_KEEP_PRELOAD") == "1":
         return request
     if not (isinstance(preload, functools.partial)
             and getattr(preload.func, "__name__", "") == "preload_tensors"
@@ -1075,14 +1075,13 @@ def persistent_worker_forks(queue: Any, *, cpu_shm_mode: bool) -> Any:
     megatron-core's temporal writer and write-results queue already use after CUDA
     initialisation. Cost: the worker shares the trainer's pages copy-on-write (bounded by the
     trainer's host memory at start-up). ``MCX_PERSISTENT_WORKER_START=spawn`` keeps spawn."""
-    import os
 
     import torch
 
     module = sys.modules.get(type(queue).__module__)  # the module whose mp starts the worker
     mp = getattr(module, "mp", None)
     safe = cpu_shm_mode or not (torch.cuda.is_available() and torch.cuda.is_initialized())
-    if (os.environ.get("MCX_PERSISTENT_WORKER_START", "fork") == "spawn" or mp is None
+    if (env_switch("MCX_PERSISTENT_WORKER_START") == "spawn" or mp is None
             or not hasattr(mp, "get_context") or not safe):
         yield False
         return
@@ -1217,3 +1216,111 @@ def _fsdp_dist(module_name: str) -> str:
 
 
 __all__ += ["FsdpApi", "fsdp_symm_mem_support", "megatron_fsdp_api"]
+
+
+# -- the async queue's writers (shapes probed here, used by the checkpointer) -----------------
+# The queue of nvrx 0.4-0.7 and megatron-core's own share these shapes: ``async_calls`` (a deque
+# of (idx, caller, request)), a temporal caller's forked ``process`` per save, a persistent
+# caller's long-lived ``process`` with ``comp_q`` (finished call indices, read into ``cur_item``)
+# and ``preload_q`` (the hand-over the trainer joins). Anything else reads as "running", so an
+# unknown shape degrades to the timeout, never to a false error.
+def persistent_caller(queue: Any) -> Any:
+    return getattr(queue, "persistent_caller", None) if getattr(queue, "persistent", False) else None
+
+
+def async_writer_state(queue: Any) -> tuple[str, str]:
+    """This rank's writer for the oldest pending call: ("done" | "running" | "dead", detail)."""
+    calls = getattr(queue, "async_calls", None)
+    if not calls:
+        caller = persistent_caller(queue)  # idle: is the persistent worker still there?
+        return ("dead", _writer_exit_text(caller.process)) if _writer_died(caller) else ("done", "")
+    caller = calls[0].async_caller
+    process = getattr(caller, "process", None)
+    if hasattr(caller, "comp_q"):  # persistent: done once it reported the call
+        if caller.cur_item is None:
+            with contextlib.suppress(queue_mod.Empty):
+                caller.cur_item = caller.comp_q.get_nowait()
+        if caller.cur_item is not None or process is None:
+            return "done", ""
+        return ("running", "") if process.is_alive() else ("dead", _writer_exit_text(process))
+    if process is None or process.is_alive():
+        return ("done", "") if process is None else ("running", "")
+    return ("done", "") if process.exitcode == 0 else ("dead", _writer_exit_text(process))
+
+
+def _writer_died(caller: Any) -> bool:
+    process = getattr(caller, "process", None)
+    return process is not None and not process.is_alive()
+
+
+def _writer_exit_text(process: Any) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"writer pid {process.pid} was killed by {signal.Signals(-code).name}"
+    return f"writer pid {process.pid} exited with code {code}; its traceback is in that rank's log"
+
+
+def stop_async_writers(queue: Any) -> None:
+    """Kill this queue's writer processes and forget its calls, so nothing waits on them (the
+    queue's own close would join a dead worker's queue forever)."""
+    callers = [call.async_caller for call in getattr(queue, "async_calls", ())]
+    callers.append(persistent_caller(queue))
+    for caller in filter(None, callers):
+        process = getattr(caller, "process", None)
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+            caller.process = None
+        for name in ("queue", "preload_q", "comp_q"):  # no exit-time flush into a dead pipe
+            with contextlib.suppress(Exception):
+                getattr(caller, name).cancel_join_thread()
+    with contextlib.suppress(AttributeError):
+        queue.async_calls.clear()
+
+
+@contextlib.contextmanager
+def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05) -> Any:
+    """While a request is handed to the persistent worker, the trainer joins the worker's
+    preload queue; if the worker dies meanwhile, release that join (the next maybe_finalize then
+    reports the dead worker on every rank) instead of waiting forever."""
+    caller = persistent_caller(queue)
+    if caller is None or not hasattr(caller, "preload_q"):
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            if _writer_died(caller):
+                with contextlib.suppress(ValueError):  # the worker had already released it
+                    caller.preload_q.task_done()
+                return
+
+    watcher = threading.Thread(target=watch, name="mcx-preload-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def checkpoint_failure_text(e: BaseException) -> str:
+    """One line for a failed write: torch's CheckpointException names each failing rank's own
+    exception (``failures``), which its ``str`` leaves out."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # torch wraps each as (exception, traceback frames) (WRAPPED_EXCEPTION)
+        failures = {rank: exc[0] if isinstance(exc, tuple) and exc and
+                    isinstance(exc[0], BaseException) else exc for rank, exc in failures.items()}
+        parts = [f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+                 if str(exc).strip() else f"rank {rank}: {type(exc).__name__}"
+                 for rank, exc in sorted(failures.items())]
+        return f"{type(e).__name__} ({'; '.join(parts)})"
+    return f"{type(e).__name__}: {str(e).strip()[:500]}"
+
+
+__all__ += ["async_writer_state", "checkpoint_failure_text", "persistent_caller",
+            "stop_async_writers", "unblock_hand_over_if_worker_dies"]

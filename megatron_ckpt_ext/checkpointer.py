@@ -32,10 +32,8 @@ import contextlib
 import json
 import logging
 import os
-import queue as queue_mod
 import shutil
 import signal
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -45,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from . import _cpu_shim, backend, preflight, strategy
-from .options import CkptOptions
+from .options import CkptOptions, env_switch
 from .validation import check
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
@@ -91,6 +89,7 @@ class _Save:
     staging_s: float = 0.0
     mode: str = ""
     host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
+    snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see _PHASES
     extra: dict = field(default_factory=dict)
 
@@ -143,8 +142,7 @@ class Checkpointer:
         self._queue_started = time.perf_counter()
         self._queue = self._make_queue() if self._async else None
         t0 = time.perf_counter()
-        with _forks_die_with_this_process():
-            self._primed = backend.prime_write_results_queue()
+        self._prime_results_queue()
         self.startup = {"write_results_queue_s": round(time.perf_counter() - t0, 6)}
 
     # -- construction ------------------------------------------------------------------------
@@ -165,11 +163,6 @@ class Checkpointer:
         # The worker needs no CUDA where nvrx honours cpu_shm_mode: then it is forked (ready in
         # ms, see backend.persistent_worker_forks); else spawned without re-importing __main__.
         no_cuda = self._cpu_shm and self.caps.worker_cpu_shm_skips_cuda
-        if persistent and self.caps.warmup_persistent_caller:
-            with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda), \
-                    backend.spawn_skips_main():
-                backend.call_with_supported(queue.warmup_persistent_caller, _rank(),
-                                            is_daemon=True, cpu_shm_mode=self._cpu_shm)
         if persistent:
             # The worker imports megatron-core's writer modules only when it unpickles the first
             # request (seconds, inside the first save: the trainer waits for its preload). A
@@ -179,6 +172,9 @@ class Checkpointer:
                                                finalize_fns=[])
             with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda), \
                     backend.spawn_skips_main():
+                if self.caps.warmup_persistent_caller:
+                    backend.call_with_supported(queue.warmup_persistent_caller, _rank(),
+                                                is_daemon=True, cpu_shm_mode=self._cpu_shm)
                 self._pending[queue.schedule_async_request(warm)] = None
         return queue
 
@@ -231,16 +227,17 @@ class Checkpointer:
         else:
             record.nbytes = _state_bytes(state)
         t = record.phase("stage_s", t)
-        request = self._request(state, workdir)
+        request = self._request(state, workdir, record.snapshots)
         t = record.phase("plan_s", t)
         if self._async:
             request.add_finalize_fn(lambda: self._commit(record))
-            with _unblock_if_worker_dies(self._queue), _forks_die_with_this_process():
+            with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=_POLL_S), \
+                    _forks_die_with_this_process():
                 call_idx = self._queue.schedule_async_request(request)
             self._pending[call_idx] = record
             del request, state
             record.phase("schedule_s", t)
-            _trace_event(os.environ.get("MCX_WRITER_TRACE"), "scheduled",
+            _trace_event(env_switch("MCX_WRITER_TRACE"), "scheduled",
                          iteration=record.iteration)
         else:
             request.execute_sync()
@@ -292,7 +289,7 @@ class Checkpointer:
         else:
             copies = [t.data.detach().to("cpu", copy=True) for t in tensors]
             record.staged = copies
-        self._snapshot_ptrs = {c.untyped_storage().data_ptr() for c in copies}
+        record.snapshots = frozenset(c.untyped_storage().data_ptr() for c in copies)
         swap = iter(copies)
         backend.map_sharded_tensors(state, lambda t: replace(t, data=next(swap)))
         record.nbytes = sum(c.numel() * c.element_size() for c in copies)
@@ -300,17 +297,17 @@ class Checkpointer:
                              else record.nbytes)
         record.staging_s = time.perf_counter() - t0
 
-    def _request(self, state: Any, workdir: Path) -> Any:
+    def _request(self, state: Any, workdir: Path, snapshots: frozenset) -> Any:
+        """megatron-core's save request; ``snapshots`` (this save's staged copies, async only)
+        need not be cloned again by the writer."""
         dc = backend.dist_checkpointing()
-        # this save's own staged copies (async; _stage): the writer need not clone them again
-        storages = getattr(self, "_snapshot_ptrs", frozenset()) if self._async else frozenset()
         with backend.writer_keeps_snapshots(
-                lambda t: t.untyped_storage().data_ptr() in storages):
+                lambda t: t.untyped_storage().data_ptr() in snapshots):
             request = dc.save(state, str(workdir), self._save_strategy(state),
                               async_sharded_save=True)
         request = backend.without_host_preload(request)
         request = strategy.sequential_request(request, self.options)
-        trace = os.environ.get("MCX_WRITER_TRACE")
+        trace = env_switch("MCX_WRITER_TRACE")
         if trace:
             request = _traced_request(request, trace)
         if self._cpu_shim:
@@ -342,7 +339,7 @@ class Checkpointer:
             _replace_dir(_incomplete(record.root, record.iteration), final)
             _atomic_write(record.root / TRACKER, f"{record.iteration}\n")
         self._barrier()
-        _trace_event(os.environ.get("MCX_WRITER_TRACE"), "committed", iteration=record.iteration)
+        _trace_event(env_switch("MCX_WRITER_TRACE"), "committed", iteration=record.iteration)
         self._release(record)
         self._report(record, ranks)
 
@@ -360,9 +357,7 @@ class Checkpointer:
                  *(record.phases.get(name, 0.0) for name in _PHASES)]
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return {"max": local, "bytes_total": record.nbytes, "world": 1, "at": now}
-        group = self.process_group
-        on_cuda = torch.distributed.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        group, device = self.process_group, self._collective_device()
         stats = torch.tensor(local, dtype=torch.float64, device=device)
         torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
         total = torch.tensor([float(record.nbytes)], dtype=torch.float64, device=device)
@@ -432,7 +427,8 @@ class Checkpointer:
         # a write that raised: the backend raises it on every rank, as torch's CheckpointException
         # (a BaseException, not an Exception) from nvrx 0.7's finalize, else as a RuntimeError
         except BaseException as e:  # noqa: BLE001
-            raise self._abandon(f"its write or commit failed: {_failure_text(e)}") from e
+            raise self._abandon(
+                f"its write or commit failed: {backend.checkpoint_failure_text(e)}") from e
         # Count, do not trust the returned indices: nvrx 0.4-0.7 return each request's own
         # call_idx, which the queue never sets (always 0). Calls finalize in schedule order.
         finished = before - self._queue.get_num_unfinalized_calls()
@@ -443,7 +439,7 @@ class Checkpointer:
         """Collective: True while some rank's writer is still running. Raises on every rank
         when any rank's writer died or ran past the timeout (``before``: the save about to
         start, for the message)."""
-        state, detail = _writer_state(self._queue)
+        state, detail = backend.async_writer_state(self._queue)
         timed_out = state == "running" and time.perf_counter() > self._head_deadline()
         dead = state == "dead"
         local = [float(state == "running"), float(dead), float(timed_out),
@@ -459,11 +455,16 @@ class Checkpointer:
     def _all_max(self, values: list[float]) -> list[float]:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return values
-        on_cuda = torch.distributed.get_backend(self.process_group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-        t = torch.tensor(values, dtype=torch.float64, device=device)
+        t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         return t.tolist()
+
+    def _collective_device(self) -> torch.device:
+        """Where this group's small collectives run: the current CUDA device for NCCL (only an
+        NCCL group gets here, so CUDA is initialised), else the CPU."""
+        if torch.distributed.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _head_deadline(self) -> float:
         record = next(iter(self._pending.values()), None) if self._pending else None
@@ -500,7 +501,7 @@ class Checkpointer:
     def _kill_writers(self) -> None:
         queue, self._queue = self._queue, None
         if queue is not None:
-            _stop_writers(queue)
+            backend.stop_async_writers(queue)
         for record in self._pending.values():
             if record is not None:
                 self._release(record)
@@ -508,8 +509,11 @@ class Checkpointer:
         # Other ranks' finished writers left their results in the global write-results queue,
         # where the next save would read them as its own: start a fresh queue.
         backend.shutdown_write_results_queues()
-        with _forks_die_with_this_process():
-            self._primed = backend.prime_write_results_queue()
+        self._prime_results_queue()
+
+    def _prime_results_queue(self) -> None:
+        with _forks_die_with_this_process():  # the Manager server dies with this trainer
+            backend.prime_write_results_queue()
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict:
@@ -539,7 +543,7 @@ class Checkpointer:
             drained = True
         finally:
             if self._queue is not None:
-                if drained and _writer_state(self._queue)[0] != "dead":
+                if drained and backend.async_writer_state(self._queue)[0] != "dead":
                     self._queue.close()
                     self._queue = None
                 else:  # the queue's own close would wait for a dead or unfinished writer
@@ -564,95 +568,6 @@ class Checkpointer:
     def _barrier(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier(group=self.process_group)
-
-
-# -- the async queue's writers ------------------------------------------------------------------
-# The queue of nvrx 0.4-0.7 and megatron-core's own share these shapes: ``async_calls`` (a deque
-# of (idx, caller, request)), a temporal caller's forked ``process`` per save, a persistent
-# caller's long-lived ``process`` with ``comp_q`` (finished call indices, read into ``cur_item``)
-# and ``preload_q`` (the hand-over the trainer joins). Anything else reads as "running", so an
-# unknown shape degrades to the timeout, never to a false error.
-def _persistent_caller(queue: Any) -> Any:
-    return getattr(queue, "persistent_caller", None) if getattr(queue, "persistent", False) else None
-
-
-def _writer_state(queue: Any) -> tuple[str, str]:
-    """This rank's writer for the oldest pending call: ("done" | "running" | "dead", detail)."""
-    calls = getattr(queue, "async_calls", None)
-    if not calls:
-        caller = _persistent_caller(queue)  # idle: is the persistent worker still there?
-        return ("dead", _exit_text(caller.process)) if _died(caller) else ("done", "")
-    caller = calls[0].async_caller
-    process = getattr(caller, "process", None)
-    if hasattr(caller, "comp_q"):  # persistent: done once it reported the call
-        if caller.cur_item is None:
-            with contextlib.suppress(queue_mod.Empty):
-                caller.cur_item = caller.comp_q.get_nowait()
-        if caller.cur_item is not None or process is None:
-            return "done", ""
-        return ("running", "") if process.is_alive() else ("dead", _exit_text(process))
-    if process is None or process.is_alive():
-        return ("done", "") if process is None else ("running", "")
-    return ("done", "") if process.exitcode == 0 else ("dead", _exit_text(process))
-
-
-def _died(caller: Any) -> bool:
-    process = getattr(caller, "process", None)
-    return process is not None and not process.is_alive()
-
-
-def _exit_text(process: Any) -> str:
-    code = process.exitcode
-    if code is not None and code < 0:
-        with contextlib.suppress(ValueError):
-            return f"writer pid {process.pid} was killed by {signal.Signals(-code).name}"
-    return f"writer pid {process.pid} exited with code {code}; its traceback is in that rank's log"
-
-
-def _stop_writers(queue: Any) -> None:
-    """Kill this queue's writer processes and forget its calls, so nothing waits on them (the
-    queue's own close would join a dead worker's queue forever)."""
-    callers = [call.async_caller for call in getattr(queue, "async_calls", ())]
-    callers.append(_persistent_caller(queue))
-    for caller in filter(None, callers):
-        process = getattr(caller, "process", None)
-        if process is not None:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
-            caller.process = None
-        for name in ("queue", "preload_q", "comp_q"):  # no exit-time flush into a dead pipe
-            with contextlib.suppress(Exception):
-                getattr(caller, name).cancel_join_thread()
-    with contextlib.suppress(AttributeError):
-        queue.async_calls.clear()
-
-
-@contextlib.contextmanager
-def _unblock_if_worker_dies(queue: Any) -> Any:
-    """While a request is handed to the persistent worker, the trainer joins the worker's
-    preload queue; if the worker dies meanwhile, release that join (the next maybe_finalize then
-    reports the dead worker on every rank) instead of waiting forever."""
-    caller = _persistent_caller(queue)
-    if caller is None or not hasattr(caller, "preload_q"):
-        yield
-        return
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.wait(_POLL_S):
-            if _died(caller):
-                with contextlib.suppress(ValueError):  # the worker had already released it
-                    caller.preload_q.task_done()
-                return
-
-    watcher = threading.Thread(target=watch, name="mcx-preload-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        watcher.join()
 
 
 def _traced_request(request: Any, folder: str) -> Any:
@@ -704,21 +619,6 @@ def _trace_event(folder: str | None, what: str, **fields: Any) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / "writer_trace.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
-
-
-def _failure_text(e: BaseException) -> str:
-    """One line for a failed write: torch's CheckpointException names each failing rank's own
-    exception (``failures``), which its ``str`` leaves out."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        # torch wraps each as (exception, traceback frames) (WRAPPED_EXCEPTION)
-        failures = {rank: exc[0] if isinstance(exc, tuple) and exc and
-                    isinstance(exc[0], BaseException) else exc for rank, exc in failures.items()}
-        parts = [f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
-                 if str(exc).strip() else f"rank {rank}: {type(exc).__name__}"
-                 for rank, exc in sorted(failures.items())]
-        return f"{type(e).__name__} ({'; '.join(parts)})"
-    return f"{type(e).__name__}: {str(e).strip()[:500]}"
 
 
 def _tracker_text(root: Path) -> str:

@@ -9,6 +9,10 @@ default. ``arguments.py`` derives the argparse group from these fields and
 Value checks (types and ranges) live here, in ``__post_init__``, because they hold for every source
 (CLI, config, code). Rules that relate several knobs, or a knob and the installed backend, live in
 ``validation.py``.
+
+The diagnostic environment switches (``MCX_*``: each turns one of our speed-ups off, or traces
+the writer) are defined here too, in :data:`ENV_SWITCHES`, and read only through
+:func:`env_switch`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-__all__ = ["CkptOptions", "CkptOptionsError", "Knob", "knobs"]
+__all__ = ["ENV_SWITCHES", "CkptOptions", "CkptOptionsError", "EnvSwitch", "Knob", "env_switch",
+           "knobs"]
 
 _SAME = object()  # sentinel: the config default equals the CLI default
 
@@ -313,3 +318,39 @@ def _config_section(doc: Any, path: Any) -> Mapping[str, Any]:
     if "megatron_cfg" in doc:
         return doc["megatron_cfg"] or {}
     return doc
+
+
+# -- diagnostic environment switches ------------------------------------------------------------
+@dataclass(frozen=True)
+class EnvSwitch:
+    """An ``MCX_*`` environment variable: its value when unset, and what setting it does."""
+
+    name: str
+    default: str
+    help: str
+
+
+ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
+    EnvSwitch("MCX_PERSISTENT_WORKER_START", "fork",
+              "spawn: start the persistent writer with spawn instead of fork"),
+    EnvSwitch("MCX_PICKLE_SEGMENTS_BY_NAME", "1",
+              "0: hand staged tensors to a spawned writer by fd, as torch does"),
+    EnvSwitch("MCX_PRIME_RESULTS_QUEUE", "1",
+              "0: start the writers' write-results queues (megatron-core's and nvrx's) in the "
+              "first save instead of at start-up"),
+    EnvSwitch("MCX_SPAWN_IMPORTS_MAIN", "0", "1: spawned writers re-import __main__"),
+    EnvSwitch("MCX_KEEP_WRITER_CLONES", "0",
+              "1: let nvrx 0.7's writer clone our staged copies again"),
+    EnvSwitch("MCX_KEEP_PRELOAD", "0",
+              "1: keep megatron-core's host preload even when every tensor is already staged "
+              "in host memory"),
+    EnvSwitch("MCX_WRITER_TRACE", "",
+              "<dir>: append each save's preload, write, results hand-back, schedule and commit "
+              "wall times to <dir>/writer_trace.jsonl"),
+)}
+
+
+def env_switch(name: str) -> str:
+    """The value of the registered switch ``name`` (its default when unset); KeyError for a name
+    not in :data:`ENV_SWITCHES`, so a misspelt switch fails where it is read."""
+    return os.environ.get(name, ENV_SWITCHES[name].default)

@@ -80,6 +80,8 @@ from typing import Sequence
 
 import torch
 
+from .options import env_switch
+
 __all__ = ["SHM_DIR", "SEGMENT_PREFIX", "ShmStager", "StagedBatch", "StagingKey", "sweep_orphans"]
 
 logger = logging.getLogger(__name__)
@@ -367,7 +369,7 @@ def _shared_segment(path: str, nbytes: int, *, key: str) -> torch.UntypedStorage
 
 def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int) -> None:
     global _reducer_installed
-    if os.environ.get("MCX_PICKLE_SEGMENTS_BY_NAME", "1") == "0":
+    if env_switch("MCX_PICKLE_SEGMENTS_BY_NAME") == "0":
         return
     _SEGMENTS[storage.data_ptr()] = (path, nbytes)
     if not _reducer_installed:

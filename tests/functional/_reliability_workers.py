@@ -150,8 +150,8 @@ def wrap_writes(ck: Checkpointer, when: Callable[[], bool], wrap: Callable[[Any]
     """Make ``ck``'s next save requests run ``wrap(async_fn)`` while ``when()`` holds."""
     make = ck._request
 
-    def request(state: Any, workdir: Path) -> Any:
-        req = make(state, workdir)
+    def request(*args: Any, **kwargs: Any) -> Any:
+        req = make(*args, **kwargs)
         return req._replace(async_fn=wrap(req.async_fn)) if when() else req
 
     ck._request = request  # type: ignore[method-assign]
