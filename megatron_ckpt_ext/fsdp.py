@@ -3,9 +3,10 @@
 :func:`wrap_fsdp` applies megatron-core's experimental ``fully_shard`` (found by ``backend``) to a
 model in place. With ``--fsdp-use-symm-mem`` (config key ``fsdp_use_symm_mem``) it passes
 ``use_symm_mem=True``, so the all-gather and reduce-scatter staging buffers come from PyTorch's NCCL
-symmetric-memory pool (Megatron-LM PR #5440) and NCCL can pick its symmetric kernels. Where the
-installed ``fully_shard`` has no ``use_symm_mem``, one warning (rank 0) and plain FSDP buffers; on
-CPU or with fewer than 2 GPUs in the mesh the flag is an error.
+symmetric-memory pool (Megatron-LM PR #5440), and :func:`register_sharded_buffers` puts the other
+side of each collective (sharded compute weights, sharded gradients) there too, so NCCL picks its
+symmetric kernels. Where the installed ``fully_shard`` has no ``use_symm_mem``, one warning
+(rank 0) and plain FSDP buffers; on CPU or with fewer than 2 GPUs in the mesh the flag is an error.
 
 :func:`fsdp_sharded_state_dict` and :func:`load_fsdp_state_dict` give the Checkpointer the state of
 a wrapped model (fp32 main weights) and of its optimizer: each rank saves the rows of each
@@ -39,6 +40,7 @@ __all__ = [
     "flat_placements",
     "fsdp_sharded_state_dict",
     "load_fsdp_state_dict",
+    "register_sharded_buffers",
     "wrap_fsdp",
 ]
 
@@ -86,6 +88,8 @@ def wrap_fsdp(
     before = dict(model.named_parameters())
     for module in _shard_order(model, units):
         api.fully_shard(module, mesh=mesh, **kwargs)
+    if use_symm_mem:
+        register_sharded_buffers(model, api=api)
     if optimizer is not None:
         _rebind_optimizer(optimizer, before, dict(model.named_parameters()))
         _adapt_optimizer(api, optimizer, precision_aware_optimizer)
@@ -93,6 +97,59 @@ def wrap_fsdp(
         logger.info("Megatron-FSDP (%s) over %d ranks, use_symm_mem=%s", api.module, mesh.size(),
                     use_symm_mem)
     return model
+
+
+def register_sharded_buffers(model: nn.Module, *, api: backend.FsdpApi | None = None
+                             ) -> dict[str, Any]:
+    """Put the other side of each symmetric-memory collective into the pool too.
+
+    Megatron-FSDP 0.19.2 (``use_symm_mem=True``) allocates from PyTorch's NCCL symmetric pool and
+    rendezvouses only the all-gather *output* (the unsharded weights) and the reduce-scatter
+    *input* (the unsharded gradients). NCCL 2.28 picks its symmetric kernels (``ncclSymk*``) only
+    when both buffers of a collective lie in registered windows (measured on 2 x H200:
+    ``scripts/probe_nccl_symk.py``, docs/FSDP.md), so every collective ran as a ring. This moves
+    the two persistent sharded buffers of each parameter group -- ``model_weight`` (the
+    all-gather input, the compute-dtype shard) and ``main_grad`` (the reduce-scatter output) --
+    into the group's own pool (one copy each, at wrap time) and rendezvouses them once, on every
+    mesh axis they are sharded on (collective: every rank walks the groups in the same order).
+
+    Safe because both are reached only through their DBuffer (``local_buffer``; views are cut per
+    use), at wrap time no gradient view exists yet, and the values are copied. Not moved, with
+    the reason recorded: a ``model_weight`` that *is* the optimizer's ``main_weight`` (main
+    params in the compute dtype: the sharded parameters are views of it), and a gradient reduced
+    into a temporary (``main_grads_dtype`` unlike the compute dtype, or accumulation into
+    existing grads); those collectives keep NCCL's ring kernels. Returns what it did.
+    """
+    import torch
+
+    api = api or backend.megatron_fsdp_api()
+    done: dict[str, Any] = {"moved": [], "bytes": 0, "kept": []}
+    for module_name, group in _named_parameter_groups(model):
+        pool = getattr(group, "_symm_mem_pool", None)
+        if pool is None:
+            continue
+        for attr in ("model_weight", "main_grad"):
+            buffer, where = getattr(group, attr, None), f"{module_name or '<root>'}.{attr}"
+            if buffer is None:
+                continue
+            if buffer is group.main_weight:
+                done["kept"].append(f"{where}: is the optimizer's main weight buffer")
+                continue
+            old = buffer.local_buffer
+            with torch.cuda.use_mem_pool(pool):
+                new = torch.empty_like(old)
+            new.copy_(old)
+            buffer.local_buffer = new
+            for axis, placement in enumerate(buffer.placements):
+                if isinstance(placement, api.flat):
+                    buffer.rendezvous(axis)
+            done["moved"].append(where)
+            done["bytes"] += new.numel() * new.element_size()
+    if backend.rank() == 0:
+        logger.info("symmetric memory: moved %d sharded buffers (%.1f MiB) into the NCCL pool%s",
+                    len(done["moved"]), done["bytes"] / 2**20,
+                    f"; kept: {'; '.join(done['kept'])}" if done["kept"] else "")
+    return done
 
 
 def default_mesh() -> Any:

@@ -348,3 +348,88 @@ def test_fsdp_checkpoint_round_trip_on_two_cpu_ranks(tmp_path):
     assert trips[0]["tensors"] != trips[1]["tensors"]  # uneven: some vectors live on one rank
     assert trips[0]["mode"].startswith("async")
     assert result["versions"]["fsdp_symm_mem_support"] is True
+
+
+# -- the other side of each symmetric collective, on the real Megatron-FSDP 0.19.2 objects ------
+_REGISTER_CODE = r"""
+import contextlib, json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from megatron_ckpt_ext import backend, fsdp
+from megatron_fsdp.experimental import dbuffer
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
+                        world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+api = backend.megatron_fsdp_api()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(torch.bfloat16)
+placements = fsdp.flat_placements(mesh, api=api)
+for unit in (model[0], model[1]):
+    api.fully_shard(unit, mesh=mesh, placements=placements, use_symm_mem=False)
+groups = [g for _, g in fsdp._named_parameter_groups(model)]
+before = {(i, a): getattr(g, a).local_buffer.clone() for i, g in enumerate(groups)
+          for a in ("model_weight", "main_grad")}
+ptrs = {k: getattr(groups[k[0]], k[1]).local_buffer.data_ptr() for k in before}
+main_ptrs = [g.main_weight.local_buffer.data_ptr() for g in groups]
+groups[0]._symm_mem_pool = "POOL0"       # as use_symm_mem=True leaves it (CPU: no real pool)
+pools, rendezvous = [], []
+@contextlib.contextmanager
+def use_mem_pool(pool):
+    pools.append(pool)
+    yield
+torch.cuda.use_mem_pool = use_mem_pool
+dbuffer.DBuffer.rendezvous = lambda self, axis: rendezvous.append((self.local_buffer.data_ptr(), axis))
+done = fsdp.register_sharded_buffers(model, api=api)
+out = {"done": done, "pools": pools, "rendezvous_ptrs_ok": [
+    p == getattr(groups[0], a).local_buffer.data_ptr() for (p, _), a in
+    zip(rendezvous, ("model_weight", "main_grad"))], "axes": [a for _, a in rendezvous],
+    "moved": {f"{i}.{a}": getattr(groups[i], a).local_buffer.data_ptr() != ptrs[(i, a)]
+              for i, a in before},
+    "same_values": all(torch.equal(getattr(groups[i], a).local_buffer, v)
+                       for (i, a), v in before.items() if a == "model_weight"),
+    "main_weight_untouched": main_ptrs == [g.main_weight.local_buffer.data_ptr() for g in groups]}
+groups[0].sync_model_weight_from_main_weight()   # the optimizer hook's refresh writes the new buffer
+out["refresh_reaches_new_buffer"] = torch.equal(
+    groups[0].model_weight.local_buffer, groups[0].main_weight.local_buffer.to(torch.bfloat16))
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@needs_0192
+def test_sharded_buffers_move_into_the_pool_of_symm_mem_groups_only():
+    """register_sharded_buffers (on real Megatron-FSDP 0.19.2 parameter groups): for a group that
+    has a symmetric pool, the all-gather input (``model_weight``) and reduce-scatter output
+    (``main_grad``) get new storage allocated under that pool, keep their values, are
+    rendezvoused on their sharded axis, and later writes (the post-step refresh) reach the new
+    storage; groups without a pool, and the optimizer's main weights, are left alone."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", _REGISTER_CODE, str(port)], capture_output=True,
+                       text=True, timeout=180, cwd=ROOT,
+                       env=_env(PYTHONPATH=os.pathsep.join([str(FSDP_SRC), str(ROOT)])))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["done"]["moved"] == ["0.model_weight", "0.main_grad"]
+    assert out["done"]["kept"] == [] and out["done"]["bytes"] > 0
+    assert out["pools"] == ["POOL0", "POOL0"]
+    assert out["axes"] == [0, 0] and out["rendezvous_ptrs_ok"] == [True, True]
+    assert out["moved"] == {"0.model_weight": True, "0.main_grad": True,
+                            "1.model_weight": False, "1.main_grad": False}
+    assert out["same_values"] and out["main_weight_untouched"]
+    assert out["refresh_reaches_new_buffer"]
+
+
+def test_wrap_fsdp_registers_the_sharded_buffers_only_with_the_flag(fake_api, mocker):
+    api = fake_api(use_symm_mem=True)
+    register = mocker.patch.object(fsdp, "register_sharded_buffers")
+    net = nn.Sequential(nn.Linear(2, 2))
+    fsdp.wrap_fsdp(net, CkptOptions(), mesh=_Mesh(2))
+    register.assert_not_called()
+    fsdp.wrap_fsdp(net, CkptOptions(fsdp_use_symm_mem=True), mesh=_Mesh(2))
+    register.assert_called_once_with(net, api=api)
