@@ -103,7 +103,8 @@ class _Save:
 # save's commit, creating the .incomplete directory (a barrier), staging (device-to-host copies),
 # megatron-core's planning (dist_checkpointing.save: metadata exchange, write buckets), and handing
 # the request to the writer (async) or writing and committing it (sync).
-_PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s", "write_commit_s")
+_PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "copy_wait_s", "schedule_s",
+           "write_commit_s")
 
 
 class Checkpointer:
@@ -227,9 +228,11 @@ class Checkpointer:
         else:
             record.nbytes = _state_bytes(state)
         t = record.phase("stage_s", t)
-        request = self._request(state, workdir, record.snapshots)
+        request = self._request(state, workdir, record)
         t = record.phase("plan_s", t)
         if self._async:
+            self._wait_staged(record)  # the device copies ran while megatron-core planned
+            t = record.phase("copy_wait_s", t)
             request.add_finalize_fn(lambda: self._commit(record))
             with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=_POLL_S), \
                     _forks_die_with_this_process():
@@ -283,7 +286,10 @@ class Checkpointer:
         if self._stager is not None:
             if self._stager.host_bytes() == 0:  # first staging: fail early, not with SIGBUS
                 preflight.check_shm(sum(t.data.numel() * t.data.element_size() for t in tensors))
-            batch = self._stager.stage([t.data for t in tensors], keys=[t.key for t in tensors])
+            # Device copies are only issued here: save() plans while they run (_request) and
+            # waits for them before the writer may read a byte (_wait_staged).
+            batch = self._stager.stage([t.data for t in tensors], keys=[t.key for t in tensors],
+                                       wait=False)
             copies = list(batch.tensors)
             record.staged = batch
         else:
@@ -297,16 +303,32 @@ class Checkpointer:
                              else record.nbytes)
         record.staging_s = time.perf_counter() - t0
 
-    def _request(self, state: Any, workdir: Path, snapshots: frozenset) -> Any:
-        """megatron-core's save request; ``snapshots`` (this save's staged copies, async only)
-        need not be cloned again by the writer."""
+    def _wait_staged(self, record: _Save) -> None:
+        """Until this save's staged copies are in host memory; staging_s then covers the
+        copies, not the planning that overlapped them. Idempotent."""
+        batch = record.staged
+        from .staging import StagedBatch
+
+        if isinstance(batch, StagedBatch):
+            batch.wait()
+            record.staging_s = batch.copy_s if batch.copy_s is not None else batch.staging_s
+
+    def _request(self, state: Any, workdir: Path, record: _Save) -> Any:
+        """megatron-core's save request. Planning reads only the staged tensors' metadata, so it
+        runs while their device copies are in flight; this save's staged copies
+        (``record.snapshots``) need not be cloned again by the writer. Where that clone is kept
+        (``MCX_KEEP_WRITER_CLONES=1``), it reads the bytes: the copies are waited for first."""
         dc = backend.dist_checkpointing()
+        snapshots = record.snapshots
         with backend.writer_keeps_snapshots(
-                lambda t: t.untyped_storage().data_ptr() in snapshots):
+                lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps:
+            if not keeps and backend.writer_clones_cpu_tensors():
+                self._wait_staged(record)
             request = dc.save(state, str(workdir), self._save_strategy(state),
                               async_sharded_save=True)
         request = backend.without_host_preload(request)
         request = strategy.sequential_request(request, self.options)
+        request = strategy.crc_free_request(request)
         trace = env_switch("MCX_WRITER_TRACE")
         if trace:
             request = _traced_request(request, trace)

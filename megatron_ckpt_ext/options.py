@@ -344,6 +344,8 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_KEEP_PRELOAD", "0",
               "1: keep megatron-core's host preload even when every tensor is already staged "
               "in host memory"),
+    EnvSwitch("MCX_KEEP_CRC32", "0",
+              "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITER_TRACE", "",
               "<dir>: append each save's preload, write, results hand-back, schedule and commit "
               "wall times to <dir>/writer_trace.jsonl"),

@@ -118,17 +118,42 @@ class _BufferSet:
 
 
 @dataclass
+class _Copies:
+    """Device-to-host copies issued on one copy stream, bracketed by timing events."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
+@dataclass
 class StagedBatch:
-    """CPU shared-memory copies of one save's tensors; keep it until the write is committed."""
+    """CPU shared-memory copies of one save's tensors; keep it until the write is committed.
+
+    From ``stage(..., wait=False)`` the device-to-host copies may still be running: the tensors'
+    storage is final (plan with it), their bytes are not until :meth:`wait` returns."""
 
     tensors: list[torch.Tensor]
     nbytes: int
-    staging_s: float
+    staging_s: float  # stage() call until the copies were complete (wall)
+    copy_s: float | None = None  # the device copies alone (CUDA events), None for host sources
+    _started: float = field(default=0.0, repr=False)
+    _pending: list[_Copies] = field(default_factory=list, repr=False)
     _owner: ShmStager | None = field(default=None, repr=False)
     _set: _BufferSet | None = field(default=None, repr=False)
 
+    def wait(self) -> None:
+        """Block until every copy of this batch is in host memory (only the copy streams are
+        waited on: training kernels keep running). Idempotent."""
+        pending, self._pending = self._pending, []
+        for copies in pending:
+            copies.end.synchronize()
+        if pending:
+            self.copy_s = max(c.start.elapsed_time(c.end) for c in pending) / 1e3
+            self.staging_s = time.perf_counter() - self._started
+
     def release(self) -> None:
         """The writer is done: the buffers may be reused (reuse=True) or freed. Idempotent."""
+        self.wait()  # never hand back a buffer a copy is still writing into
         owner, buffer_set = self._owner, self._set
         self._owner, self._set, self.tensors = None, None, []
         if owner is not None and buffer_set is not None:
@@ -173,9 +198,11 @@ class ShmStager:
                                                 name="mcx-staging-prepare", daemon=True)
         self._prepare_thread.start()
 
-    def stage(self, tensors: Sequence[torch.Tensor], *,
-              keys: Sequence[str] | None = None) -> StagedBatch:
-        """Copy ``tensors`` into shared memory; returns when the copies are complete."""
+    def stage(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
+              wait: bool = True) -> StagedBatch:
+        """Copy ``tensors`` into shared memory; returns when the copies are complete, or with
+        ``wait=False`` once device copies are issued (call :meth:`StagedBatch.wait` before
+        anything reads the staged bytes or the sources change)."""
         self._check_open()
         self._join_prepare()
         t0 = time.perf_counter()
@@ -185,11 +212,15 @@ class ShmStager:
                 self._check_key(tensors, specs)
             buffer_set = self._acquire(specs)
         staged = [buffer_set.buffers[s].tensor for s in specs]
-        self._copy(staged, tensors)
+        pending = self._copy(staged, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in staged)
         self.stats["bytes_staged"] += nbytes
         self.stats["stages"] += 1
-        return StagedBatch(staged, nbytes, time.perf_counter() - t0, self, buffer_set)
+        batch = StagedBatch(staged, nbytes, time.perf_counter() - t0, _started=t0,
+                            _pending=pending, _owner=self, _set=buffer_set)
+        if wait:
+            batch.wait()
+        return batch
 
     def host_bytes(self) -> int:
         """Shared memory currently held by this stager."""
@@ -321,25 +352,34 @@ class ShmStager:
             buffer.tensor = torch.empty(0)  # drop our mapping; a holder still keeps its own
 
     # -- copies ----------------------------------------------------------------------------------
-    def _copy(self, staged: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-        streams = set()
+    def _copy(self, staged: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[_Copies]:
+        """Host sources are copied here; device sources are queued on a copy stream per device
+        (after the work queued so far on the current stream), returned for StagedBatch.wait."""
+        started: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
         for dst, src in zip(staged, tensors):
             if src.is_cuda:
-                stream = self._copy_stream(src.device)
+                if src.device not in started:
+                    started[src.device] = self._copy_stream(src.device)
+                stream = started[src.device][0]
                 with torch.cuda.stream(stream):
                     dst.copy_(src.detach(), non_blocking=True)
-                streams.add(stream)
             else:
                 dst.copy_(src.detach())
-        for stream in streams:  # only the copy streams: training kernels keep running
-            stream.synchronize()
+        pending = []
+        for stream, start in started.values():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            pending.append(_Copies(start, end))
+        return pending
 
-    def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _copy_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))  # sources are final up to now
-        return stream
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return stream, start
 
     def _check_open(self) -> None:
         if self._closed:

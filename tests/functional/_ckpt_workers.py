@@ -240,3 +240,41 @@ def unwritable_root(rank: int, world: int, root: str, options: dict) -> None:
     finally:
         ck.close()
     assert blocker.is_file()
+
+
+def copy_wait_order(rank: int, world: int, root: str, options: dict, keep_clones: bool) -> None:
+    """Record the order of planning (megatron-core's save), the wait for the staged copies and
+    the hand-over to the writer, for two saves; the checkpoints must still load bit-exact."""
+    import megatron.core.dist_checkpointing as dc
+
+    from megatron_ckpt_ext import backend, staging
+
+    events: list[str] = []
+    real_wait, real_save = staging.StagedBatch.wait, dc.save
+    staging.StagedBatch.wait = lambda self: (events.append("wait"), real_wait(self))[1]
+    dc.save = lambda *a, **k: (events.append("plan"), real_save(*a, **k))[1]
+    if keep_clones:  # a writer that clones every CPU tensor while planning, clones kept
+        os.environ["MCX_KEEP_WRITER_CLONES"] = "1"
+        backend.writer_clones_cpu_tensors = lambda *a: True
+    live = step_state(1, rank)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        schedule = ck._queue.schedule_async_request
+        ck._queue.schedule_async_request = lambda r: (events.append("schedule"), schedule(r))[1]
+        for step in (1, 2):
+            events.append(f"save{step}")
+            for k, v in step_state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            for v in live.values():
+                v.fill_(-7)
+            ck.maybe_finalize(blocking=True)
+        for step in (1, 2):
+            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+        assert all("copy_wait_s" in r["phases"] for r in ck.reports), ck.reports
+    for step in (1, 2):
+        mine = events[events.index(f"save{step}"):]
+        first = {e: mine.index(e) for e in ("plan", "wait", "schedule")}
+        if keep_clones:  # the clone reads the bytes: wait before planning
+            assert first["wait"] < first["plan"] < first["schedule"], events
+        else:  # plan while the copies run, wait before the writer gets the request
+            assert first["plan"] < first["wait"] < first["schedule"], events

@@ -101,3 +101,12 @@ def test_fully_parallel_load_exchanges_replicated_shards(tmp_path):
 def test_unwritable_root_raises_on_every_rank_before_staging(mode, tmp_path):
     root = tmp_path / "afile" / "ckpt"
     run_ranks(w.unwritable_root, args=(str(root), MODES[mode]), timeout=120)
+
+
+@pytest.mark.parametrize("keep_clones", [False, True])
+def test_staged_copies_are_waited_for_before_the_writer_gets_them(keep_clones, tmp_path):
+    """save() plans while the device copies run (no wait before planning), and waits for them
+    before scheduling the write; where the writer's planning clones the staged tensors (clones
+    kept), it waits before planning."""
+    run_ranks(w.copy_wait_order, args=(str(tmp_path / "ck"), TRIAL_MODES["cpu-shm-temporal"],
+                                       keep_clones), timeout=200)

@@ -42,3 +42,62 @@ def test_sequential_request_swaps_only_a_forking_writer():
     swapped = strategy.sequential_request(req, CkptOptions())
     assert swapped.async_fn.func is strategy.write_buckets_inline
     assert strategy.sequential_request(req, CkptOptions(dist_ckpt_workers=2)) is req
+
+
+# -- torch.save's CRC-32 in the writer -----------------------------------------------------------
+def _record_crcs(blob: bytes) -> list[int]:
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        return [i.CRC for i in z.infolist() if "/data/" in i.filename]
+
+
+def _save_bytes(tensor):
+    import io
+
+    import torch
+
+    b = io.BytesIO()
+    torch.save(tensor, b)
+    return b.getvalue()
+
+
+def test_request_write_runs_without_crc32_and_restores_it(monkeypatch):
+    import pickle
+
+    import torch
+
+    monkeypatch.delenv("MCX_KEEP_CRC32", raising=False)
+    R = collections.namedtuple("R", "async_fn async_fn_args")
+    t = torch.arange(4096, dtype=torch.float32)
+    wrapped = strategy.crc_free_request(R(async_fn=partial(_save_bytes, t), async_fn_args=()))
+    assert torch.serialization.get_crc32_options() is True
+    blob = wrapped.async_fn()
+    assert _record_crcs(blob) == [0]                       # the writer skipped it
+    assert torch.serialization.get_crc32_options() is True   # and left the process as it was
+    assert _record_crcs(_save_bytes(t)) != [0]
+    assert pickle.loads(pickle.dumps(wrapped.async_fn)).func is strategy.call_without_crc32
+    monkeypatch.setenv("MCX_KEEP_CRC32", "1")
+    plain = R(async_fn=partial(_save_bytes, t), async_fn_args=())
+    assert strategy.crc_free_request(plain) is plain
+
+
+def test_torch_load_reads_records_without_crc_and_never_checks_it():
+    """Why skipping the CRC loses nothing: torch.load (which megatron-core and DCP read every
+    tensor record with) loads a CRC-free record, and loads a record whose bytes changed after
+    its CRC was written without noticing."""
+    import io
+
+    import torch
+
+    t = torch.arange(1000, dtype=torch.float32)
+    torch.serialization.set_crc32_options(False)
+    try:
+        free = _save_bytes(t)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.equal(torch.load(io.BytesIO(free)), t)
+    raw = bytearray(_save_bytes(t))
+    raw[raw.find(t.numpy().tobytes()[400:408]) + 1] ^= 0xFF
+    assert not torch.equal(torch.load(io.BytesIO(bytes(raw))), t)
