@@ -90,6 +90,7 @@ class _Save:
     mode: str = ""
     host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
     snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
+    new_structure: bool = True  # some rank's structure is new: validate sharding, re-plan
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see _PHASES
     extra: dict = field(default_factory=dict)
 
@@ -218,7 +219,10 @@ class Checkpointer:
         record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=started,
                        mode=self._mode())
         t = record.phase("wait_previous_s", started)
-        workdir = self._prepare_dir(record)
+        constant = self.options.ckpt_assume_constant_structure
+        structure = _structure_key(sharded_state_dict) if constant else None
+        workdir = self._prepare_dir(record, new_structure=not constant or structure != self._structure)
+        self._use_structure(structure, record)
         if self.reports and _rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes"])
         state = _copy_structure(sharded_state_dict)
@@ -255,10 +259,13 @@ class Checkpointer:
         worker = "persistent" if self._persistent else "temporal"
         return f"async-{worker}" + ("-cpu-shm" if self._cpu_shm else "")
 
-    def _prepare_dir(self, record: _Save) -> Path:
+    def _prepare_dir(self, record: _Save, *, new_structure: bool) -> Path:
         """Rank 0 creates the save's working directory; every rank learns whether it could (one
         small all-reduce in place of a barrier), so an unwritable root is an error on every rank
-        before anything is staged, not rank 0 alone dying while the others wait."""
+        before anything is staged, not rank 0 alone dying while the others wait. The same
+        all-reduce tells every rank whether any rank's state structure is new (sets
+        ``record.new_structure``): validating it and re-planning are collectives, so all ranks
+        must decide alike."""
         workdir = _incomplete(record.root, record.iteration)
         error: OSError | None = None
         if _rank() == 0:
@@ -269,7 +276,8 @@ class Checkpointer:
                 workdir.mkdir()
             except OSError as e:
                 error = e
-        (failed,) = self._all_max([1.0 if error is not None else 0.0])
+        failed, changed = self._all_max([1.0 if error is not None else 0.0, float(new_structure)])
+        record.new_structure = bool(changed)
         if failed:
             cause = f" ({type(error).__name__}: {error})" if error is not None else " (see rank 0)"
             raise CheckpointWriteError(
@@ -324,8 +332,9 @@ class Checkpointer:
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps:
             if not keeps and backend.writer_clones_cpu_tensors():
                 self._wait_staged(record)
-            request = dc.save(state, str(workdir), self._save_strategy(state),
-                              async_sharded_save=True)
+            request = dc.save(state, str(workdir), self._save_strategy(),
+                              async_sharded_save=True,
+                              validate_access_integrity=record.new_structure)
         request = backend.without_host_preload(request)
         request = strategy.sequential_request(request, self.options)
         request = strategy.crc_free_request(request)
@@ -336,19 +345,27 @@ class Checkpointer:
             request = strategy.cpu_request(request)
         return backend.adapt_async_request(request) if self._async else request
 
-    def _save_strategy(self, state: Any) -> Any:
-        """The save strategy; kept across saves only while the state's structure is unchanged
-        (megatron-core's cached metadata would otherwise drop or misplace entries)."""
+    def _use_structure(self, key: tuple | None, record: _Save) -> None:
+        """With ``--ckpt-assume-constant-structure``, keep the save strategy (megatron-core's
+        cached plan and metadata) only while no rank's structure changed, and validate the
+        sharding only when it did (the first save included), as Megatron-LM skips validation
+        after its first save; without it, a fresh strategy and a validation every save."""
         if not self.options.ckpt_assume_constant_structure:
-            return strategy.save_strategy(self.options, dp_group=self.dp_group)
-        key = _structure_key(state)
-        if self._strategy is None or key != self._structure:
+            record.new_structure = True
+            return
+        if record.new_structure or self._strategy is None:
             if self._strategy is not None and _rank() == 0:
-                logger.info("checkpoint structure changed (%s): rebuilding the cached save plan",
-                            _describe_change(self._structure, key))
+                logger.info("checkpoint structure changed on some rank (%s here): rebuilding "
+                            "the cached save plan", _describe_change(self._structure, key))
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
-            self._structure = key
-        return self._strategy
+            record.new_structure = True
+        self._structure = key
+
+    def _save_strategy(self) -> Any:
+        """The save strategy: the one kept by :meth:`_use_structure`, else a fresh one."""
+        if self.options.ckpt_assume_constant_structure and self._strategy is not None:
+            return self._strategy
+        return strategy.save_strategy(self.options, dp_group=self.dp_group)
 
     # -- commit ------------------------------------------------------------------------------
     def _commit(self, record: _Save) -> None:
@@ -575,7 +592,7 @@ class Checkpointer:
                 self._stager = None
             backend.shutdown_write_results_queues()
             self._pending.clear()
-            self._strategy = None
+            self._strategy = self._structure = None
 
     def __enter__(self) -> Checkpointer:
         return self

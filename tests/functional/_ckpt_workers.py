@@ -278,3 +278,37 @@ def copy_wait_order(rank: int, world: int, root: str, options: dict, keep_clones
             assert first["wait"] < first["plan"] < first["schedule"], events
         else:  # plan while the copies run, wait before the writer gets the request
             assert first["plan"] < first["wait"] < first["schedule"], events
+
+
+def one_rank_changes_structure(rank: int, world: int, root: str, options: dict) -> None:
+    """Constant-structure saves where at save 3 only rank 1 adds an entry (a whole tensor it
+    alone holds). Re-planning and sharding validation are collectives, so every rank must
+    re-plan and validate together: saves 1 and 3 validated, 2 and 4 not, on every rank; every
+    checkpoint loads back its own values."""
+    import megatron.core.dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    validated: list[bool] = []
+    real_save = dc.save
+    dc.save = lambda *a, **k: (validated.append(k.get("validate_access_integrity", True)),
+                               real_save(*a, **k))[1]
+    keys = ["a", "b"]
+    expected = {}
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in range(1, 5):
+            if step == 3 and rank == 1:
+                keys = keys + ["new"]
+            live = trial_state(step, rank, keys)
+            expected[step] = {k: v.clone() for k, v in live.items()}
+            state = sharded(rank, world, {k: live[k] for k in ("a", "b")})
+            if "new" in live:
+                state["new"] = ShardedTensor.from_rank_offsets("new_on_rank1", live["new"])
+            ck.save(state, root, iteration=step)
+            ck.maybe_finalize(blocking=True)
+        for step, want in expected.items():
+            like = {k: torch.zeros_like(v) for k, v in want.items()}
+            state = sharded(rank, world, {k: like[k] for k in ("a", "b")})
+            if "new" in like:
+                state["new"] = ShardedTensor.from_rank_offsets("new_on_rank1", like["new"])
+            assert_equal(ck.load(state, root, iteration=step), want, f"iteration {step}")
+    assert validated == [True, False, True, False], validated

@@ -110,3 +110,10 @@ def test_staged_copies_are_waited_for_before_the_writer_gets_them(keep_clones, t
     kept), it waits before planning."""
     run_ranks(w.copy_wait_order, args=(str(tmp_path / "ck"), TRIAL_MODES["cpu-shm-temporal"],
                                        keep_clones), timeout=200)
+
+
+@pytest.mark.skipif(world() < 2, reason="one rank changes its structure while another does not")
+@pytest.mark.parametrize("mode", ["cpu-shm-temporal", "constant-sync"])
+def test_structure_change_on_one_rank_replans_and_validates_on_every_rank(mode, tmp_path):
+    options = {"constant-sync": {"ckpt_assume_constant_structure": True}}.get(mode) or TRIAL_MODES[mode]
+    run_ranks(w.one_rank_changes_structure, args=(str(tmp_path / "ck"), options), timeout=200)
