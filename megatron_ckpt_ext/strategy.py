@@ -3,7 +3,12 @@
 * :func:`save_strategy`: torch_dist ``TorchDistSaveShardedStrategy`` with
   ``thread_count = dist_ckpt_workers`` and ``cached_metadata = ckpt_assume_constant_structure``
   (each only where the installed megatron-core accepts it), wrapped in the fully-parallel save
-  wrapper when ``ckpt_fully_parallel_save``.
+  wrapper when ``ckpt_fully_parallel_save`` and the data-parallel group has more than one rank.
+  With one rank there is nothing to spread, and megatron-core 0.16-0.19 then never caches the
+  wrapper's (empty) distribution, so it re-validates the sharding with collectives at every
+  save: on one H100 that all_gather_object queued behind our staging copies and cost the
+  copy's full 0.155 s of 8.5 GB again in every save's planning (``scripts/profile_save.py
+  --cprofile-save``).
 * :func:`load_strategy`: the fully-parallel load wrapper when ``ckpt_fully_parallel_load`` (and
   CUDA is there: its shard exchange runs on CUDA), else megatron-core's default.
 * :func:`sequential_request`: with ``--dist-ckpt-workers 1`` the write of every bucket runs in the
@@ -48,12 +53,21 @@ def save_strategy(options: CkptOptions, *, dp_group: Any = None) -> Any:
         thread_count=options.dist_ckpt_workers,
         cached_metadata=options.ckpt_assume_constant_structure,
     )
-    if options.ckpt_fully_parallel_save:
+    if options.ckpt_fully_parallel_save and _group_size(dp_group) > 1:
         strategy = backend.call_with_supported(
             backend.fully_parallel_save_wrapper_cls(), strategy, dp_group,
             do_cache_distribution=options.ckpt_assume_constant_structure,
         )
     return strategy
+
+
+def _group_size(group: Any) -> int:
+    """Ranks in ``group`` (None: the world); 1 without an initialised process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 def load_strategy(options: CkptOptions, *, dp_group: Any = None,

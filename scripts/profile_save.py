@@ -7,12 +7,21 @@ saves of the same state (modified in place between saves, like training). ``--fi
 when the previous save is finalized: ``blocking`` right after each save() (so durable_s - blocking_s
 is the writer alone) or ``next`` (at the next save, as a trainer saving often sees it). Prints and
 writes every per-save report (its ``phases`` name where the blocking time goes).
+
+``--cprofile-save N`` runs save N of each mode under cProfile and prints the functions with the
+most cumulative time (``--cprofile-top``); ``--probe-copy-overlap`` first measures (CUDA only)
+how long small host-synchronising CUDA calls take while a large device-to-host copy runs on a
+side stream, i.e. whether work that planning does can overlap the staging copies.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
+import pstats
 import os
 import shutil
 import sys
@@ -52,24 +61,95 @@ def gpt_like_state(gib: float, device: str, rank: int, world: int) -> dict:
     return {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in out.items()}
 
 
-def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str) -> dict:
+def probe_copy_overlap(gib: float = 4.0) -> dict:
+    """Seconds each small synchronising call takes alone and while ``gib`` of device-to-host
+    copies (64 MiB each, pinned destination) run on a side stream."""
+    n, chunk = max(1, int(gib * 16)), 2**24  # 64 MiB of fp32 each
+    src = [torch.randn(chunk, device="cuda") for _ in range(n)]
+    dst = [torch.empty(chunk, pin_memory=True) for _ in range(n)]
+    side = torch.cuda.Stream()
+    probes = {
+        "tensor_item": lambda: torch.tensor([1], device="cuda").item(),
+        "h2d_pageable_4B": lambda: torch.tensor([1], device="cuda"),
+        "d2h_small_current_stream": lambda: torch.ones(1, device="cuda").cpu(),
+        "current_stream_sync": lambda: torch.cuda.current_stream().synchronize(),
+        "empty_cuda_alloc": lambda: torch.empty(1024, device="cuda"),
+    }
+    out: dict = {}
+    for name, fn in probes.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        alone = time.perf_counter() - t0
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            t_copy = time.perf_counter()
+            for d, s_ in zip(dst, src):
+                d.copy_(s_, non_blocking=True)
+        t0 = time.perf_counter()
+        fn()
+        during = time.perf_counter() - t0
+        side.synchronize()
+        copy = time.perf_counter() - t_copy
+        out[name] = {"alone_s": round(alone, 6), "during_copy_s": round(during, 6),
+                     "copy_s": round(copy, 4)}
+    return {"copy_bytes": n * chunk * 4, "probes": out}
+
+
+class GcPauses:
+    """Python garbage-collector pauses (seconds, collections per generation) while active."""
+
+    def __init__(self) -> None:
+        self.seconds, self.by_gen, self._t0 = 0.0, [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.by_gen[info["generation"]] += 1
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str,
+             cprofile_save: int = 0, cprofile_top: int = 30) -> dict:
     t0 = time.perf_counter()
     ck = Checkpointer(CkptOptions(**opts))
     startup = time.perf_counter() - t0
     t0 = time.perf_counter()
     ck.prepare(state)
     prepare = time.perf_counter() - t0
+    profiles: dict[int, str] = {}
+    gc_in_save: list[dict] = []
     for step in range(1, saves + 1):
         for st in list(state.values())[::7]:
             st.data.add_(1.0)
-        ck.save(state, root, iteration=step)
+        pauses = GcPauses().__enter__()
+        if step == cprofile_save:
+            prof = cProfile.Profile()
+            prof.runcall(ck.save, state, root, iteration=step)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(cprofile_top)
+            profiles[step] = text.getvalue()
+        else:
+            ck.save(state, root, iteration=step)
+        pauses.__exit__()
+        gc_in_save.append({"iteration": step, "gc_s": round(pauses.seconds, 4),
+                           "collections": pauses.by_gen})
         if finalize == "blocking":
             ck.maybe_finalize(blocking=True)
     ck.maybe_finalize(blocking=True)
     reports = list(ck.reports)
     ck.close()
     return {"mode": name, "startup_s": startup, "prepare_call_s": prepare, "reports": reports,
-            "constructor": getattr(ck, "startup", {})}
+            "constructor": getattr(ck, "startup", {}), "cprofile": profiles,
+            "gc_in_save": gc_in_save}
 
 
 def main() -> None:
@@ -80,31 +160,44 @@ def main() -> None:
     p.add_argument("--finalize", choices=("blocking", "next"), default="blocking")
     p.add_argument("--root", default=None, help="checkpoint folder (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--cprofile-save", type=int, default=0, help="profile this save (1-based)")
+    p.add_argument("--cprofile-top", type=int, default=30)
+    p.add_argument("--probe-copy-overlap", action="store_true")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    probe = probe_copy_overlap() if a.probe_copy_overlap and cuda else None
+    if probe and rank == 0:
+        print("copy-overlap probe:", json.dumps(probe), flush=True)
     state = gpt_like_state(a.gib, "cuda" if cuda else "cpu", rank, world)
     results = []
     for name in a.modes:
         root = Path(a.root or tempfile.mkdtemp(prefix="mcx_prof_")) / name
-        res = run_mode(name, MODES[name], state, root, a.saves, a.finalize)
+        res = run_mode(name, MODES[name], state, root, a.saves, a.finalize, a.cprofile_save,
+                       a.cprofile_top)
         results.append(res)
         if rank == 0:
             print(f"== {name}: startup {res['startup_s']:.2f} s, prepare() {res['prepare_call_s']:.3f} s",
                   flush=True)
+            gc_by_it = {g["iteration"]: g for g in res["gc_in_save"]}
             for r in res["reports"]:
                 ph = " ".join(f"{k[:-2]}={v:.3f}" for k, v in r["phases"].items())
+                g = gc_by_it.get(r["iteration"], {})
+                ph += f" | gc {g.get('gc_s')} s {g.get('collections')}"
                 print(f"  it{r['iteration']} {r['bytes'] / 1e9:.2f} GB blocking {r['blocking_s']:.3f} "
                       f"durable {r['durable_s']:.3f} staging {r['staging_gbps']} GB/s write "
                       f"{r['write_gbps']} GB/s | {ph}", flush=True)
+            for step, text in res["cprofile"].items():
+                print(f"  cProfile of save {step}:\n{text}", flush=True)
             shutil.rmtree(root, ignore_errors=True)
         dist.barrier()
     if rank == 0 and a.out:
         Path(a.out).write_text(json.dumps({"gib": a.gib, "finalize": a.finalize, "world": world,
-                                           "results": results}, indent=1))
+                                           "probe_copy_overlap": probe, "results": results},
+                                          indent=1))
     dist.destroy_process_group()
 
 
