@@ -91,6 +91,7 @@ class _Save:
     host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
     snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
     new_structure: bool = True  # some rank's structure is new: validate sharding, re-plan
+    seq: int = 0  # published in the stager's ready flag when the staged copies are complete
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see _PHASES
     extra: dict = field(default_factory=dict)
 
@@ -104,7 +105,7 @@ class _Save:
 # save's commit, creating the .incomplete directory (a barrier), staging (device-to-host copies),
 # megatron-core's planning (dist_checkpointing.save: metadata exchange, write buckets), and handing
 # the request to the writer (async) or writing and committing it (sync).
-_PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "copy_wait_s", "schedule_s",
+_PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s", "copy_wait_s",
            "write_commit_s")
 
 
@@ -134,6 +135,7 @@ class Checkpointer:
         self._pending: dict[int, _Save | None] = {}
         self._strategy: Any = None
         self._structure: Any = None
+        self._seq = 0  # saves handed to a writer that waits on the ready flag
         self._before_commit: Callable[[_Save], None] | None = None  # fault-injection hook (tests)
         self._cpu_shim = _cpu_shim.install()
         self._async = options.async_save and self.caps.async_provider != "sync"
@@ -235,15 +237,17 @@ class Checkpointer:
         request = self._request(state, workdir, record)
         t = record.phase("plan_s", t)
         if self._async:
-            self._wait_staged(record)  # the device copies ran while megatron-core planned
-            t = record.phase("copy_wait_s", t)
             request.add_finalize_fn(lambda: self._commit(record))
             with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=_POLL_S), \
                     _forks_die_with_this_process():
                 call_idx = self._queue.schedule_async_request(request)
             self._pending[call_idx] = record
             del request, state
-            record.phase("schedule_s", t)
+            t = record.phase("schedule_s", t)
+            # The copies ran while megatron-core planned and the writer took the request; it
+            # writes once they are published complete (staging.run_when_staged).
+            self._publish_staged(record)
+            record.phase("copy_wait_s", t)
             _trace_event(env_switch("MCX_WRITER_TRACE"), "scheduled",
                          iteration=record.iteration)
         else:
@@ -311,6 +315,18 @@ class Checkpointer:
                              else record.nbytes)
         record.staging_s = time.perf_counter() - t0
 
+    def _publish_staged(self, record: _Save) -> None:
+        """Wait for this save's copies, then tell its writer (the ready flag); on failure tell
+        it to write nothing, and raise."""
+        try:
+            self._wait_staged(record)
+        except BaseException:
+            if record.seq:
+                self._stager.ready_flag()[0] = -record.seq
+            raise
+        if record.seq:
+            self._stager.ready_flag()[0] = record.seq
+
     def _wait_staged(self, record: _Save) -> None:
         """Until this save's staged copies are in host memory; staging_s then covers the
         copies, not the planning that overlapped them. Idempotent."""
@@ -343,6 +359,8 @@ class Checkpointer:
             request = _traced_request(request, trace)
         if self._cpu_shim:
             request = strategy.cpu_request(request)
+        if self._async and self._stager is not None and request.async_fn is not None:
+            request = self._after_staging(request, record)
         return backend.adapt_async_request(request) if self._async else request
 
     def _use_structure(self, key: tuple | None, record: _Save) -> None:
@@ -360,6 +378,17 @@ class Checkpointer:
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
             record.new_structure = True
         self._structure = key
+
+    def _after_staging(self, request: Any, record: _Save) -> Any:
+        """``request`` whose write first waits for this save's staged copies to be published
+        (outermost wrapper: nothing of the write runs before)."""
+        from .staging import run_when_staged
+
+        self._seq += 1
+        record.seq = self._seq
+        return request._replace(async_fn=partial(
+            run_when_staged, self._stager.ready_flag(), record.seq,
+            float(self.options.ckpt_timeout), request.async_fn))
 
     def _save_strategy(self) -> Any:
         """The save strategy: the one kept by :meth:`_use_structure`, else a fresh one."""

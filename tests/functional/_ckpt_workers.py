@@ -276,8 +276,53 @@ def copy_wait_order(rank: int, world: int, root: str, options: dict, keep_clones
         first = {e: mine.index(e) for e in ("plan", "wait", "schedule")}
         if keep_clones:  # the clone reads the bytes: wait before planning
             assert first["wait"] < first["plan"] < first["schedule"], events
-        else:  # plan while the copies run, wait before the writer gets the request
-            assert first["plan"] < first["wait"] < first["schedule"], events
+        else:  # plan and hand over while the copies run, then wait (and publish)
+            assert first["plan"] < first["schedule"] < first["wait"], events
+
+
+class _LateCopies:
+    """Stands for a copy stream's events: the copies land only when synchronize() is called."""
+
+    def __init__(self, pairs: list, delay_s: float) -> None:
+        self.pairs, self.delay_s = pairs, delay_s
+        self.start = self.end = self
+
+    def synchronize(self) -> None:
+        import time
+
+        time.sleep(self.delay_s)
+        for dst, src in self.pairs:
+            dst.copy_(src)
+
+    def elapsed_time(self, other: object) -> float:
+        return self.delay_s * 1e3
+
+
+def late_copies_roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> None:
+    """Device copies simulated on CPU: each save's staged buffers hold garbage until the trainer
+    waits for its copies (0.3 s after save() handed the request over). The writer must write
+    only after the trainer published them: every checkpoint must load back its own values."""
+    from megatron_ckpt_ext import staging
+
+    def deferred(self, staged, tensors):
+        pairs = [(d, s.detach().clone()) for d, s in zip(staged, tensors)]
+        for d in staged:
+            d.fill_(-999)
+        return [_LateCopies(pairs, 0.3)]
+
+    staging.ShmStager._copy = deferred
+    live = step_state(0, rank)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in range(1, saves + 1):
+            for k, v in step_state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            for v in live.values():
+                v.fill_(-7)
+            ck.maybe_finalize(blocking=True)
+        for step in range(1, saves + 1):
+            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+        assert all(r["phases"]["copy_wait_s"] >= 0.25 for r in ck.reports), ck.reports
 
 
 def one_rank_changes_structure(rank: int, world: int, root: str, options: dict) -> None:

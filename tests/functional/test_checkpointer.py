@@ -105,9 +105,9 @@ def test_unwritable_root_raises_on_every_rank_before_staging(mode, tmp_path):
 
 @pytest.mark.parametrize("keep_clones", [False, True])
 def test_staged_copies_are_waited_for_before_the_writer_gets_them(keep_clones, tmp_path):
-    """save() plans while the device copies run (no wait before planning), and waits for them
-    before scheduling the write; where the writer's planning clones the staged tensors (clones
-    kept), it waits before planning."""
+    """save() plans and hands the request over while the device copies run, then waits for them;
+    where the writer's planning clones the staged tensors (clones kept), it waits before
+    planning."""
     run_ranks(w.copy_wait_order, args=(str(tmp_path / "ck"), TRIAL_MODES["cpu-shm-temporal"],
                                        keep_clones), timeout=200)
 
@@ -117,3 +117,9 @@ def test_staged_copies_are_waited_for_before_the_writer_gets_them(keep_clones, t
 def test_structure_change_on_one_rank_replans_and_validates_on_every_rank(mode, tmp_path):
     options = {"constant-sync": {"ckpt_assume_constant_structure": True}}.get(mode) or TRIAL_MODES[mode]
     run_ranks(w.one_rank_changes_structure, args=(str(tmp_path / "ck"), options), timeout=200)
+
+
+@pytest.mark.parametrize("mode", ["cpu-shm-temporal", "cpu-shm-persistent"])
+def test_writer_writes_only_after_the_staged_copies_are_published(mode, tmp_path):
+    run_ranks(w.late_copies_roundtrip, args=(str(tmp_path / "ck"), TRIAL_MODES[mode], 3),
+              timeout=200)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -328,3 +329,29 @@ def test_a_new_stager_sweeps_orphans_at_start():
     open(orphan, "wb").close()
     with new_stager():
         assert not os.path.exists(orphan)
+
+
+# -- the ready flag a writer waits on ------------------------------------------------------------
+def test_writer_runs_only_once_its_save_is_published(tmp_path):
+    import threading
+
+    from megatron_ckpt_ext.staging import StagingFailed, run_when_staged
+
+    with ShmStager(job_id="flag", rank=0, reuse=True, shm_dir=str(tmp_path), pin=False) as st:
+        flag = st.ready_flag()
+        assert flag.dtype == torch.int64 and int(flag[0]) == 0 and st.ready_flag() is flag
+        ran = []
+        timer = threading.Timer(0.2, lambda: flag.fill_(3))
+        t0 = time.monotonic()
+        timer.start()
+        assert run_when_staged(flag, 3, 10.0, lambda x: ran.append(x) or "done", "w") == "done"
+        assert ran == ["w"] and time.monotonic() - t0 >= 0.19
+        assert run_when_staged(flag, 2, 10.0, lambda: "older") == "older"  # already published
+        flag.fill_(-4)
+        with pytest.raises(StagingFailed, match="save 4"):
+            run_when_staged(flag, 4, 10.0, ran.append, "never")
+        with pytest.raises(TimeoutError, match="--ckpt-timeout"):
+            run_when_staged(flag, 5, 0.05, ran.append, "never")
+        assert ran == ["w"]
+        assert len(os.listdir(tmp_path)) == 1  # the flag is a segment of ours
+    assert os.listdir(tmp_path) == []  # and close() removes it
