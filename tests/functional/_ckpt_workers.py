@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -242,6 +243,24 @@ def unwritable_root(rank: int, world: int, root: str, options: dict) -> None:
     assert blocker.is_file()
 
 
+def save_and_verify(ck: Checkpointer, rank: int, world: int, root: str, steps: Any, *,
+                    on_save: Any = None) -> None:
+    """Save each step's values (same storage every step), overwrite them as soon as save()
+    returns, finalize; then every checkpoint must load back exactly its own step's values."""
+    live = step_state(0, rank)
+    for step in steps:
+        if on_save is not None:
+            on_save(step)
+        for k, v in step_state(step, rank).items():
+            live[k].copy_(v)
+        ck.save(sharded(rank, world, live), root, iteration=step)
+        for v in live.values():
+            v.fill_(-7)
+        ck.maybe_finalize(blocking=True)
+    for step in steps:
+        assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+
+
 def copy_wait_order(rank: int, world: int, root: str, options: dict, keep_clones: bool) -> None:
     """Record the order of planning (megatron-core's save), the wait for the staged copies and
     the hand-over to the writer, for two saves; the checkpoints must still load bit-exact."""
@@ -256,20 +275,10 @@ def copy_wait_order(rank: int, world: int, root: str, options: dict, keep_clones
     if keep_clones:  # a writer that clones every CPU tensor while planning, clones kept
         os.environ["MCX_KEEP_WRITER_CLONES"] = "1"
         backend.writer_clones_cpu_tensors = lambda *a: True
-    live = step_state(1, rank)
     with Checkpointer(CkptOptions(**options)) as ck:
         schedule = ck._queue.schedule_async_request
         ck._queue.schedule_async_request = lambda r: (events.append("schedule"), schedule(r))[1]
-        for step in (1, 2):
-            events.append(f"save{step}")
-            for k, v in step_state(step, rank).items():
-                live[k].copy_(v)
-            ck.save(sharded(rank, world, live), root, iteration=step)
-            for v in live.values():
-                v.fill_(-7)
-            ck.maybe_finalize(blocking=True)
-        for step in (1, 2):
-            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+        save_and_verify(ck, rank, world, root, (1, 2), on_save=lambda s: events.append(f"save{s}"))
         assert all("copy_wait_s" in r["phases"] for r in ck.reports), ck.reports
     for step in (1, 2):
         mine = events[events.index(f"save{step}"):]
@@ -311,17 +320,8 @@ def late_copies_roundtrip(rank: int, world: int, root: str, options: dict, saves
         return [_LateCopies(pairs, 0.3)]
 
     staging.ShmStager._copy = deferred
-    live = step_state(0, rank)
     with Checkpointer(CkptOptions(**options)) as ck:
-        for step in range(1, saves + 1):
-            for k, v in step_state(step, rank).items():
-                live[k].copy_(v)
-            ck.save(sharded(rank, world, live), root, iteration=step)
-            for v in live.values():
-                v.fill_(-7)
-            ck.maybe_finalize(blocking=True)
-        for step in range(1, saves + 1):
-            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+        save_and_verify(ck, rank, world, root, range(1, saves + 1))
         assert all(r["phases"]["copy_wait_s"] >= 0.25 for r in ck.reports), ck.reports
 
 
