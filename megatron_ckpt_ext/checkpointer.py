@@ -223,7 +223,8 @@ class Checkpointer:
         t = record.phase("wait_previous_s", started)
         constant = self.options.ckpt_assume_constant_structure
         structure = _structure_key(sharded_state_dict) if constant else None
-        workdir = self._prepare_dir(record, new_structure=not constant or structure != self._structure)
+        new_structure = not constant or structure != self._structure
+        workdir = self._prepare_dir(record, new_structure=new_structure)
         self._use_structure(structure, record)
         if self.reports and _rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes"])
