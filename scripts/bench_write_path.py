@@ -91,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             for v in VARIANTS:
                 s = write_once(v, tensors, target_dir / f"{v}.bin", args.sink)
                 seconds[v].append(s)
-                print(f"round {r + 1}/{args.rounds} {v:18s} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s",
-                      flush=True)
+                print(f"round {r + 1}/{args.rounds} {v:18s} {s:7.3f} s  "
+                      f"{nbytes / s / 1e9:6.2f} GB/s", flush=True)
     finally:
         shutil.rmtree(target_dir, ignore_errors=True)
-    summary = {v: {"median_s": statistics.median(s), "median_gbps": nbytes / statistics.median(s) / 1e9,
-                   "seconds": s} for v, s in seconds.items()}
+    summary = {v: {"median_s": statistics.median(s),
+                   "median_gbps": nbytes / statistics.median(s) / 1e9, "seconds": s}
+               for v, s in seconds.items()}
     raw = summary["raw"]["median_s"]
     for v in VARIANTS:
         summary[v]["over_raw"] = summary[v]["median_s"] / raw
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{nbytes / 1e9:.2f} GB in {len(tensors)} tensors, sink={args.sink}, median of "
           f"{args.rounds}:")
     for v in VARIANTS:
-        print(f"  {v:18s} {summary[v]['median_gbps']:6.2f} GB/s  {summary[v]['over_raw']:5.2f}x raw")
+        print(f"  {v:18s} {summary[v]['median_gbps']:6.2f} GB/s  "
+              f"{summary[v]['over_raw']:5.2f}x raw")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -127,3 +127,26 @@ def test_summary_ratios_and_flatness_from_records():
     runs[-1]["host_extra_bytes"] = 110  # 10 % growth on the last save: not flat
     s = bench_ckpt.summarize(runs, [])
     assert s["host_flatness"]["1.00GiB/ours-async-persistent-cpu-shm"]["flat_pm_1pct"] is False
+
+
+def test_write_path_bench_writes_each_variant_and_its_json(tmp_path):
+    """scripts/bench_write_path.py on a tiny size: every variant measured each round, the files
+    it wrote removed, and the JSON ratios computed against the raw writes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_write_path.py"
+    target, out = tmp_path / "wp", tmp_path / "wp.json"
+    r = subprocess.run([sys.executable, str(script), "--dir", str(target), "--gib", "0.01",
+                        "--tensor-mib", "2", "--rounds", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["variants"]) == {"raw", "torch_save_crc", "torch_save_no_crc"}
+    assert result["bytes"] == 5 * 2 * 2**20 and result["tensors"] == 5
+    for v in result["variants"].values():
+        assert len(v["seconds"]) == 2 and all(s > 0 for s in v["seconds"])
+        assert v["over_raw"] == v["median_s"] / result["variants"]["raw"]["median_s"]
+    assert not target.exists()
