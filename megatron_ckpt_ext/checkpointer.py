@@ -815,6 +815,8 @@ def _structure_key(state: Any) -> tuple:
 
 
 def _describe_change(old: tuple | None, new: tuple) -> str:
+    if old == new:
+        return "unchanged on this rank"
     old_keys, new_keys = {i[1] for i in old or ()}, {i[1] for i in new}
     added, removed = sorted(new_keys - old_keys), sorted(old_keys - new_keys)
     if added or removed:
