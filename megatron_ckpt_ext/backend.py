@@ -1215,7 +1215,15 @@ def _fsdp_dist(module_name: str) -> str:
     return MCORE_DIST if module_name.startswith("megatron.") else "megatron-fsdp"
 
 
-__all__ += ["FsdpApi", "fsdp_symm_mem_support", "megatron_fsdp_api"]
+def fsdp_group_symm_pool(group: Any) -> Any:
+    """The NCCL symmetric-memory pool a Megatron-FSDP parameter group allocates its staging
+    buffers from, or None (flag off, or a layout without one). Megatron-FSDP 0.19.2's
+    experimental ``ParameterGroup`` keeps it in ``_symm_mem_pool``; read here, not elsewhere,
+    so a renamed attribute reads as "no pool" (plain buffers), never as an error."""
+    return getattr(group, "_symm_mem_pool", None)
+
+
+__all__ += ["FsdpApi", "fsdp_group_symm_pool", "fsdp_symm_mem_support", "megatron_fsdp_api"]
 
 
 # -- the async queue's writers (shapes probed here, used by the checkpointer) -----------------

@@ -125,7 +125,7 @@ def register_sharded_buffers(model: nn.Module, *, api: backend.FsdpApi | None = 
     api = api or backend.megatron_fsdp_api()
     done: dict[str, Any] = {"moved": [], "bytes": 0, "kept": []}
     for module_name, group in _named_parameter_groups(model):
-        pool = getattr(group, "_symm_mem_pool", None)
+        pool = backend.fsdp_group_symm_pool(group)
         if pool is None:
             continue
         for attr in ("model_weight", "main_grad"):
