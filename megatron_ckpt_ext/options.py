@@ -346,6 +346,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "in host memory"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
+    EnvSwitch("MCX_KEEP_PAGE_CACHE", "0",
+              "1: leave a written checkpoint's pages in the page cache (the writer drops them "
+              "once fsync'd)"),
     EnvSwitch("MCX_WRITER_TRACE", "",
               "<dir>: append each save's preload, write, results hand-back, schedule and commit "
               "wall times to <dir>/writer_trace.jsonl"),

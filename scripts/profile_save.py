@@ -12,6 +12,11 @@ writes every per-save report (its ``phases`` name where the blocking time goes).
 most cumulative time (``--cprofile-top``); ``--probe-copy-overlap`` first measures (CUDA only)
 how long small host-synchronising CUDA calls take while a large device-to-host copy runs on a
 side stream, i.e. whether work that planning does can overlap the staging copies.
+``--mem-breakdown`` samples, every 20 ms, each process of this rank's tree (trainer, persistent
+worker, queue managers, forked writers): ``Pss_Anon`` (forked pages split between sharers) and
+``Anonymous``, plus ``/dev/shm``; per save it records each process's peak above its value before
+the mode's Checkpointer existed (0 for processes started since), so host memory beyond the staging
+buffers is attributed to a process.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -117,8 +123,73 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
+def _smaps(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("Pss_Anon", "Anonymous"):
+                    out[key] = int(rest.split()[0]) * 1024
+        with open(f"/proc/{pid}/comm") as fh:
+            out["comm"] = fh.read().strip()  # type: ignore[assignment]
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return out
+
+
+class MemBreakdown:
+    """Per-process peak anonymous memory of this rank's process tree, above a baseline."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        sys.path.append(str(Path(__file__).resolve().parent))
+        from _bench_modes import _process_tree, _shm_used  # noqa: PLC0415
+        self._tree, self._shm = _process_tree, _shm_used
+        self.base = {p: _smaps(p) for p in self._tree(os.getpid())}
+        self.base_shm = self._shm()
+        self.peak: dict[int, dict] = {}
+        self.peak_shm = 0
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="mem-breakdown")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.02):
+            self.sample()
+
+    def sample(self) -> None:
+        now = {p: _smaps(p) for p in self._tree(os.getpid())}
+        shm = self._shm() - self.base_shm
+        with self._lock:
+            self.peak_shm = max(self.peak_shm, shm)
+            for pid, v in now.items():
+                if "Pss_Anon" not in v:
+                    continue
+                b = self.base.get(pid, {})
+                pss, anon = v["Pss_Anon"] - b.get("Pss_Anon", 0), v["Anonymous"] - b.get("Anonymous", 0)
+                rec = self.peak.setdefault(pid, {"comm": v.get("comm"), "pss_anon": pss,
+                                                 "anon": anon, "existed_before": pid in self.base})
+                rec["pss_anon"] = max(rec["pss_anon"], pss)  # a trainer's may go below its
+                rec["anon"] = max(rec["anon"], anon)         # baseline: forked pages are shared
+
+    def take(self) -> dict:
+        self.sample()
+        with self._lock:
+            out = {"shm_extra_bytes": self.peak_shm,
+                   "processes": {str(p): dict(r) for p, r in sorted(self.peak.items())}}
+            out["pss_anon_extra_bytes"] = sum(r["pss_anon"] for r in self.peak.values())
+            self.peak, self.peak_shm = {}, 0
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str,
-             cprofile_save: int = 0, cprofile_top: int = 30) -> dict:
+             cprofile_save: int = 0, cprofile_top: int = 30, mem: bool = False) -> dict:
+    sampler = MemBreakdown() if mem else None
+    mem_by_save: list[dict] = []
     t0 = time.perf_counter()
     ck = Checkpointer(CkptOptions(**opts))
     startup = time.perf_counter() - t0
@@ -144,12 +215,16 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
                            "collections": pauses.by_gen})
         if finalize == "blocking":
             ck.maybe_finalize(blocking=True)
+        if sampler:
+            mem_by_save.append({"iteration": step, **sampler.take()})
     ck.maybe_finalize(blocking=True)
     reports = list(ck.reports)
     ck.close()
+    if sampler:
+        sampler.close()
     return {"mode": name, "startup_s": startup, "prepare_call_s": prepare, "reports": reports,
             "constructor": getattr(ck, "startup", {}), "cprofile": profiles,
-            "gc_in_save": gc_in_save}
+            "gc_in_save": gc_in_save, "mem_by_save": mem_by_save}
 
 
 def main() -> None:
@@ -163,6 +238,7 @@ def main() -> None:
     p.add_argument("--cprofile-save", type=int, default=0, help="profile this save (1-based)")
     p.add_argument("--cprofile-top", type=int, default=30)
     p.add_argument("--probe-copy-overlap", action="store_true")
+    p.add_argument("--mem-breakdown", action="store_true", help="per-process host memory per save")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -177,7 +253,7 @@ def main() -> None:
     for name in a.modes:
         root = Path(a.root or tempfile.mkdtemp(prefix="mcx_prof_")) / name
         res = run_mode(name, MODES[name], state, root, a.saves, a.finalize, a.cprofile_save,
-                       a.cprofile_top)
+                       a.cprofile_top, a.mem_breakdown)
         results.append(res)
         if rank == 0:
             print(f"== {name}: startup {res['startup_s']:.2f} s, prepare() {res['prepare_call_s']:.3f} s",
@@ -190,6 +266,11 @@ def main() -> None:
                 print(f"  it{r['iteration']} {r['bytes'] / 1e9:.2f} GB blocking {r['blocking_s']:.3f} "
                       f"durable {r['durable_s']:.3f} staging {r['staging_gbps']} GB/s write "
                       f"{r['write_gbps']} GB/s | {ph}", flush=True)
+            for m in res["mem_by_save"]:
+                procs = " ".join(f"{r['comm']}{'' if r['existed_before'] else '(new)'}="
+                                 f"{r['pss_anon'] / 1e6:.0f}MB" for r in m["processes"].values())
+                print(f"  mem it{m['iteration']}: shm +{m['shm_extra_bytes'] / 1e9:.3f} GB, "
+                      f"Pss_Anon +{m['pss_anon_extra_bytes'] / 1e6:.0f} MB: {procs}", flush=True)
             for step, text in res["cprofile"].items():
                 print(f"  cProfile of save {step}:\n{text}", flush=True)
             shutil.rmtree(root, ignore_errors=True)

@@ -53,10 +53,21 @@ def roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> No
             ck.maybe_finalize()
         ck.maybe_finalize(blocking=True)
         assert read_tracker(root) == saves
+        assert_written_pages_dropped(root)
         for step in range(1, saves + 1):
             assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"iteration {step}")
         assert_equal(load_back(ck, rank, world, root, None), step_state(saves, rank), "tracker load")
         check_reports(ck.reports, rank, world, root, saves, async_save=options.get("async_save", False))
+
+
+def assert_written_pages_dropped(root: str) -> None:
+    """Every committed data file left the page cache once written (the writer drops its pages)."""
+    from tests._pagecache import can_drop_pages, resident_pages
+
+    if not can_drop_pages(root):
+        return
+    cached = {str(p): resident_pages(str(p)) for p in Path(root).glob("iter_*/*.distcp")}
+    assert cached and not any(cached.values()), cached
 
 
 def check_reports(reports: list[dict], rank: int, world: int, root: str, saves: int, *,

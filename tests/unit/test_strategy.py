@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import queue
 from functools import partial
+
+import pytest
 
 from megatron_ckpt_ext import backend, strategy
 from megatron_ckpt_ext.options import CkptOptions
@@ -112,3 +116,47 @@ def test_torch_load_reads_records_without_crc_and_never_checks_it():
     raw = bytearray(_save_bytes(t))
     raw[raw.find(t.numpy().tobytes()[400:408]) + 1] ^= 0xFF
     assert not torch.equal(torch.load(io.BytesIO(bytes(raw))), t)
+
+
+def _write_buckets(rank, buckets, results_queue, nbytes=4 << 20):
+    """A writer like megatron-core's: every bucket file written and fsync'd."""
+    for path, _key, _data in buckets:
+        with open(path, "wb") as f:
+            f.write(os.urandom(nbytes))
+            f.flush()
+            os.fsync(f.fileno())
+    results_queue.put(rank)
+    return "written"
+
+
+def test_written_checkpoint_files_leave_the_page_cache(tmp_path, monkeypatch):
+    import pickle
+
+    from tests._pagecache import can_drop_pages, resident_pages
+
+    if not can_drop_pages(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is memory-backed: its pages cannot be dropped")
+    monkeypatch.delenv("MCX_KEEP_PAGE_CACHE", raising=False)
+    R = collections.namedtuple("R", "async_fn async_fn_args")
+    results: queue.Queue = queue.Queue()
+    kept = [(str(tmp_path / "kept.distcp"), "k", ([], []))]
+    _write_buckets(0, kept, results)
+    assert resident_pages(kept[0][0]) > 0  # control: a written file stays cached
+    buckets = [(tmp_path / f"__0_{i}.distcp", "k", ([], [])) for i in range(2)]  # Path or str
+    request = strategy.page_cache_free_request(R(async_fn=_write_buckets, async_fn_args=()))
+    assert request.async_fn(0, buckets, results) == "written"  # the write's own result
+    assert [resident_pages(str(b[0])) for b in buckets] == [0, 0]
+    assert results.get_nowait() == 0 and results.get_nowait() == 0
+    assert pickle.loads(pickle.dumps(request.async_fn)).func is strategy.call_then_drop_written_pages
+
+    monkeypatch.setenv("MCX_KEEP_PAGE_CACHE", "1")
+    plain = R(async_fn=_write_buckets, async_fn_args=())
+    assert strategy.page_cache_free_request(plain) is plain
+
+
+def test_bucket_files_are_found_among_the_write_arguments(tmp_path):
+    buckets = [(tmp_path / "a", "k", ([], [])), ("b", "k", ([], []))]
+    assert strategy.bucket_files((0, buckets, queue.Queue())) == [str(tmp_path / "a"), "b"]
+    assert strategy.bucket_files((0, None, queue.Queue())) == []   # nvrx 0.7 before preload
+    assert strategy.bucket_files(([], [("a", "k")])) == []          # not buckets
+    strategy.drop_page_cache(str(tmp_path / "missing"))             # best effort: no error

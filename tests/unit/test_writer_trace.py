@@ -27,6 +27,8 @@ def test_preload_write_and_results_put_are_traced(tmp_path):
     lines = [json.loads(ln) for ln in (tmp_path / "writer_trace.jsonl").read_text().splitlines()]
     assert [ln["what"] for ln in lines] == ["preload", "results_put", "write"]
     assert all(ln["s"] >= 0 and ln["end"] >= ln["start"] for ln in lines)
+    for ln in lines[::2]:  # preload and write also carry the calling thread's usage
+        assert ln["cpu_s"] >= 0 and ln["minflt"] >= 0 and ln["nvcsw"] >= 0, ln
 
 
 def test_a_request_without_functions_is_left_alone(tmp_path):
