@@ -36,6 +36,16 @@ Why and how (measured on CPU with torch 2.13; see tests/unit/test_staging.py):
   storage goes through torch's own reducer unchanged. ``MCX_PICKLE_SEGMENTS_BY_NAME=0`` turns
   this off.
 
+* **Kept mapped in a persistent writer.** With ``reuse=True`` the reference also carries the
+  stager's *epoch*, a per-process number bumped whenever a segment is freed. A receiver keeps
+  what it mapped for that epoch (:data:`_MAPPED`) and hands the same mapping back at the next
+  save instead of mapping the segment again; on a new epoch it first drops every mapping it
+  kept. So a persistent writer maps the buffers once, not once per save, and does not fault
+  every page in again while it writes (on the H100 VM: ~33,000 faults per 2.15 GB per save).
+  Freed segments are released by the writer at its next hand-over (a structure change holds the
+  old buffers until then), at its exit, or when the trainer closes the stager. Without reuse
+  (``reuse=False``) nothing is kept. ``MCX_WRITER_KEEPS_MAPPINGS=0`` turns this off.
+
 * **Pinned where CUDA exists.** Each buffer is registered with the CUDA driver
   (``cudaHostRegister``, as torch DCP's DefaultStager does), so device-to-host copies run at
   pinned speed into memory the writer reads without a CUDA context. It is unregistered before it
@@ -103,9 +113,13 @@ StagingKey = tuple  # per tensor: (id, shape, dtype, device, storage data_ptr, s
 _Spec = tuple  # (id, shape, dtype)
 _FD_MARGIN = 256  # descriptors left for everything else in the process
 _counter = itertools.count()
-# data pointer of every live segment storage -> (path, nbytes): what _reduce_storage pickles by name
-_SEGMENTS: dict[int, tuple[str, int]] = {}
+# data pointer of every live segment storage -> (path, nbytes, reuse): what _reduce_storage
+# pickles by name
+_SEGMENTS: dict[int, tuple[str, int, bool]] = {}
 _reducer_installed = False
+_epoch = 0  # bumped whenever this process frees a segment (receivers then drop what they kept)
+# receiver side: the epoch whose segments it keeps mapped, and path -> storage
+_MAPPED: dict[str, Any] = {"epoch": None, "storages": {}}
 
 
 @dataclass
@@ -361,7 +375,7 @@ class ShmStager:
         path = os.path.join(self.shm_dir, f"{SEGMENT_PREFIX}{self.job_id}_{self.rank}_"
                                           f"{os.getpid()}_{next(_counter)}")
         storage = _shared_segment(path, nbytes, key=spec[0])
-        _register_segment(storage, path, nbytes)
+        _register_segment(storage, path, nbytes, reuse=self.reuse)
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         buffer = _Buffer(tensor, path)
         if self.pin:
@@ -377,6 +391,8 @@ class ShmStager:
                 torch.cuda.cudart().cudaHostUnregister(buffer.tensor.data_ptr())
                 buffer.registered = False
             if buffer.path:
+                global _epoch
+                _epoch += 1
                 _SEGMENTS.pop(buffer.tensor.untyped_storage().data_ptr(), None)
                 _unlink(buffer.path)
             buffer.tensor = torch.empty(0)  # drop our mapping; a holder still keeps its own
@@ -462,11 +478,12 @@ def _shared_segment(path: str, nbytes: int, *, key: str) -> torch.UntypedStorage
         os.close(fd)  # torch keeps its own dup (with our lock) for the life of the mapping
 
 
-def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int) -> None:
+def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int, *,
+                      reuse: bool = False) -> None:
     global _reducer_installed
     if env_switch("MCX_PICKLE_SEGMENTS_BY_NAME") == "0":
         return
-    _SEGMENTS[storage.data_ptr()] = (path, nbytes)
+    _SEGMENTS[storage.data_ptr()] = (path, nbytes, reuse)
     if not _reducer_installed:
         from multiprocessing.reduction import ForkingPickler
 
@@ -478,21 +495,42 @@ def _reduce_storage(storage: torch.UntypedStorage) -> tuple:
     """torch.multiprocessing's storage reducer, except for our live segments (sent by name)."""
     entry = _SEGMENTS.get(storage.data_ptr()) if storage.device.type == "cpu" else None
     if entry is not None and entry[1] == storage.nbytes():
-        return _open_segment, entry
+        path, nbytes, reuse = entry
+        keep = reuse and env_switch("MCX_WRITER_KEEPS_MAPPINGS") != "0"
+        return _open_segment, (path, nbytes, (os.getpid(), _epoch) if keep else None)
     from torch.multiprocessing.reductions import reduce_storage
 
     return reduce_storage(storage)
 
 
-def _open_segment(path: str, nbytes: int) -> torch.UntypedStorage:
+def _open_segment(path: str, nbytes: int, epoch: tuple | None = None) -> torch.UntypedStorage:
     """The receiver's side of :func:`_reduce_storage`: map the named segment (shared lock held
-    for as long as the mapping lives, like the owner's)."""
+    for as long as the mapping lives, like the owner's). With an ``epoch`` (the owner's pid and
+    segment epoch) the mapping is kept for the next reference of the same epoch, and every kept
+    mapping of an older epoch is dropped first."""
+    if epoch is not None:
+        if _MAPPED["epoch"] != epoch:
+            _MAPPED["storages"] = {}  # the owner freed segments since: drop every old mapping
+            _MAPPED["epoch"] = epoch
+        kept = _MAPPED["storages"].get(path)
+        if kept is not None and kept.nbytes() == nbytes:
+            return kept
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
     finally:
         os.close(fd)
+    if epoch is not None:
+        _MAPPED["storages"][path] = storage
+    return storage
+
+
+def drop_kept_mappings() -> int:
+    """Drop every segment mapping this process keeps as a receiver; returns how many."""
+    count = len(_MAPPED["storages"])
+    _MAPPED["storages"], _MAPPED["epoch"] = {}, None
+    return count
 
 
 def _shm_full_error(path: str, nbytes: int, key: str) -> Exception:

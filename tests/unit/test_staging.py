@@ -234,6 +234,46 @@ def test_a_staged_tensor_is_pickled_by_segment_name_and_any_other_storage_as_tor
     assert storage_ptr not in staging._SEGMENTS  # closed: forgotten, never pickled by a dead name
 
 
+def _receive(tensor: torch.Tensor) -> torch.Tensor:
+    """What a writer process gets for ``tensor``: pickled as the trainer sends it, then loaded."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    return pickle.loads(bytes(ForkingPickler.dumps(tensor)))
+
+
+def test_a_writer_keeps_its_mappings_for_reused_buffers_until_the_owner_frees_one(monkeypatch):
+    monkeypatch.delenv("MCX_WRITER_KEEPS_MAPPINGS", raising=False)
+    staging.drop_kept_mappings()
+    with new_stager() as stager:
+        batch = stager.stage([torch.full((256,), 1.0)], keys=["w"])
+        first = _receive(batch.tensors[0])
+        batch.release()  # the writer is done with save 1: its buffers are reused by save 2
+        batch = stager.stage([torch.full((256,), 2.0)], keys=["w"])
+        second = _receive(batch.tensors[0])
+        # the same mapping handed back, and it shows the bytes staged for this save
+        assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        assert torch.equal(second, torch.full((256,), 2.0))
+        assert len(staging._MAPPED["storages"]) == 1
+        batch.release()
+        # a structure change frees the old buffer: the next reference drops the kept mapping
+        moved = _receive(stager.stage([torch.full((512,), 3.0)], keys=["w"]).tensors[0])
+        assert list(staging._MAPPED["storages"]) == stager.segments()
+        assert torch.equal(moved, torch.full((512,), 3.0))
+    assert staging.drop_kept_mappings() == 1
+
+
+@pytest.mark.parametrize("case", ["no-reuse", "switch-off"])
+def test_a_writer_maps_again_each_time_without_reuse_or_with_the_switch_off(case, monkeypatch):
+    monkeypatch.setenv("MCX_WRITER_KEEPS_MAPPINGS", "0" if case == "switch-off" else "1")
+    staging.drop_kept_mappings()
+    with new_stager(reuse=case != "no-reuse") as stager:
+        staged = stager.stage([torch.full((256,), 1.0)], keys=["w"]).tensors[0]
+        a, b = _receive(staged), _receive(staged)
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert torch.equal(a, b) and not staging._MAPPED["storages"]
+
+
 def test_full_shm_is_an_error_naming_the_fix_and_leaves_no_segment(monkeypatch):
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
