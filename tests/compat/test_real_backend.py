@@ -225,6 +225,9 @@ def test_write_results_queues_primed_with_fork_for_every_writer_module():
             queue = module._results_queue
             assert queue is not None, module.__name__
             assert queue._manager._ctx is mp.get_context("fork"), module.__name__
+        # one Manager process serves every module's queue (each forked one costs host memory)
+        assert len({id(module._results_queue._manager) for module in modules}) == 1
+        assert modules[0]._results_queue is not modules[-1]._results_queue or len(modules) == 1
     finally:
         backend.shutdown_write_results_queues()
     assert all(module._results_queue is None for module in modules)
