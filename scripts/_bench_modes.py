@@ -147,6 +147,17 @@ def sharded(state: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, 
     return {k: st.from_rank_offsets(k, t, (0, rank, world)) for k, t in state.items()}
 
 
+def time_threads(fn: Callable[[int], None], count: int) -> float:
+    """Wall seconds for ``fn(0) .. fn(count - 1)``, each on its own thread, all started at once."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(count)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 # -- host memory ---------------------------------------------------------------------------------
 def _children(pid: int) -> list[int]:
     out: list[int] = []

@@ -23,7 +23,6 @@ import platform
 import shutil
 import statistics
 import sys
-import threading
 import time
 import traceback
 from datetime import datetime, timedelta, timezone
@@ -202,13 +201,7 @@ def write_seconds(directory: Path, nbytes: int, streams: int) -> float:
             fh.flush()
             os.fsync(fh.fileno())
 
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
+    return bm.time_threads(write, streams)
 
 
 def measure_floors(args: argparse.Namespace, device: torch.device, ctl: Ctl, out: Path) -> dict:

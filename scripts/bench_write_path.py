@@ -34,11 +34,14 @@ import os
 import platform
 import shutil
 import statistics
-import threading
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_modes import time_threads  # noqa: E402
 
 VARIANTS = ("raw", "torch_save_crc", "torch_save_no_crc")
 
@@ -77,13 +80,7 @@ def write_streams(tensors: list[torch.Tensor], target: Path, streams: int) -> fl
         finally:
             path.unlink(missing_ok=True)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return time.perf_counter() - t0
+    return time_threads(one, streams)
 
 
 def page_cache_probe(tensors: list[torch.Tensor], target_dir: Path, rounds: int) -> dict:
