@@ -123,6 +123,10 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _smaps(pid: int) -> dict[str, int]:
     out: dict[str, int] = {}
     try:
@@ -187,7 +191,8 @@ class MemBreakdown:
 
 
 def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str,
-             cprofile_save: int = 0, cprofile_top: int = 30, mem: bool = False) -> dict:
+             cprofile_save: int = 0, cprofile_top: int = 30, mem: bool = False,
+             keep_last: int = 0) -> dict:
     sampler = MemBreakdown() if mem else None
     mem_by_save: list[dict] = []
     t0 = time.perf_counter()
@@ -215,6 +220,8 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
                            "collections": pauses.by_gen})
         if finalize == "blocking":
             ck.maybe_finalize(blocking=True)
+            if keep_last and step > keep_last and (_rank() == 0):
+                shutil.rmtree(root / f"iter_{step - keep_last:07d}", ignore_errors=True)
         if sampler:
             mem_by_save.append({"iteration": step, **sampler.take()})
     ck.maybe_finalize(blocking=True)
@@ -239,6 +246,8 @@ def main() -> None:
     p.add_argument("--cprofile-top", type=int, default=30)
     p.add_argument("--probe-copy-overlap", action="store_true")
     p.add_argument("--mem-breakdown", action="store_true", help="per-process host memory per save")
+    p.add_argument("--keep-last", type=int, default=0,
+                   help="with --finalize blocking: remove checkpoints older than the last N")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -253,7 +262,7 @@ def main() -> None:
     for name in a.modes:
         root = Path(a.root or tempfile.mkdtemp(prefix="mcx_prof_")) / name
         res = run_mode(name, MODES[name], state, root, a.saves, a.finalize, a.cprofile_save,
-                       a.cprofile_top, a.mem_breakdown)
+                       a.cprofile_top, a.mem_breakdown, a.keep_last)
         results.append(res)
         if rank == 0:
             print(f"== {name}: startup {res['startup_s']:.2f} s, prepare() {res['prepare_call_s']:.3f} s",
