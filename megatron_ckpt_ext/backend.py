@@ -890,12 +890,15 @@ def sequential_writer(async_fn: Any) -> tuple[type, tuple] | None:
 
 
 def shutdown_write_results_queues() -> None:
-    """Stop the process behind the backends' global write-results queue (a multiprocessing
-    Manager server started at the first async save), so ``close()`` leaves no child behind. The
-    next save starts a new one."""
+    """Drop the backends' global write-results queues: a Manager server is stopped (so
+    ``close()`` leaves no child behind), a :class:`~megatron_ckpt_ext.spool.SpoolQueue`'s
+    directory removed, so no stale result is read by a later save. The next save (or
+    :func:`prime_write_results_queue`) puts new ones in place."""
     for name in (f"{NVRX_ASYNC}.filesystem_async", f"{MCORE_STRATEGIES}.filesystem_async"):
         module = sys.modules.get(name)
         queue = getattr(module, "_results_queue", None) if module is not None else None
+        if hasattr(queue, "close") and type(queue).__name__ == "SpoolQueue":
+            queue.close()  # its directory, with any stale result still in it
         manager = getattr(queue, "_manager", None)
         if manager is not None:
             try:
@@ -907,32 +910,35 @@ def shutdown_write_results_queues() -> None:
 
 
 def prime_write_results_queue() -> bool:
-    """Start the backends' global write-results queues now (start-up), not inside the first save.
+    """Put the backends' global write-results queues in place now (start-up), not inside the
+    first save.
 
-    Each queue lives in a multiprocessing Manager server. Left to the writer it is started at the
-    first save with the ``spawn`` context, whose child re-imports the training script's
-    ``__main__`` (seconds with Megatron-LM's imports, all of it on the first save's critical path).
-    Megatron-LM's own persistent-worker start-up primes it with ``mp_mode="fork"`` (a fork of the
-    trainer, milliseconds); we do the same, for every writer module that keeps such a queue:
-    megatron-core's ``filesystem_async`` and, where installed, nvrx's (nvrx 0.7's writer, used by
-    megatron-core 0.19 with nvrx, has its own). Through ``get_write_results_queue(mp_mode=...)``
-    where the module takes it, else by setting the module's ``_results_queue`` the way its getter
-    would (megatron-core 0.16 has only ``_get_write_results_queue()`` with a fixed spawn
-    context). Returns whether megatron-core's queue is in place; False (lazy, as before) on an
-    unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy.
-
-    Where both modules keep their queue in a module global (all known versions), both queues are
-    served by **one** Manager process: each forked Manager keeps the trainer's pages of the fork
-    time alive as the trainer changes them (copy-on-write), ~130-150 MB each on the H100 bench
-    (``scripts/profile_save.py --mem-breakdown``), so a second one is host memory for nothing."""
+    Left to the writer, each queue is a multiprocessing Manager server started at the first save
+    with the ``spawn`` context, whose child re-imports the training script's ``__main__`` (seconds
+    with Megatron-LM's imports, on the first save's critical path). We set every writer module's
+    module-global queue (megatron-core's ``filesystem_async`` and, where installed, nvrx's: nvrx
+    0.7's writer, used by megatron-core 0.19 with nvrx, has its own) the way its getter would,
+    but to a :class:`~megatron_ckpt_ext.spool.SpoolQueue`: no server process at all. A forked
+    Manager (what Megatron-LM's own start-up uses, ``mp_mode="fork"``) kept ~190 MB of the
+    trainer's pages alive by copy-on-write on the H100 bench (``scripts/profile_save.py
+    --mem-breakdown``). ``MCX_RESULTS_QUEUE=manager`` primes one forked Manager for both queues
+    instead. Returns whether megatron-core's queue is in place; False (lazy, as before) on an
+    unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy."""
     import multiprocessing as mp
 
-    if "fork" not in mp.get_all_start_methods() or env_switch("MCX_PRIME_RESULTS_QUEUE") == "0":
+    if env_switch("MCX_PRIME_RESULTS_QUEUE") == "0":
+        return False
+    use_manager = env_switch("MCX_RESULTS_QUEUE") == "manager"
+    if use_manager and "fork" not in mp.get_all_start_methods():
         return False
     primed = {}
     shared: list[Any] = []  # the one Manager, started at the first queue that needs it
 
     def new_queue() -> Any:
+        if not use_manager:
+            from .spool import SpoolQueue
+
+            return SpoolQueue()
         if not shared:
             shared.append(mp.get_context("fork").Manager())
         return shared[0].Queue()

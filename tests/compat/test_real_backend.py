@@ -207,12 +207,20 @@ def test_host_preload_dropped_only_when_every_tensor_is_already_on_the_host(monk
     assert backend.without_host_preload(other) is other
 
 
-def test_write_results_queues_primed_with_fork_for_every_writer_module():
-    # Each writer module (megatron-core's, and nvrx 0.7's own) keeps a global results queue in a
-    # Manager server; left lazy it is spawned inside the first save. Primed: forked, at start-up.
+@pytest.mark.parametrize("kind", ["spool", "manager"])
+def test_write_results_queues_primed_for_every_writer_module(kind, monkeypatch):
+    # Each writer module (megatron-core's, and nvrx 0.7's own) keeps a global results queue;
+    # left lazy it is a Manager server spawned inside the first save. Primed at start-up: a
+    # SpoolQueue (no process) by default, one forked Manager for all with MCX_RESULTS_QUEUE=manager.
     import multiprocessing as mp
+    import os
     import sys
 
+    from megatron_ckpt_ext.spool import SpoolQueue
+
+    monkeypatch.setenv("MCX_RESULTS_QUEUE", kind)
+    backend.shutdown_write_results_queues()
+    children = set(mp.active_children())
     assert backend.prime_write_results_queue() is True
     modules = [sys.modules[f"{backend.MCORE_STRATEGIES}.filesystem_async"]]
     nvrx_fs = sys.modules.get(f"{backend.NVRX_ASYNC}.filesystem_async")
@@ -220,14 +228,19 @@ def test_write_results_queues_primed_with_fork_for_every_writer_module():
         assert nvrx_fs is not None
     if nvrx_fs is not None and hasattr(nvrx_fs, "get_write_results_queue"):
         modules.append(nvrx_fs)
+    queues = [module._results_queue for module in modules]
     try:
-        for module in modules:
-            queue = module._results_queue
-            assert queue is not None, module.__name__
-            assert queue._manager._ctx is mp.get_context("fork"), module.__name__
-        # one Manager process serves every module's queue (each forked one costs host memory)
-        assert len({id(module._results_queue._manager) for module in modules}) == 1
-        assert modules[0]._results_queue is not modules[-1]._results_queue or len(modules) == 1
+        assert all(q is not None for q in queues)
+        assert len({id(q) for q in queues}) == len(queues)  # each module its own queue
+        if kind == "spool":
+            assert all(isinstance(q, SpoolQueue) for q in queues)
+            assert set(mp.active_children()) == children  # no server process started
+        else:
+            assert all(q._manager._ctx is mp.get_context("fork") for q in queues)
+            # one Manager process serves every module's queue
+            assert len({id(q._manager) for q in queues}) == 1
     finally:
         backend.shutdown_write_results_queues()
     assert all(module._results_queue is None for module in modules)
+    if kind == "spool":
+        assert not any(os.path.exists(q.directory) for q in queues)  # no stale results kept
