@@ -23,3 +23,20 @@ def test_torch_wrapped_failures_are_unwrapped():
     wrapped = (RuntimeError("error: [Errno 27] File too large"), traceback.extract_stack())
     assert _failure_text(CheckpointException("write", {0: wrapped})) == (
         "CheckpointException (rank 0: RuntimeError: error: [Errno 27] File too large)")
+
+
+def test_a_failed_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as e.g. 'unexpected pos 704 vs 598'; the abandoned
+    save's error adds the free space when it is below what a checkpoint there takes."""
+    import collections
+    import shutil
+
+    from megatron_ckpt_ext import checkpointer as ck
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 9 << 30, 1 << 30))
+    hint = ck._disk_full_hint(tmp_path / "not_yet_created", 2 << 30)
+    assert str(tmp_path) in hint and "1.00 GiB" in hint and "2.00 GiB" in hint
+    assert "--save" in hint and "disk is likely full" in hint
+    assert ck._disk_full_hint(tmp_path, 512 << 20) == ""  # enough space: no claim
+    assert ck._disk_full_hint(tmp_path, 0) == ""          # size unknown: no claim
