@@ -738,10 +738,12 @@ def _tracker_text(root: Path) -> str:
 
 # -- helpers -----------------------------------------------------------------------------------
 def _sweep_shm_orphans() -> None:
+    from .spool import sweep_stale
     from .staging import sweep_orphans
 
     try:
         sweep_orphans()
+        sweep_stale()
     except OSError as e:  # best effort: a start-up must not fail over another run's files
         logger.debug("shm orphan sweep: %s", e)
 

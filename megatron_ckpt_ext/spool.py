@@ -14,7 +14,9 @@ alike, and a ``put`` is complete when it returns (the writer signals "done" only
 trainer's ``get_nowait`` after that always finds it. Only the methods the writers use exist
 (``put``, ``get``, ``get_nowait``, ``empty``, ``qsize``). The process that created it removes the
 directory on :meth:`close`, when the queue is collected, or at exit (also as a multiprocessing
-child); a killed trainer leaves a few-KB directory ``/dev/shm/mcx-results-*`` behind.
+child). A killed trainer leaves its directory (``/dev/shm/mcx-results-<pid>-*``, a few KB)
+behind; :func:`sweep_stale` (run at every Checkpointer start-up, like the segment sweep) removes
+those whose creator is no longer running.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from multiprocessing.reduction import ForkingPickler
 from multiprocessing.util import Finalize
 from typing import Any
 
-__all__ = ["SpoolQueue"]
+__all__ = ["SpoolQueue", "sweep_stale"]
 
 _PREFIX = "mcx-results-"
 _counter = itertools.count()
@@ -49,7 +51,8 @@ class SpoolQueue:
     """A FIFO of pickled objects in a directory (see the module docstring)."""
 
     def __init__(self, directory: str | None = None, *, owner: bool = True) -> None:
-        self.directory = directory or tempfile.mkdtemp(prefix=_PREFIX, dir=_base_dir())
+        self.directory = directory or tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-",
+                                                       dir=_base_dir())
         self._owner_pid = os.getpid() if owner else None
         if owner:  # at exit, also in a multiprocessing child (which skips atexit handlers)
             Finalize(self, _remove_dir, args=(self.directory, self._owner_pid), exitpriority=0)
@@ -113,3 +116,33 @@ class SpoolQueue:
 
     def __repr__(self) -> str:
         return f"SpoolQueue({self.directory!r})"
+
+
+def sweep_stale(base: str | None = None) -> list[str]:
+    """Remove spool directories under ``base`` (default: where new ones go) whose creating
+    process is gone (killed trainers); returns what was removed."""
+    base = base or _base_dir()
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        pid_text = name[len(_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -66,3 +66,25 @@ def test_a_put_in_progress_is_never_read_half_written():
         assert q.get_nowait() == "whole"
     finally:
         q.close()
+
+
+def test_directories_of_dead_creators_are_swept_and_live_ones_kept(tmp_path):
+    from megatron_ckpt_ext import spool
+
+    ctx = mp.get_context("fork")
+    child = ctx.Process(target=int)
+    child.start()
+    child.join(30)
+    dead = tmp_path / f"mcx-results-{child.pid}-abc"
+    live = tmp_path / f"mcx-results-{os.getpid()}-def"
+    other = tmp_path / "mcx-results-notapid-x"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "000_1_000001").write_bytes(b"stale result")
+    assert spool.sweep_stale(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and live.exists() and other.exists()
+    q = SpoolQueue()
+    try:  # a new queue's directory names its creator
+        assert os.path.basename(q.directory).startswith(f"mcx-results-{os.getpid()}-")
+    finally:
+        q.close()
