@@ -121,6 +121,8 @@ class SpoolQueue:
 def sweep_stale(base: str | None = None) -> list[str]:
     """Remove spool directories under ``base`` (default: where new ones go) whose creating
     process is gone (killed trainers); returns what was removed."""
+    from .staging import pid_alive
+
     base = base or _base_dir()
     removed = []
     try:
@@ -131,18 +133,8 @@ def sweep_stale(base: str | None = None) -> list[str]:
         if not name.startswith(_PREFIX):
             continue
         pid_text = name[len(_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
+        if not pid_text.isdigit() or pid_alive(int(pid_text)):
             continue
         shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

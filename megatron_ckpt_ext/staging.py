@@ -598,7 +598,7 @@ def sweep_orphans(*, prefix: str = SEGMENT_PREFIX, dry_run: bool = False,
     removed = []
     for name in names:
         pid = _owner_pid(name, prefix)
-        if pid is None or _pid_alive(pid):
+        if pid is None or pid_alive(pid):
             continue
         path = os.path.join(shm_dir, name)
         if _remove_if_unmapped(path, dry_run=dry_run):
@@ -619,7 +619,8 @@ def _owner_pid(name: str, prefix: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
