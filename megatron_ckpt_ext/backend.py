@@ -894,10 +894,12 @@ def shutdown_write_results_queues() -> None:
     ``close()`` leaves no child behind), a :class:`~megatron_ckpt_ext.spool.SpoolQueue`'s
     directory removed, so no stale result is read by a later save. The next save (or
     :func:`prime_write_results_queue`) puts new ones in place."""
+    from .spool import SpoolQueue
+
     for name in (f"{NVRX_ASYNC}.filesystem_async", f"{MCORE_STRATEGIES}.filesystem_async"):
         module = sys.modules.get(name)
         queue = getattr(module, "_results_queue", None) if module is not None else None
-        if hasattr(queue, "close") and type(queue).__name__ == "SpoolQueue":
+        if isinstance(queue, SpoolQueue):
             queue.close()  # its directory, with any stale result still in it
         manager = getattr(queue, "_manager", None)
         if manager is not None:
@@ -955,8 +957,8 @@ def prime_write_results_queue() -> bool:
 
 
 def _prime_module_queue(module: Any, new_queue: Callable[[], Any]) -> bool:
-    """Set ``module``'s global results queue the way its lazy getter would (a queue of a forked
-    Manager), when the module keeps it in ``_results_queue``; else call a getter that takes
+    """Set ``module``'s global results queue to ``new_queue()`` where its lazy getter would
+    create one, when the module keeps it in ``_results_queue``; else call a getter that takes
     ``mp_mode`` with ``"fork"``."""
     getter = getattr(module, "get_write_results_queue", None)
     takes_mode = getter is not None and _takes(getter, "mp_mode")

@@ -564,7 +564,7 @@ class Checkpointer:
         latest = _tracker_text(root) if root is not None else ""
         needed = max([record.nbytes if record is not None else 0]
                      + [r.get("bytes", 0) for r in self.reports[-1:]])
-        space = _disk_full_hint(root, needed) if root is not None else ""
+        space = preflight.disk_full_hint(root, needed) if root is not None else ""
         self._kill_writers()
         return CheckpointWriteError(
             f"{what} failed on every rank: {why}.{space} The save is abandoned{latest}; the async "
@@ -705,25 +705,6 @@ def _trace_event(folder: str | None, what: str, **fields: Any) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / "writer_trace.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
-
-
-def _disk_full_hint(root: Path, needed: int) -> str:
-    """A sentence when ``root``'s file system has less free space than a checkpoint needs (a
-    full disk shows up in torch's writer as e.g. ``unexpected pos 704 vs 598``), else ''."""
-    from .preflight import _size
-
-    where = Path(root)
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = shutil.disk_usage(str(where)).free
-    except OSError:
-        return ""
-    if needed <= 0 or free >= needed:
-        return ""
-    return (f" {where} has {_size(free)} free and a checkpoint here takes about {_size(needed)}:"
-            " the disk is likely full. Fix: free space there, or point --save at a larger file "
-            "system.")
 
 
 def _tracker_text(root: Path) -> str:

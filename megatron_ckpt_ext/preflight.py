@@ -54,10 +54,7 @@ def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: in
                probe: Probe | None = None) -> bool:
     """Warn (rank 0, once per directory) when the checkpoint directory has less free space than
     the last checkpoint took. Returns True when there is enough."""
-    where = Path(checkpoint_dir)
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    free = (probe or shutil.disk_usage)(str(where)).free
+    free = _free_bytes(checkpoint_dir, probe)[1]
     if free >= last_checkpoint_bytes:
         return True
     backend.warn_once(f"disk:{checkpoint_dir}",
@@ -65,6 +62,30 @@ def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: in
                       f"{_size(last_checkpoint_bytes)}; the next save will likely fail. Free "
                       "space there, or point --save at a larger file system.")
     return False
+
+
+def disk_full_hint(checkpoint_dir: str | os.PathLike[str], needed: int, *,
+                   probe: Probe | None = None) -> str:
+    """For a failed save's error: a sentence when the checkpoint directory's file system has less
+    free space than a checkpoint there takes (a full disk shows up in torch's writer only as e.g.
+    ``unexpected pos 704 vs 598``), else ''."""
+    try:
+        where, free = _free_bytes(checkpoint_dir, probe)
+    except OSError:
+        return ""
+    if needed <= 0 or free >= needed:
+        return ""
+    return (f" {where} has {_size(free)} free and a checkpoint here takes about {_size(needed)}:"
+            " the disk is likely full. Fix: free space there, or point --save at a larger file "
+            "system.")
+
+
+def _free_bytes(checkpoint_dir: str | os.PathLike[str], probe: Probe | None) -> tuple[Path, int]:
+    """The nearest existing directory at or above ``checkpoint_dir``, and its free bytes."""
+    where = Path(checkpoint_dir)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return where, (probe or shutil.disk_usage)(str(where)).free
 
 
 def _size(n: int) -> str:

@@ -53,9 +53,10 @@ class SpoolQueue:
     def __init__(self, directory: str | None = None, *, owner: bool = True) -> None:
         self.directory = directory or tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-",
                                                        dir=_base_dir())
-        self._owner_pid = os.getpid() if owner else None
-        if owner:  # at exit, also in a multiprocessing child (which skips atexit handlers)
-            Finalize(self, _remove_dir, args=(self.directory, self._owner_pid), exitpriority=0)
+        # the creator removes the directory: on close(), on collection, or at exit (also as a
+        # multiprocessing child, which skips atexit handlers); runs once
+        self._remove = (Finalize(self, _remove_dir, args=(self.directory, os.getpid()),
+                                 exitpriority=0) if owner else None)
 
     def __reduce__(self) -> tuple:
         return SpoolQueue._attach, (self.directory,)
@@ -104,9 +105,8 @@ class SpoolQueue:
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Remove the directory (and any result still in it); only its creator does."""
-        if self._owner_pid == os.getpid():
-            shutil.rmtree(self.directory, ignore_errors=True)
-            self._owner_pid = None
+        if self._remove is not None:
+            self._remove()
 
     def _names(self) -> list[str]:
         try:

@@ -113,8 +113,8 @@ StagingKey = tuple  # per tensor: (id, shape, dtype, device, storage data_ptr, s
 _Spec = tuple  # (id, shape, dtype)
 _FD_MARGIN = 256  # descriptors left for everything else in the process
 _counter = itertools.count()
-# data pointer of every live segment storage -> (path, nbytes, reuse): what _reduce_storage
-# pickles by name
+# data pointer of every live segment storage -> (path, nbytes, receivers keep it mapped): what
+# _reduce_storage pickles by name
 _SEGMENTS: dict[int, tuple[str, int, bool]] = {}
 _reducer_installed = False
 _epoch = 0  # bumped whenever this process frees a segment (receivers then drop what they kept)
@@ -483,7 +483,8 @@ def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int, *,
     global _reducer_installed
     if env_switch("MCX_PICKLE_SEGMENTS_BY_NAME") == "0":
         return
-    _SEGMENTS[storage.data_ptr()] = (path, nbytes, reuse)
+    keep = reuse and env_switch("MCX_WRITER_KEEPS_MAPPINGS") != "0"  # decided once, not per pickle
+    _SEGMENTS[storage.data_ptr()] = (path, nbytes, keep)
     if not _reducer_installed:
         from multiprocessing.reduction import ForkingPickler
 
@@ -495,8 +496,7 @@ def _reduce_storage(storage: torch.UntypedStorage) -> tuple:
     """torch.multiprocessing's storage reducer, except for our live segments (sent by name)."""
     entry = _SEGMENTS.get(storage.data_ptr()) if storage.device.type == "cpu" else None
     if entry is not None and entry[1] == storage.nbytes():
-        path, nbytes, reuse = entry
-        keep = reuse and env_switch("MCX_WRITER_KEEPS_MAPPINGS") != "0"
+        path, nbytes, keep = entry
         return _open_segment, (path, nbytes, (os.getpid(), _epoch) if keep else None)
     from torch.multiprocessing.reductions import reduce_storage
 

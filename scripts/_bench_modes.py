@@ -179,16 +179,23 @@ def _process_tree(pid: int) -> list[int]:
     return tree
 
 
-def _pss_anon(pid: int) -> int:
-    """Proportional anonymous memory of ``pid`` (forked children's shared pages counted once)."""
+def smaps_rollup(pid: int, keys: tuple[str, ...] = ("Pss_Anon",)) -> dict[str, int]:
+    """Bytes of the given ``/proc/<pid>/smaps_rollup`` fields ({} once the process is gone)."""
+    out: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as fh:
             for line in fh:
-                if line.startswith("Pss_Anon:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    out[key] = int(rest.split()[0]) * 1024
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
-    return 0
+    return out
+
+
+def _pss_anon(pid: int) -> int:
+    """Proportional anonymous memory of ``pid`` (forked children's shared pages counted once)."""
+    return smaps_rollup(pid).get("Pss_Anon", 0)
 
 
 def _shm_used(path: str = "/dev/shm") -> int:

@@ -127,16 +127,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _smaps(pid: int) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _smaps(pid: int) -> dict:
+    from _bench_modes import smaps_rollup  # scripts/ is on sys.path once MemBreakdown exists
+
+    out: dict = smaps_rollup(pid, ("Pss_Anon", "Anonymous"))
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in ("Pss_Anon", "Anonymous"):
-                    out[key] = int(rest.split()[0]) * 1024
         with open(f"/proc/{pid}/comm") as fh:
-            out["comm"] = fh.read().strip()  # type: ignore[assignment]
+            out["comm"] = fh.read().strip()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
     return out

@@ -29,14 +29,23 @@ def test_a_failed_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
     """torch's writer reports a full disk as e.g. 'unexpected pos 704 vs 598'; the abandoned
     save's error adds the free space when it is below what a checkpoint there takes."""
     import collections
-    import shutil
 
-    from megatron_ckpt_ext import checkpointer as ck
+    from megatron_ckpt_ext import Checkpointer, CkptOptions, preflight
 
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 9 << 30, 1 << 30))
-    hint = ck._disk_full_hint(tmp_path / "not_yet_created", 2 << 30)
+    free = {"bytes": 1 << 30}
+    monkeypatch.setattr(preflight.shutil, "disk_usage",
+                        lambda path: usage(10 << 30, 9 << 30, free["bytes"]))
+    hint = preflight.disk_full_hint(tmp_path / "not_yet_created", 2 << 30)
     assert str(tmp_path) in hint and "1.00 GiB" in hint and "2.00 GiB" in hint
     assert "--save" in hint and "disk is likely full" in hint
-    assert ck._disk_full_hint(tmp_path, 512 << 20) == ""  # enough space: no claim
-    assert ck._disk_full_hint(tmp_path, 0) == ""          # size unknown: no claim
+    assert preflight.disk_full_hint(tmp_path, 512 << 20) == ""  # enough space: no claim
+    assert preflight.disk_full_hint(tmp_path, 0) == ""          # size unknown: no claim
+
+    with Checkpointer(CkptOptions()) as ck:  # the abandoned save's error carries it
+        ck.reports.append({"bytes": 2 << 30})
+        error = ck._abandon("its write failed: RuntimeError: unexpected pos 704 vs 598",
+                            before=(7, tmp_path))
+        assert "unexpected pos" in str(error) and "disk is likely full" in str(error)
+        free["bytes"] = 4 << 30
+        assert "disk is likely full" not in str(ck._abandon("x", before=(8, tmp_path)))
