@@ -354,6 +354,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_KEEP_PAGE_CACHE", "0",
               "1: leave a written checkpoint's pages in the page cache (the writer drops them "
               "once fsync'd)"),
+    EnvSwitch("MCX_FREEZE_GC_AT_FORK", "1",
+              "0: do not gc.freeze() the trainer's objects when the persistent writer is forked "
+              "(its full collections then copy the pages the writer shares)"),
     EnvSwitch("MCX_WRITER_TRACE", "",
               "<dir>: append each save's preload, write, results hand-back, schedule and commit "
               "wall times to <dir>/writer_trace.jsonl"),

@@ -129,8 +129,10 @@ def init_dist(args: argparse.Namespace) -> torch.device:
     # Stock megatron-core / nvrx call torch.cuda.* on their save paths; on CPU-only torch the
     # shim makes that a no-op / "cpu" (megatron_ckpt_ext/_cpu_shim.py). Nothing changes with CUDA.
     _cpu_shim.install()
-    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else \
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else \
         torch.device("cpu")
+    bm.warm_up_default_group(device)
+    return device
 
 
 def rank() -> int:

@@ -147,6 +147,9 @@ class MemBreakdown:
         from _bench_modes import _process_tree, _shm_used  # noqa: PLC0415
         self._tree, self._shm = _process_tree, _shm_used
         self.base = {p: _smaps(p) for p in self._tree(os.getpid())}
+        from _bench_modes import smaps_mappings  # noqa: PLC0415
+        self._maps = smaps_mappings
+        self.base_maps = {p: smaps_mappings(p) for p in self._tree(os.getpid())}
         self.base_shm = self._shm()
         self.peak: dict[int, dict] = {}
         self.peak_shm = 0
@@ -182,6 +185,19 @@ class MemBreakdown:
             self.peak, self.peak_shm = {}, 0
         return out
 
+    def by_mapping(self, top: int = 12) -> dict:
+        """Per process of the tree now: the mappings whose Pss_Anon grew most since the
+        baseline; for a process started since (a fork), its Private_Dirty per mapping: the pages
+        only it holds (copied on write by it or by the trainer)."""
+        from _bench_modes import mapping_growth  # noqa: PLC0415
+
+        return {str(p): {"comm": _smaps(p).get("comm"),
+                         "key": "Pss_Anon" if p in self.base_maps else "Private_Dirty",
+                         "growth": mapping_growth(self.base_maps.get(p, {}), self._maps(p),
+                                                  "Pss_Anon" if p in self.base_maps
+                                                  else "Private_Dirty", top=top)}
+                for p in self._tree(os.getpid())}
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -189,15 +205,33 @@ class MemBreakdown:
 
 def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str,
              cprofile_save: int = 0, cprofile_top: int = 30, mem: bool = False,
-             keep_last: int = 0) -> dict:
+             keep_last: int = 0, mem_stages: bool = False) -> dict:
     sampler = MemBreakdown() if mem else None
     mem_by_save: list[dict] = []
+    stages: dict[str, dict] = {}
+
+    def stage(name: str) -> None:  # where the trainer's new mappings appear (--mem-stages)
+        if sampler and mem_stages and _rank() == 0:
+            stages[name] = sampler.by_mapping(top=4)
+            for pid, rec in stages[name].items():
+                head, rows = rec["growth"][0], rec["growth"][1:]
+                print(f"  [{name}] {rec['comm']} {pid} {rec['key']} {head['total_grew'] / 1e6:+.1f} MB: "
+                      + "; ".join(f"{r['name'][-30:]}@{r['addr']} size {r['size'] / 1e6:.1f}MB "
+                                  f"{r['grew'] / 1e6:+.1f}MB" for r in rows), flush=True)
+
     t0 = time.perf_counter()
     ck = Checkpointer(CkptOptions(**opts))
     startup = time.perf_counter() - t0
+    stage("constructed")
     t0 = time.perf_counter()
     ck.prepare(state)
     prepare = time.perf_counter() - t0
+    if mem_stages:
+        thread = getattr(getattr(ck, "_stager", None), "_prepare_thread", None)
+        if thread is not None:
+            thread.join(600)
+        ck.maybe_finalize(blocking=True)  # the worker's warm-up request
+        stage("prepared")
     profiles: dict[int, str] = {}
     gc_in_save: list[dict] = []
     for step in range(1, saves + 1):
@@ -213,22 +247,28 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
         else:
             ck.save(state, root, iteration=step)
         pauses.__exit__()
+        if step <= 2:
+            stage(f"save {step} returned")
         gc_in_save.append({"iteration": step, "gc_s": round(pauses.seconds, 4),
                            "collections": pauses.by_gen})
         if finalize == "blocking":
             ck.maybe_finalize(blocking=True)
+            if step <= 2:
+                stage(f"save {step} durable")
             if keep_last and step > keep_last and (_rank() == 0):
                 shutil.rmtree(root / f"iter_{step - keep_last:07d}", ignore_errors=True)
         if sampler:
             mem_by_save.append({"iteration": step, **sampler.take()})
     ck.maybe_finalize(blocking=True)
     reports = list(ck.reports)
+    by_mapping = sampler.by_mapping() if sampler else {}
     ck.close()
     if sampler:
         sampler.close()
     return {"mode": name, "startup_s": startup, "prepare_call_s": prepare, "reports": reports,
             "constructor": getattr(ck, "startup", {}), "cprofile": profiles,
-            "gc_in_save": gc_in_save, "mem_by_save": mem_by_save}
+            "gc_in_save": gc_in_save, "mem_by_save": mem_by_save,
+            "mem_by_mapping": by_mapping, "mem_stages": stages}
 
 
 def main() -> None:
@@ -243,6 +283,8 @@ def main() -> None:
     p.add_argument("--cprofile-top", type=int, default=30)
     p.add_argument("--probe-copy-overlap", action="store_true")
     p.add_argument("--mem-breakdown", action="store_true", help="per-process host memory per save")
+    p.add_argument("--mem-stages", action="store_true",
+                   help="with --mem-breakdown: mapping growth after start-up, prepare and saves 1-2")
     p.add_argument("--keep-last", type=int, default=0,
                    help="with --finalize blocking: remove checkpoints older than the last N")
     a = p.parse_args()
@@ -250,6 +292,9 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
+    sys.path.append(str(Path(__file__).resolve().parent))
+    from _bench_modes import warm_up_default_group  # noqa: PLC0415
+    warm_up_default_group(torch.device("cuda" if cuda else "cpu"))  # NCCL's communicator exists
     rank, world = dist.get_rank(), dist.get_world_size()
     probe = probe_copy_overlap() if a.probe_copy_overlap and cuda else None
     if probe and rank == 0:
@@ -259,7 +304,8 @@ def main() -> None:
     for name in a.modes:
         root = Path(a.root or tempfile.mkdtemp(prefix="mcx_prof_")) / name
         res = run_mode(name, MODES[name], state, root, a.saves, a.finalize, a.cprofile_save,
-                       a.cprofile_top, a.mem_breakdown, a.keep_last)
+                       a.cprofile_top, a.mem_breakdown, a.keep_last,
+                       a.mem_stages)
         results.append(res)
         if rank == 0:
             print(f"== {name}: startup {res['startup_s']:.2f} s, prepare() {res['prepare_call_s']:.3f} s",
@@ -277,6 +323,12 @@ def main() -> None:
                                  f"{r['pss_anon'] / 1e6:.0f}MB" for r in m["processes"].values())
                 print(f"  mem it{m['iteration']}: shm +{m['shm_extra_bytes'] / 1e9:.3f} GB, "
                       f"Pss_Anon +{m['pss_anon_extra_bytes'] / 1e6:.0f} MB: {procs}", flush=True)
+            for pid, rec in res["mem_by_mapping"].items():
+                head, rows = rec["growth"][0], rec["growth"][1:]
+                print(f"  mappings of {rec['comm']} {pid}: {rec['key']} {head['total_grew'] / 1e6:+.1f} MB "
+                      f"(unmapped {head['unmapped'] / 1e6:.1f} MB); top: " + "; ".join(
+                          f"{r['name'][-40:]}{'(new)' if r['new'] else ''} size "
+                          f"{r['size'] / 1e6:.1f}MB {r['grew'] / 1e6:+.1f}MB" for r in rows), flush=True)
             for step, text in res["cprofile"].items():
                 print(f"  cProfile of save {step}:\n{text}", flush=True)
             shutil.rmtree(root, ignore_errors=True)

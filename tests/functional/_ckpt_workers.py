@@ -368,3 +368,32 @@ def one_rank_changes_structure(rank: int, world: int, root: str, options: dict) 
                 state["new"] = ShardedTensor.from_rank_offsets("new_on_rank1", like["new"])
             assert_equal(ck.load(state, root, iteration=step), want, f"iteration {step}")
     assert validated == [True, False, True, False], validated
+
+
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def gc_frozen_while_worker_forked(rank: int, world: int, root: str, options: dict, out: str) -> None:
+    """Records, per rank: whether cyclic garbage made before the Checkpointer was collected by
+    its construction, the gc freeze count while it is open (with a save done) and after close."""
+    import gc
+    import weakref
+
+    gc.disable()  # only an explicit collection may free the cycle below
+    garbage = _Cyclic()
+    dead = weakref.ref(garbage)
+    del garbage
+    try:
+        ck = Checkpointer(CkptOptions(**options))
+    finally:
+        gc.enable()
+    collected = dead() is None
+    frozen_open = gc.get_freeze_count()
+    live = step_state(1, rank)
+    ck.save(sharded(rank, world, live), root, iteration=1)
+    ck.maybe_finalize(blocking=True)
+    assert_equal(load_back(ck, rank, world, root, 1), step_state(1, rank), "iteration 1")
+    ck.close()
+    Path(out, f"gc{rank}").write_text(f"{collected} {frozen_open} {gc.get_freeze_count()}")

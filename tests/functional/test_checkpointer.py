@@ -66,6 +66,30 @@ def test_close_leaves_no_child_process_and_is_idempotent(mode, tmp_path):
     assert [(tmp_path / f"alive{r}").read_text() for r in range(world())] == [""] * world()
 
 
+@pytest.mark.parametrize("mode,switch,frozen", [
+    ("async-persistent-cpu-shm-constant", None, True),
+    ("async-persistent-cpu-shm-constant", "0", False),
+    ("async-temporal", None, False),
+])
+def test_trainer_objects_are_frozen_only_while_a_forked_worker_shares_them(mode, switch, frozen,
+                                                                          tmp_path, monkeypatch):
+    """The forked persistent writer shares the trainer's pages; the trainer's objects are
+    gc.freeze()-d so its full collections do not copy those pages (Checkpointer._freeze_gc).
+    Garbage is collected first; close() unfreezes; MCX_FREEZE_GC_AT_FORK=0 and the temporal
+    writer (no long-lived fork) freeze nothing."""
+    if switch is not None:
+        monkeypatch.setenv("MCX_FREEZE_GC_AT_FORK", switch)
+    run_ranks(w.gc_frozen_while_worker_forked, args=(str(tmp_path / "ck"), MODES[mode], str(tmp_path)))
+    for r in range(world()):
+        collected, frozen_open, frozen_after = (tmp_path / f"gc{r}").read_text().split()
+        assert int(frozen_after) == 0, "close() must unfreeze"
+        if frozen:
+            assert collected == "True", "garbage made before the Checkpointer was frozen"
+            assert int(frozen_open) > 1000, frozen_open
+        else:
+            assert int(frozen_open) == 0, frozen_open
+
+
 TRIAL_MODES = {
     "cpu-shm-persistent": {"async_save": True, "async_ckpt_use_cpu_shm": True,
                            "ckpt_assume_constant_structure": True, "use_persistent_ckpt_worker": True},
