@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -93,6 +94,7 @@ class _Save:
     snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
     new_structure: bool = True  # some rank's structure is new: validate sharding, re-plan
     seq: int = 0  # published in the stager's ready flag when the staged copies are complete
+    copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see _PHASES
     extra: dict = field(default_factory=dict)
 
@@ -151,6 +153,16 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._prime_results_queue()
         self.startup["write_results_queue_s"] = round(time.perf_counter() - t0, 6)
+        # --ckpt-overlap-snapshot: save() returns with the copies in flight; the next optimizer
+        # step (a global torch.optim step pre-hook) makes the trainer's stream wait for them.
+        self._overlap = bool(options.ckpt_overlap_snapshot and self._cpu_shm and self._persistent)
+        self._snapshot: _Save | None = None  # overlapped save the trainer has not waited for
+        self._publisher: threading.Thread | None = None
+        self._step_hook = None
+        if self._overlap:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     # -- construction ------------------------------------------------------------------------
     def _make_queue(self) -> Any:
@@ -239,6 +251,15 @@ class Checkpointer:
         """
         self._check_open()
         started = time.perf_counter()
+        if self._snapshot is not None:
+            backend.warn_once(
+                "overlap-not-waited",
+                f"--ckpt-overlap-snapshot: save {iteration} started before anything waited for "
+                f"the previous save's copies (iteration {self._snapshot.iteration}); if the "
+                "state changed in between, that checkpoint may hold some new values. Step a "
+                "torch.optim optimizer (its pre-hook waits) or call "
+                "Checkpointer.wait_for_snapshot() before changing the state.")
+            self.wait_for_snapshot(blocking=True)
         if self._pending:
             # One save in flight at a time, as Megatron-LM does: the backends' write-results
             # queue is one global queue, so a second request's results could be taken for the
@@ -274,7 +295,10 @@ class Checkpointer:
             t = record.phase("schedule_s", t)
             # The copies ran while megatron-core planned and the writer took the request; it
             # writes once they are published complete (staging.run_when_staged).
-            self._publish_staged(record)
+            if self._overlap and record.seq:
+                self._publish_in_background(record)  # returns with the copies in flight
+            else:
+                self._publish_staged(record)
             record.phase("copy_wait_s", t)
             _trace_event(env_switch("MCX_WRITER_TRACE"), "scheduled",
                          iteration=record.iteration)
@@ -289,7 +313,57 @@ class Checkpointer:
         if not self._async:
             return "sync"
         worker = "persistent" if self._persistent else "temporal"
-        return f"async-{worker}" + ("-cpu-shm" if self._cpu_shm else "")
+        return (f"async-{worker}" + ("-cpu-shm" if self._cpu_shm else "")
+                + ("-overlap" if self._overlap else ""))
+
+    # -- overlapped snapshot (--ckpt-overlap-snapshot) ----------------------------------------
+    def wait_for_snapshot(self, *, blocking: bool = False) -> None:
+        """Before the state changes after an overlapped save: make the current CUDA stream wait
+        until that save's device-to-host copies are done (no host synchronisation; the
+        optimizer step queued next runs after them). ``blocking=True`` also waits on the host
+        until they are done and published to the writer. Called by the optimizer step
+        pre-hook; a no-op when no overlapped copies are pending. Idempotent."""
+        record, self._snapshot = self._snapshot, None
+        if record is not None:
+            for copies in record.copies:
+                if isinstance(copies.end, torch.cuda.Event) and copies.device is not None:
+                    torch.cuda.current_stream(copies.device).wait_event(copies.end)
+                else:  # copies that are not CUDA events (tests simulate late copies)
+                    copies.end.synchronize()
+        if blocking:
+            self._join_publisher()
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._snapshot is not None:
+            self.wait_for_snapshot()
+
+    def _publish_in_background(self, record: _Save) -> None:
+        """Publish ``record``'s staged copies to its writer from a thread once they are done;
+        save() returns meanwhile. The trainer's stream waits for them at the next optimizer
+        step (:meth:`wait_for_snapshot`). A failure of the copies is published too (the writer
+        writes nothing, the save is reported failed at its finalize) and logged here."""
+        from .staging import StagedBatch
+
+        batch = record.staged
+        record.copies = batch.copies_in_flight() if isinstance(batch, StagedBatch) else []
+        self._join_publisher()
+        self._snapshot = record
+
+        def publish() -> None:
+            try:
+                self._publish_staged(record)
+            except BaseException as e:  # noqa: BLE001 - the writer was told; reported there
+                logger.error("checkpoint iteration %d: staging copies failed, nothing will be "
+                             "written: %s: %s", record.iteration, type(e).__name__, e)
+
+        self._publisher = threading.Thread(target=publish, name="mcx-snapshot-publish",
+                                           daemon=True)
+        self._publisher.start()
+
+    def _join_publisher(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.join()
 
     def _prepare_dir(self, record: _Save, *, new_structure: bool) -> Path:
         """Rank 0 creates the save's working directory; every rank learns whether it could (one
@@ -638,7 +712,12 @@ class Checkpointer:
             return
         self._closed = True
         drained = False
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._snapshot = None
         try:
+            self._join_publisher()  # its copies land before the buffers can be freed
             self.maybe_finalize(blocking=True)
             drained = True
         finally:

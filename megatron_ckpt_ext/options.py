@@ -101,6 +101,15 @@ class CkptOptions:
         help="Run async writes in one long-lived worker process started at start-up, instead of "
         "a fresh process per save.",
     )
+    ckpt_overlap_snapshot: bool = _knob(
+        False,
+        flag="--ckpt-overlap-snapshot",
+        help="With --async-save --async-ckpt-use-cpu-shm --use-persistent-ckpt-worker: save() "
+        "returns once the device-to-host copies are queued; they run during the next "
+        "iteration's forward and backward, and the next optimizer step waits for them (a "
+        "torch.optim step pre-hook, device-side). The state must not change before that "
+        "step; other optimizers call Checkpointer.wait_for_snapshot() first.",
+    )
     ckpt_fully_parallel_save: bool = _knob(
         True,
         flag="--no-ckpt-fully-parallel-save",

@@ -148,6 +148,7 @@ class _Copies:
 
     start: torch.cuda.Event
     end: torch.cuda.Event
+    device: torch.device | None = None  # the copy stream's device
 
 
 @dataclass
@@ -163,18 +164,27 @@ class StagedBatch:
     copy_s: float | None = None  # the device copies alone (CUDA events), None for host sources
     _started: float = field(default=0.0, repr=False)
     _pending: list[_Copies] = field(default_factory=list, repr=False)
+    _sources: list[torch.Tensor] = field(default_factory=list, repr=False)  # alive until copied
     _owner: ShmStager | None = field(default=None, repr=False)
     _set: _BufferSet | None = field(default=None, repr=False)
 
     def wait(self) -> None:
         """Block until every copy of this batch is in host memory (only the copy streams are
         waited on: training kernels keep running). Idempotent."""
-        pending, self._pending = self._pending, []
+        pending = self._pending
         for copies in pending:
             copies.end.synchronize()
+        self._pending, self._sources = [], []  # the sources may be freed and reused now
         if pending:
             self.copy_s = max(c.start.elapsed_time(c.end) for c in pending) / 1e3
             self.staging_s = time.perf_counter() - self._started
+
+    def copies_in_flight(self) -> list[_Copies]:
+        """The device copies not yet waited for by :meth:`wait` (their ``end`` events, on the
+        copy streams): a trainer that must not change the sources before they are done can
+        make its own stream wait on these instead of blocking (Checkpointer's overlapped
+        snapshot)."""
+        return list(self._pending)
 
     def release(self) -> None:
         """The writer is done: the buffers may be reused (reuse=True) or freed. Idempotent."""
@@ -242,8 +252,12 @@ class ShmStager:
         nbytes = sum(t.numel() * t.element_size() for t in staged)
         self.stats["bytes_staged"] += nbytes
         self.stats["stages"] += 1
+        # The sources stay referenced until the copies are waited for: one freed meanwhile (a
+        # temporary of the caller's state dict) could be handed out again by the caching
+        # allocator and overwritten while its copy still reads it.
         batch = StagedBatch(staged, nbytes, time.perf_counter() - t0, _started=t0,
-                            _pending=pending, _owner=self, _set=buffer_set)
+                            _pending=pending, _sources=list(tensors) if pending else [],
+                            _owner=self, _set=buffer_set)
         if wait:
             batch.wait()
         return batch
@@ -412,10 +426,10 @@ class ShmStager:
             else:
                 dst.copy_(src.detach())
         pending = []
-        for stream, start in started.values():
+        for device, (stream, start) in started.items():
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
-            pending.append(_Copies(start, end))
+            pending.append(_Copies(start, end, device))
         return pending
 
     def _copy_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event]:

@@ -83,6 +83,29 @@ def _persistent_without_async(o: CkptOptions, caps: Any) -> Iterable[Finding]:
         )
 
 
+def _overlap_snapshot(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if not o.ckpt_overlap_snapshot:
+        return
+    missing = [flag for flag, on in (("--async-save", o.async_save),
+                                      ("--async-ckpt-use-cpu-shm", o.async_ckpt_use_cpu_shm),
+                                      ("--use-persistent-ckpt-worker",
+                                       o.use_persistent_ckpt_worker)) if not on]
+    if missing:
+        yield _warn(
+            "overlap-snapshot-no-effect",
+            "--ckpt-overlap-snapshot has no effect without " + ", ".join(missing) + ": only "
+            "copies staged in shared memory and handed to a long-lived writer can run after "
+            "save() returns (a fresh writer process is forked only once they are done). Add "
+            "them or drop the flag.",
+        )
+    elif caps is not None and not caps.cuda_available:
+        yield _warn(
+            "overlap-snapshot-no-cuda",
+            "--ckpt-overlap-snapshot: this process has no CUDA device; host tensors are copied "
+            "inside save(), so there is nothing to overlap. Drop the flag on CPU-only runs.",
+        )
+
+
 def _priorities_without_async(o: CkptOptions, caps: Any) -> Iterable[Finding]:
     asked = [f for f, v in (("--async-ckpt-cpu-priority", o.async_ckpt_cpu_priority),
                             ("--async-ckpt-io-priority", o.async_ckpt_io_priority)) if v is not None]
@@ -212,6 +235,7 @@ RULES: tuple[Rule, ...] = (
     _shm_without_constant,
     _shm_without_async,
     _persistent_without_async,
+    _overlap_snapshot,
     _priorities_without_async,
     _backend_unusable,
     _async_provider,

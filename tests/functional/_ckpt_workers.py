@@ -397,3 +397,80 @@ def gc_frozen_while_worker_forked(rank: int, world: int, root: str, options: dic
     assert_equal(load_back(ck, rank, world, root, 1), step_state(1, rank), "iteration 1")
     ck.close()
     Path(out, f"gc{rank}").write_text(f"{collected} {frozen_open} {gc.get_freeze_count()}")
+
+
+class _GatedCopies(_LateCopies):
+    """Simulated device copies that land only once ``gate`` is set (then at every wait)."""
+
+    def __init__(self, pairs: list, gate: Any, landed: list) -> None:
+        super().__init__(pairs, 0.0)
+        self.gate, self.landed = gate, landed
+
+    def synchronize(self) -> None:
+        assert self.gate.wait(60), "the gate never opened"
+        for dst, src in self.pairs:
+            dst.copy_(src)
+        self.landed.append(True)
+
+
+def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> None:
+    """--ckpt-overlap-snapshot: save() returns with the copies in flight; a torch optimizer's
+    step waits for them (the Checkpointer's step pre-hook) before the state changes; the writer
+    writes only once they are published. On CPU the device copies are simulated: they land only
+    when a gate opens, after save() returned. Then: a save not followed by any wait is warned
+    about at the next save (and still correct); close() removes the hook."""
+    import logging
+    import threading
+
+    from megatron_ckpt_ext import staging
+
+    cuda = device() == "cuda"
+    gate, landed = threading.Event(), []
+    if not cuda:
+        def gated(self, staged, tensors):
+            pairs = [(d, s.detach().clone()) for d, s in zip(staged, tensors)]
+            for d in staged:
+                d.fill_(-999)
+            return [_GatedCopies(pairs, gate, landed)]
+
+        staging.ShmStager._copy = gated
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("megatron_ckpt_ext").addHandler(handler)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, device=device()))], lr=0.1)
+    waits: list[int] = []
+    live = step_state(0, rank)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        real_wait = ck.wait_for_snapshot
+        ck.wait_for_snapshot = lambda **kw: (waits.append(1), real_wait(**kw))[1]
+        for step in range(1, saves + 1):
+            gate.clear()
+            landed.clear()
+            for k, v in step_state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            assert cuda or not landed, "save() waited for the copies"
+            gate.set()
+            before = len(waits)
+            opt.step()  # the training step that follows the save
+            assert len(waits) == before + 1, "the optimizer step did not wait for the snapshot"
+            assert cuda or landed, "the optimizer step went on before the copies landed"
+            for v in live.values():
+                v.fill_(-7)  # the optimizer changes the state
+            ck.maybe_finalize()
+        # A save followed by no wait at all: the next save warns, waits, and both are correct.
+        for step in (saves + 1, saves + 2):
+            for k, v in step_state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+        ck.maybe_finalize(blocking=True)
+        for step in range(1, saves + 3):
+            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+        assert all(r["mode"].endswith("-overlap") for r in ck.reports), [r["mode"] for r in ck.reports]
+    logging.getLogger("megatron_ckpt_ext").removeHandler(handler)
+    if rank == 0:
+        assert any(f"save {saves + 2} started before anything waited" in m for m in messages), messages
+    before = len(waits)
+    opt.step()
+    assert len(waits) == before, "close() left the optimizer hook installed"

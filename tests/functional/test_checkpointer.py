@@ -90,6 +90,14 @@ def test_trainer_objects_are_frozen_only_while_a_forked_worker_shares_them(mode,
             assert int(frozen_open) == 0, frozen_open
 
 
+OVERLAP = {"async_save": True, "use_persistent_ckpt_worker": True, "async_ckpt_use_cpu_shm": True,
+           "ckpt_assume_constant_structure": True, "ckpt_overlap_snapshot": True}
+
+
+def test_overlapped_snapshot_returns_before_the_copies_and_the_optimizer_step_waits(tmp_path):
+    run_ranks(w.overlap_roundtrip, args=(str(tmp_path / "ck"), OVERLAP, 3), timeout=200)
+
+
 TRIAL_MODES = {
     "cpu-shm-persistent": {"async_save": True, "async_ckpt_use_cpu_shm": True,
                            "ckpt_assume_constant_structure": True, "use_persistent_ckpt_worker": True},

@@ -15,7 +15,7 @@ from megatron_ckpt_ext.options import CkptOptions, CkptOptionsError
 # Adding a flag is a deliberate act: update this list in the same commit.
 FROZEN_FLAGS = [
     "--async-save", "--async-ckpt-use-cpu-shm", "--dist-ckpt-workers",
-    "--ckpt-assume-constant-structure", "--use-persistent-ckpt-worker",
+    "--ckpt-assume-constant-structure", "--use-persistent-ckpt-worker", "--ckpt-overlap-snapshot",
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--no-save-rng",
     "--no-load-rng", "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",

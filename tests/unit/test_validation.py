@@ -156,3 +156,20 @@ def test_fully_parallel_load_on_cpu_falls_back_with_a_warning(caps_factory):
     assert "--ckpt-fully-parallel-load" in f["fully-parallel-load-needs-cuda"].message
     assert "fully-parallel-load-needs-cuda" not in codes(CkptOptions(ckpt_fully_parallel_load=True),
                                                          caps_factory(cuda_available=True))
+
+
+def test_overlap_snapshot_names_each_missing_flag(caps_factory):
+    f = codes(CkptOptions(ckpt_overlap_snapshot=True, **ASYNC))["overlap-snapshot-no-effect"]
+    assert "--async-ckpt-use-cpu-shm" in f.message and "--use-persistent-ckpt-worker" in f.message
+    assert "--async-save" not in f.message.split("without")[1].split(":")[0]
+    f = codes(CkptOptions(ckpt_overlap_snapshot=True))["overlap-snapshot-no-effect"]
+    assert "--async-save, --async-ckpt-use-cpu-shm, --use-persistent-ckpt-worker" in f.message
+
+
+def test_overlap_snapshot_complete_is_clean_on_cuda_and_warned_without(caps_factory):
+    opts = CkptOptions(ckpt_overlap_snapshot=True, async_ckpt_use_cpu_shm=True,
+                       ckpt_assume_constant_structure=True, use_persistent_ckpt_worker=True, **ASYNC)
+    cuda = caps_factory(cuda_available=True, queue_persistent=True, queue_cpu_shm_mode=True)
+    assert not {c for c in codes(opts, cuda) if c.startswith("overlap")}
+    f = codes(opts, caps_factory(cuda_available=False, queue_persistent=True))["overlap-snapshot-no-cuda"]
+    assert "--ckpt-overlap-snapshot" in f.message and "Drop the flag" in f.message
