@@ -14,6 +14,12 @@
 # Perf part (PERF=1, default): the 134M baseline (8 x 1024, distributed optimizer, save every 3),
 # adapter on and stock, stall per save from the step start times.
 # PERF_SPACED=N adds the 134M recipe (adapter on) saving every N iterations (see below).
+# OVERLAP=1 adds on_ovl (= on + --ckpt-overlap-snapshot) and resume_ovl (from its iteration 10):
+#   its losses must equal on's bit for bit (1-20), and the resume its own (11-20).
+# PERF_OVERLAP=N adds the 134M recipe saving every N iterations with and without
+#   --ckpt-overlap-snapshot, and the same loop without checkpointing: the iteration-time
+#   increase around each save (the two step gaps after it, whose optimizer step waits for the
+#   copies) against that loop's median step.
 # Writes $OUT/mlm_results.json (+ logs) and prints a table. Budget: < 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +89,12 @@ run s2o on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/s
 resume_dir "$WORK/on" "$WORK/o2s" 10
 run o2s stock -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${STOCK_ASYNC[@]}" --save "$WORK/o2s" --load "$WORK/o2s" "${RESUME[@]}"
 fi
+if [ "${OVERLAP:-0}" = 1 ]; then
+run on_ovl on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --ckpt-overlap-snapshot --save "$WORK/on_ovl"
+resume_dir "$WORK/on_ovl" "$WORK/resume_ovl" 10
+run resume_ovl on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --ckpt-overlap-snapshot --save "$WORK/resume_ovl" --load "$WORK/resume_ovl" "${RESUME[@]}"
+rm -rf "$WORK/on_ovl" "$WORK/resume_ovl"
+fi
 ls -R "$WORK/on" > "$OUT/logs/on_tree.txt" 2>&1
 rm -rf "$WORK/on" "$WORK/stock" "$WORK/resume" "$WORK/s2o" "$WORK/o2s"
 
@@ -103,6 +115,15 @@ if [ "${PERF_SPACED:-0}" != 0 ] && [ $(( $(date +%s) - START )) -lt 420 ]; then
   rm -rf "$WORK/perf_spaced"
 fi
 
+if [ "${PERF_OVERLAP:-0}" != 0 ]; then
+  N=$PERF_OVERLAP; PI=(--train-iters $((3 * N + 4)))
+  run perf_ovl on -- "${COMMON[@]}" "${BIG[@]}" "${PI[@]}" --save-interval "$N" "${OURS[@]}" --ckpt-overlap-snapshot --save "$WORK/perf_ovl"
+  rm -rf "$WORK/perf_ovl"
+  run perf_novl on -- "${COMMON[@]}" "${BIG[@]}" "${PI[@]}" --save-interval "$N" "${OURS[@]}" --save "$WORK/perf_novl"
+  rm -rf "$WORK/perf_novl"
+  run perf_nosave on -- "${COMMON[@]}" "${BIG[@]}" "${PI[@]}"
+fi
+
 WORK="$WORK" OUT="$OUT" python3 - <<'PY'
 import json, os, statistics
 from pathlib import Path
@@ -114,14 +135,20 @@ def losses(name):
     rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
     return {r["iteration"]: r for r in rows}
 
-def stalls(name, every):
+def step_gaps(name):
     rows = losses(name)
-    its = sorted(rows)
-    gaps = {i: rows[i]["t"] - rows[i - 1]["t"] for i in its if i - 1 in rows}
-    after = {i: g for i, g in gaps.items() if (i - 1) % every == 0}
+    return {i: rows[i]["t"] - rows[i - 1]["t"] for i in sorted(rows) if i - 1 in rows}
+
+def stalls(name, every, span=1, base=None):
+    """Per save at iteration s: the step-start gaps s+1..s+span minus span plain steps (the
+    median of this run's gaps not after a save, or ``base``)."""
+    gaps = step_gaps(name)
+    after = {i for i in gaps if any((i - k) % every == 0 for k in range(1, span + 1))}
     plain = [g for i, g in gaps.items() if i not in after and i > 3]
-    base = statistics.median(plain) if plain else None
-    per_save = {i - 1: round(g - base, 3) for i, g in sorted(after.items())} if base else {}
+    base = base if base is not None else (statistics.median(plain) if plain else None)
+    saves = sorted(i - 1 for i in gaps if (i - 1) % every == 0 and i - 1 + span in gaps)
+    per_save = {s: round(sum(gaps[s + k] for k in range(1, span + 1)) - span * base, 4)
+                for s in saves} if base else {}
     vals = list(per_save.values())
     return {"plain_step_s": round(base, 4) if base else None, "stall_s_by_save_iter": per_save,
             "first_save_stall_s": vals[0] if vals else None,
@@ -145,8 +172,18 @@ res = {
     "stall_tiny_on": stalls("on", 5), "stall_tiny_stock": stalls("stock", 5),
     "stall_134m_on": stalls("perf_on", 3), "stall_134m_stock": stalls("perf_stock", 3),
     "stall_134m_spaced": stalls("perf_spaced", int(os.environ.get("PERF_SPACED") or 0) or 1),
+    "overlap_vs_on_1_20": same("on", "on_ovl", list(range(1, 21))),
+    "resume_ovl_vs_on_ovl_11_20": same("on_ovl", "resume_ovl", tail),
 }
-for name in ("on", "perf_on", "perf_spaced"):
+n_ovl = int(os.environ.get("PERF_OVERLAP") or 0)
+if n_ovl:
+    nosave = [g for i, g in step_gaps("perf_nosave").items() if i > 3]
+    base = statistics.median(nosave) if nosave else None
+    res["step_134m_nosave_s"] = round(base, 4) if base else None
+    for key, name in (("overlap", "perf_ovl"), ("no_overlap", "perf_novl")):
+        res[f"stall_134m_{key}_same_run"] = stalls(name, n_ovl, span=2)
+        res[f"stall_134m_{key}_vs_nosave"] = stalls(name, n_ovl, span=2, base=base) if base else None
+for name in ("on", "perf_on", "perf_spaced", "on_ovl", "perf_ovl", "perf_novl"):
     p = out / f"reports_{name}.json"
     if p.exists():
         res[f"adapter_reports_{name}"] = json.loads(p.read_text())
@@ -154,10 +191,16 @@ for name in ("on", "perf_on", "perf_spaced"):
 print(f"{'run':12} {'rc':>3} {'wall_s':>7}")
 for r in runs:
     print(f"{r['run']:12} {r['rc']:>3} {r['wall_s']:>7}")
-for key in ("resume_vs_on_11_20", "stock_vs_on_1_20", "stock_to_on_11_20", "on_to_stock_11_20"):
+for key in ("resume_vs_on_11_20", "stock_vs_on_1_20", "stock_to_on_11_20", "on_to_stock_11_20",
+            "overlap_vs_on_1_20", "resume_ovl_vs_on_ovl_11_20"):
     print(f"{key:22} bitwise_equal={res[key]['equal_bitwise']} missing={res[key]['missing']} differ={res[key]['differ']}")
-for key in ("stall_tiny_on", "stall_tiny_stock", "stall_134m_on", "stall_134m_stock", "stall_134m_spaced"):
-    s = res[key]
+print("step_134m_nosave_s", res.get("step_134m_nosave_s"))
+for key in ("stall_tiny_on", "stall_tiny_stock", "stall_134m_on", "stall_134m_stock", "stall_134m_spaced",
+            "stall_134m_overlap_same_run", "stall_134m_overlap_vs_nosave",
+            "stall_134m_no_overlap_same_run", "stall_134m_no_overlap_vs_nosave"):
+    s = res.get(key)
+    if not s:
+        continue
     print(f"{key:18} plain_step={s['plain_step_s']} first={s['first_save_stall_s']} steady_max={s['steady_stall_s_max']} all={s['stall_s_by_save_iter']}")
 PY
 echo "total $(( $(date +%s) - START ))s"

@@ -417,8 +417,9 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
     """--ckpt-overlap-snapshot: save() returns with the copies in flight; a torch optimizer's
     step waits for them (the Checkpointer's step pre-hook) before the state changes; the writer
     writes only once they are published. On CPU the device copies are simulated: they land only
-    when a gate opens, after save() returned. Then: a save not followed by any wait is warned
-    about at the next save (and still correct); close() removes the hook."""
+    when a gate opens, after save() returned; on CUDA a 256 MiB tensor is overwritten right
+    after the step. Then: a save not followed by any wait is warned about at the next save (and
+    still correct); close() removes the hook."""
     import logging
     import threading
 
@@ -440,14 +441,27 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
     logging.getLogger("megatron_ckpt_ext").addHandler(handler)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, device=device()))], lr=0.1)
     waits: list[int] = []
-    live = step_state(0, rank)
+    big = 64 << 20 if cuda else 0  # on CUDA, 256 MiB whose copy runs ~5 ms: a step that did not
+    # wait for it would overwrite it (fill_(-7) below) while it is being copied
+
+    def expected(step: int) -> dict[str, torch.Tensor]:
+        out = step_state(step, rank)
+        if big:
+            out["big"] = torch.full((big,), float(step), device=device())
+        return out
+
+    def load(ck: Checkpointer, step: int) -> dict:
+        like = {k: torch.zeros_like(v) for k, v in expected(0).items()}
+        return ck.load(sharded(rank, world, like), root, iteration=step)
+
+    live = expected(0)
     with Checkpointer(CkptOptions(**options)) as ck:
         real_wait = ck.wait_for_snapshot
         ck.wait_for_snapshot = lambda **kw: (waits.append(1), real_wait(**kw))[1]
         for step in range(1, saves + 1):
             gate.clear()
             landed.clear()
-            for k, v in step_state(step, rank).items():
+            for k, v in expected(step).items():
                 live[k].copy_(v)
             ck.save(sharded(rank, world, live), root, iteration=step)
             assert cuda or not landed, "save() waited for the copies"
@@ -459,14 +473,15 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
             for v in live.values():
                 v.fill_(-7)  # the optimizer changes the state
             ck.maybe_finalize()
-        # A save followed by no wait at all: the next save warns, waits, and both are correct.
+        # A save followed by no wait at all (and no change of the state): the next save warns,
+        # waits, and both hold the values.
+        for k, v in expected(saves + 1).items():
+            live[k].copy_(v)
         for step in (saves + 1, saves + 2):
-            for k, v in step_state(step, rank).items():
-                live[k].copy_(v)
             ck.save(sharded(rank, world, live), root, iteration=step)
         ck.maybe_finalize(blocking=True)
         for step in range(1, saves + 3):
-            assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"it {step}")
+            assert_equal(load(ck, step), expected(min(step, saves + 1)), f"it {step}")
         assert all(r["mode"].endswith("-overlap") for r in ck.reports), [r["mode"] for r in ck.reports]
     logging.getLogger("megatron_ckpt_ext").removeHandler(handler)
     if rank == 0:
