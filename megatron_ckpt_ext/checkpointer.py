@@ -139,7 +139,7 @@ class Checkpointer:
         self._strategy: Any = None
         self._structure: Any = None
         self._seq = 0  # saves handed to a writer that waits on the ready flag
-        self._froze_gc = False  # _freeze_gc ran (close() unfreezes)
+        self._froze_gc = False  # _freeze_gc froze (alone): close() unfreezes
         self.startup: dict[str, float] = {}
         self._before_commit: Callable[[_Save], None] | None = None  # fault-injection hook (tests)
         self._cpu_shim = _cpu_shim.install()
@@ -210,13 +210,15 @@ class Checkpointer:
         --mem-breakdown``). Frozen objects are skipped by collections; their refcounts still
         free them, only reference cycles among them are no longer collected until
         :meth:`close` unfreezes them. Garbage that exists now is collected first, so nothing
-        unreachable is frozen. ``MCX_FREEZE_GC_AT_FORK=0`` turns this off."""
+        unreachable is frozen. Where something else had frozen objects already (seen on the GPU
+        stack), close() leaves them all frozen: Python can only unfreeze everything, which
+        would undo that other freeze. ``MCX_FREEZE_GC_AT_FORK=0`` turns this off."""
         if env_switch("MCX_FREEZE_GC_AT_FORK") != "1":
             return
         t0 = time.perf_counter()
+        self._froze_gc = gc.get_freeze_count() == 0  # ours alone: close() may unfreeze
         gc.collect()
         gc.freeze()
-        self._froze_gc = True
         self.startup["gc_freeze_s"] = round(time.perf_counter() - t0, 6)
         logger.debug("gc.freeze() of %d objects before forking the writer, %.3f s",
                      gc.get_freeze_count(), self.startup["gc_freeze_s"])
