@@ -12,6 +12,8 @@ writes every per-save report (its ``phases`` name where the blocking time goes).
 most cumulative time (``--cprofile-top``); ``--probe-copy-overlap`` first measures (CUDA only)
 how long small host-synchronising CUDA calls take while a large device-to-host copy runs on a
 side stream, i.e. whether work that planning does can overlap the staging copies.
+``--iteration-ms X`` (CUDA) times each save inside a simulated training iteration (``Iteration``):
+the iteration-time increase at a save, the overlapped snapshot's measure.
 ``--mem-breakdown`` samples, every 20 ms, each process of this rank's tree (trainer, persistent
 worker, queue managers, forked writers): ``Pss_Anon`` (forked pages split between sharers) and
 ``Anonymous``, plus ``/dev/shm``; per save it records each process's peak above its value before
@@ -34,6 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,49 @@ MODES = {
     "temporal_cpu_shm": dict(async_save=True, async_ckpt_use_cpu_shm=True,
                              ckpt_assume_constant_structure=True),
     "sync": dict(ckpt_assume_constant_structure=True),
+    "persistent_cpu_shm_overlap": dict(async_save=True, use_persistent_ckpt_worker=True,
+                                       async_ckpt_use_cpu_shm=True,
+                                       ckpt_assume_constant_structure=True,
+                                       ckpt_overlap_snapshot=True),
 }
+
+
+class Iteration:
+    """``--iteration-ms``: a training iteration's stand-in on CUDA. bf16 matmuls for about the
+    given time (forward and backward), then a torch optimizer step (its pre-hook is where an
+    overlapped snapshot's copies are waited for) and the state changed in place (every 7th
+    tensor), timed until its GPU work is done. A save, when given, is called first: the
+    iteration-time increase at a save is what the trainer loses to it."""
+
+    def __init__(self, ms: float, state: dict) -> None:
+        self.tensors = [t.data for t in state.values()][::7]
+        self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.a)
+        self.opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1, device="cuda"))], lr=0.0)
+        self.n = 10
+        per = self._matmuls() / self.n
+        self.n = max(1, round(ms / 1e3 / per))
+
+    def _matmuls(self) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(self.n):
+            torch.mm(self.a, self.a, out=self.out)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def run(self, save: Any = None) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if save is not None:
+            save()
+        for _ in range(self.n):
+            torch.mm(self.a, self.a, out=self.out)
+        self.opt.step()
+        for t in self.tensors:
+            t.add_(1.0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
 
 def gpt_like_state(gib: float, device: str, rank: int, world: int) -> dict:
@@ -205,7 +250,7 @@ class MemBreakdown:
 
 def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str,
              cprofile_save: int = 0, cprofile_top: int = 30, mem: bool = False,
-             keep_last: int = 0, mem_stages: bool = False) -> dict:
+             keep_last: int = 0, mem_stages: bool = False, iteration_ms: float = 0.0) -> dict:
     sampler = MemBreakdown() if mem else None
     mem_by_save: list[dict] = []
     stages: dict[str, dict] = {}
@@ -234,11 +279,20 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
         stage("prepared")
     profiles: dict[int, str] = {}
     gc_in_save: list[dict] = []
+    iterations: list[dict] = []
+    loop = Iteration(iteration_ms, state) if iteration_ms and torch.cuda.is_available() else None
     for step in range(1, saves + 1):
+        ck.wait_for_snapshot()  # an overlapped save's copies, before the state changes
         for st in list(state.values())[::7]:
             st.data.add_(1.0)
         pauses = GcPauses().__enter__()
-        if step == cprofile_save:
+        if loop is not None:  # iterations without a save (no write running), then one with it
+            plain = sorted(loop.run() for _ in range(3))[1]
+            with_save = loop.run(lambda: ck.save(state, root, iteration=step))
+            iterations.append({"iteration": step, "plain_s": round(plain, 5),
+                               "with_save_s": round(with_save, 5),
+                               "increase_s": round(with_save - plain, 5)})
+        elif step == cprofile_save:
             prof = cProfile.Profile()
             prof.runcall(ck.save, state, root, iteration=step)
             text = io.StringIO()
@@ -268,7 +322,8 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
     return {"mode": name, "startup_s": startup, "prepare_call_s": prepare, "reports": reports,
             "constructor": getattr(ck, "startup", {}), "cprofile": profiles,
             "gc_in_save": gc_in_save, "mem_by_save": mem_by_save,
-            "mem_by_mapping": by_mapping, "mem_stages": stages}
+            "mem_by_mapping": by_mapping, "mem_stages": stages, "iterations": iterations,
+            "iteration_matmuls": loop.n if loop else None}
 
 
 def main() -> None:
@@ -285,6 +340,9 @@ def main() -> None:
     p.add_argument("--mem-breakdown", action="store_true", help="per-process host memory per save")
     p.add_argument("--mem-stages", action="store_true",
                    help="with --mem-breakdown: mapping growth after start-up, prepare and saves 1-2")
+    p.add_argument("--iteration-ms", type=float, default=0.0,
+                   help="CUDA: time each save inside a simulated training iteration of about "
+                        "this many ms of GPU work (iteration-time increase at a save)")
     p.add_argument("--keep-last", type=int, default=0,
                    help="with --finalize blocking: remove checkpoints older than the last N")
     a = p.parse_args()
@@ -305,7 +363,7 @@ def main() -> None:
         root = Path(a.root or tempfile.mkdtemp(prefix="mcx_prof_")) / name
         res = run_mode(name, MODES[name], state, root, a.saves, a.finalize, a.cprofile_save,
                        a.cprofile_top, a.mem_breakdown, a.keep_last,
-                       a.mem_stages)
+                       a.mem_stages, a.iteration_ms)
         results.append(res)
         if rank == 0:
             print(f"== {name}: startup {res['startup_s']:.2f} s, prepare() {res['prepare_call_s']:.3f} s",
@@ -318,6 +376,9 @@ def main() -> None:
                 print(f"  it{r['iteration']} {r['bytes'] / 1e9:.2f} GB blocking {r['blocking_s']:.3f} "
                       f"durable {r['durable_s']:.3f} staging {r['staging_gbps']} GB/s write "
                       f"{r['write_gbps']} GB/s | {ph}", flush=True)
+            for it in res["iterations"]:
+                print(f"  it{it['iteration']} iteration {it['plain_s']:.4f} s plain, "
+                      f"{it['with_save_s']:.4f} s with the save: +{it['increase_s']:.4f} s", flush=True)
             for m in res["mem_by_save"]:
                 procs = " ".join(f"{r['comm']}{'' if r['existed_before'] else '(new)'}="
                                  f"{r['pss_anon'] / 1e6:.0f}MB" for r in m["processes"].values())
