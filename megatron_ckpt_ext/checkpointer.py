@@ -229,6 +229,11 @@ class Checkpointer:
         return ShmStager(job_id=job_id or _job_id(), rank=_rank(),
                          reuse=self.options.ckpt_assume_constant_structure)
 
+    def wait_prepared(self, timeout_s: float | None = None) -> bool:
+        """Until the staging allocation started by :meth:`prepare` is done (at most
+        ``timeout_s``); whether it is. A save waits for it anyway: this is for timing start-up."""
+        return self._stager is None or self._stager.wait_prepared(timeout_s)
+
     def prepare(self, sharded_state_dict: Any) -> None:
         """Optional, once the model and optimizer exist: allocate (and pin, on CUDA) the staging
         buffers for this state in a background thread, so the first save copies into ready
@@ -328,10 +333,7 @@ class Checkpointer:
         record, self._snapshot = self._snapshot, None
         if record is not None:
             for copies in record.copies:
-                if isinstance(copies.end, torch.cuda.Event) and copies.device is not None:
-                    torch.cuda.current_stream(copies.device).wait_event(copies.end)
-                else:  # copies that are not CUDA events (tests simulate late copies)
-                    copies.end.synchronize()
+                copies.order_before_current_stream()
         if blocking:
             self._join_publisher()
 
@@ -344,10 +346,7 @@ class Checkpointer:
         save() returns meanwhile. The trainer's stream waits for them at the next optimizer
         step (:meth:`wait_for_snapshot`). A failure of the copies is published too (the writer
         writes nothing, the save is reported failed at its finalize) and logged here."""
-        from .staging import StagedBatch
-
-        batch = record.staged
-        record.copies = batch.copies_in_flight() if isinstance(batch, StagedBatch) else []
+        record.copies = record.staged.copies_in_flight()  # a StagedBatch: overlap needs cpu-shm
         self._join_publisher()
         self._snapshot = record
 

@@ -150,6 +150,11 @@ class _Copies:
     end: torch.cuda.Event
     device: torch.device | None = None  # the copy stream's device
 
+    def order_before_current_stream(self) -> None:
+        """Make the current stream of the copies' device wait for them (no host wait): work
+        queued on it next, such as an optimizer step, runs after the copies."""
+        torch.cuda.current_stream(self.device).wait_event(self.end)
+
 
 @dataclass
 class StagedBatch:
@@ -340,10 +345,19 @@ class ShmStager:
         except BaseException as e:  # re-raised by the next stage()/prepare()
             self._prepare_error = e
 
-    def _join_prepare(self) -> None:
-        if self._prepare_thread is not None:
-            self._prepare_thread.join()
+    def wait_prepared(self, timeout_s: float | None = None) -> bool:
+        """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is.
+        Its error, if any, is raised by the next stage() or prepare()."""
+        thread = self._prepare_thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
             self._prepare_thread = None
+        return True
+
+    def _join_prepare(self) -> None:
+        self.wait_prepared()
         if self._prepare_error is not None:
             error, self._prepare_error = self._prepare_error, None
             raise error

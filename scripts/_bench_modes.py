@@ -519,14 +519,10 @@ class OursRunner(Runner):
         return not self.ck._pending
 
     def _wait_prepared(self, timeout_s: float) -> None:
-        # Checkpointer has no public "wait until prepare() is done" (proposed in the report); the
-        # stager's background thread is joined here so the allocation is timed as start-up.
-        thread = getattr(getattr(self.ck, "_stager", None), "_prepare_thread", None)
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                raise TimeoutError(f"{self.spec.name}: prepare() still allocating after "
-                                   f"{timeout_s:.0f} s")
+        # waited for here so the allocation is timed as start-up
+        if not self.ck.wait_prepared(timeout_s):
+            raise TimeoutError(f"{self.spec.name}: prepare() still allocating after "
+                               f"{timeout_s:.0f} s")
 
     def save(self, state: dict[str, torch.Tensor], root: Path, iteration: int) -> None:
         self.ck.save(sharded(state, _rank(), _world()), root, iteration=iteration)

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
+sys.path.append(str(Path(__file__).resolve().parent))
+import _bench_modes as bm  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions  # noqa: E402
 
 MODES = {
@@ -77,20 +79,18 @@ class Iteration:
         self.n = max(1, round(ms / 1e3 / per))
 
     def _matmuls(self) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(self.n):
-            torch.mm(self.a, self.a, out=self.out)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return self.run(step=False)
 
-    def run(self, save: Any = None) -> float:
+    def run(self, save: Any = None, *, step: bool = True) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if save is not None:
             save()
         for _ in range(self.n):
             torch.mm(self.a, self.a, out=self.out)
+        if not step:
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
         self.opt.step()
         for t in self.tensors:
             t.add_(1.0)
@@ -174,9 +174,7 @@ def _rank() -> int:
 
 
 def _smaps(pid: int) -> dict:
-    from _bench_modes import smaps_rollup  # scripts/ is on sys.path once MemBreakdown exists
-
-    out: dict = smaps_rollup(pid, ("Pss_Anon", "Anonymous"))
+    out: dict = bm.smaps_rollup(pid, ("Pss_Anon", "Anonymous"))
     try:
         with open(f"/proc/{pid}/comm") as fh:
             out["comm"] = fh.read().strip()
@@ -185,17 +183,23 @@ def _smaps(pid: int) -> dict:
     return out
 
 
+def _print_growth(label: str, by_mapping: dict) -> None:
+    """One line per process of MemBreakdown.by_mapping: total growth, then its top mappings."""
+    for pid, rec in by_mapping.items():
+        head, rows = rec["growth"][0], rec["growth"][1:]
+        print(f"  {label} {rec['comm']} {pid}: {rec['key']} {head['total_grew'] / 1e6:+.1f} MB "
+              f"(unmapped {head['unmapped'] / 1e6:.1f} MB); top: " + "; ".join(
+                  f"{r['name'][-40:]}@{r['addr']}{' (new)' if r['new'] else ''} size "
+                  f"{r['size'] / 1e6:.1f}MB {r['grew'] / 1e6:+.1f}MB" for r in rows), flush=True)
+
+
 class MemBreakdown:
     """Per-process peak anonymous memory of this rank's process tree, above a baseline."""
 
     def __init__(self, interval_s: float = 0.02) -> None:
-        sys.path.append(str(Path(__file__).resolve().parent))
-        from _bench_modes import _process_tree, _shm_used  # noqa: PLC0415
-        self._tree, self._shm = _process_tree, _shm_used
+        self._tree, self._shm = bm._process_tree, bm._shm_used
         self.base = {p: _smaps(p) for p in self._tree(os.getpid())}
-        from _bench_modes import smaps_mappings  # noqa: PLC0415
-        self._maps = smaps_mappings
-        self.base_maps = {p: smaps_mappings(p) for p in self._tree(os.getpid())}
+        self.base_maps = {p: bm.smaps_mappings(p) for p in self._tree(os.getpid())}
         self.base_shm = self._shm()
         self.peak: dict[int, dict] = {}
         self.peak_shm = 0
@@ -235,14 +239,12 @@ class MemBreakdown:
         """Per process of the tree now: the mappings whose Pss_Anon grew most since the
         baseline; for a process started since (a fork), its Private_Dirty per mapping: the pages
         only it holds (copied on write by it or by the trainer)."""
-        from _bench_modes import mapping_growth  # noqa: PLC0415
-
-        return {str(p): {"comm": _smaps(p).get("comm"),
-                         "key": "Pss_Anon" if p in self.base_maps else "Private_Dirty",
-                         "growth": mapping_growth(self.base_maps.get(p, {}), self._maps(p),
-                                                  "Pss_Anon" if p in self.base_maps
-                                                  else "Private_Dirty", top=top)}
-                for p in self._tree(os.getpid())}
+        out = {}
+        for p in self._tree(os.getpid()):
+            key = "Pss_Anon" if p in self.base_maps else "Private_Dirty"
+            out[str(p)] = {"comm": _smaps(p).get("comm"), "key": key, "growth": bm.mapping_growth(
+                self.base_maps.get(p, {}), bm.smaps_mappings(p), key, top=top)}
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -259,11 +261,7 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
     def stage(name: str) -> None:  # where the trainer's new mappings appear (--mem-stages)
         if sampler and mem_stages and _rank() == 0:
             stages[name] = sampler.by_mapping(top=4)
-            for pid, rec in stages[name].items():
-                head, rows = rec["growth"][0], rec["growth"][1:]
-                print(f"  [{name}] {rec['comm']} {pid} {rec['key']} {head['total_grew'] / 1e6:+.1f} MB: "
-                      + "; ".join(f"{r['name'][-30:]}@{r['addr']} size {r['size'] / 1e6:.1f}MB "
-                                  f"{r['grew'] / 1e6:+.1f}MB" for r in rows), flush=True)
+            _print_growth(f"[{name}]", stages[name])
 
     t0 = time.perf_counter()
     ck = Checkpointer(CkptOptions(**opts))
@@ -273,9 +271,7 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
     ck.prepare(state)
     prepare = time.perf_counter() - t0
     if mem_stages:
-        thread = getattr(getattr(ck, "_stager", None), "_prepare_thread", None)
-        if thread is not None:
-            thread.join(600)
+        ck.wait_prepared(600)
         ck.maybe_finalize(blocking=True)  # the worker's warm-up request
         stage("prepared")
     profiles: dict[int, str] = {}
@@ -351,9 +347,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
-    sys.path.append(str(Path(__file__).resolve().parent))
-    from _bench_modes import warm_up_default_group  # noqa: PLC0415
-    warm_up_default_group(torch.device("cuda" if cuda else "cpu"))  # NCCL's communicator exists
+    bm.warm_up_default_group(torch.device("cuda" if cuda else "cpu"))  # NCCL's communicator exists
     rank, world = dist.get_rank(), dist.get_world_size()
     probe = probe_copy_overlap() if a.probe_copy_overlap and cuda else None
     if probe and rank == 0:
@@ -385,12 +379,7 @@ def main() -> None:
                                  f"{r['pss_anon'] / 1e6:.0f}MB" for r in m["processes"].values())
                 print(f"  mem it{m['iteration']}: shm +{m['shm_extra_bytes'] / 1e9:.3f} GB, "
                       f"Pss_Anon +{m['pss_anon_extra_bytes'] / 1e6:.0f} MB: {procs}", flush=True)
-            for pid, rec in res["mem_by_mapping"].items():
-                head, rows = rec["growth"][0], rec["growth"][1:]
-                print(f"  mappings of {rec['comm']} {pid}: {rec['key']} {head['total_grew'] / 1e6:+.1f} MB "
-                      f"(unmapped {head['unmapped'] / 1e6:.1f} MB); top: " + "; ".join(
-                          f"{r['name'][-40:]}{'(new)' if r['new'] else ''} size "
-                          f"{r['size'] / 1e6:.1f}MB {r['grew'] / 1e6:+.1f}MB" for r in rows), flush=True)
+            _print_growth("mappings of", res["mem_by_mapping"])
             for step, text in res["cprofile"].items():
                 print(f"  cProfile of save {step}:\n{text}", flush=True)
             shutil.rmtree(root, ignore_errors=True)

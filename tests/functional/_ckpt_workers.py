@@ -317,6 +317,9 @@ class _LateCopies:
     def elapsed_time(self, other: object) -> float:
         return self.delay_s * 1e3
 
+    def order_before_current_stream(self) -> None:  # no stream on CPU: the host waits
+        self.synchronize()
+
 
 def late_copies_roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> None:
     """Device copies simulated on CPU: each save's staged buffers hold garbage until the trainer

@@ -178,6 +178,50 @@ def test_background_prepare_is_waited_for_by_stage():
         batch.release()
 
 
+def test_wait_prepared_reports_whether_the_background_allocation_is_done(monkeypatch):
+    with new_stager() as stager:
+        gate = __import__("threading").Event()
+        real = stager._prepare_locked
+        monkeypatch.setattr(stager, "_prepare_locked", lambda specs: (gate.wait(30), real(specs)))
+        stager.prepare([torch.ones(8)], keys=["a"], background=True)
+        assert stager.wait_prepared(0.05) is False  # still allocating
+        gate.set()
+        assert stager.wait_prepared(30) is True and stager.stats["allocations"] == 1
+
+
+class _InFlight:
+    """A device copy still running until synchronize() (CPU stand-in for a CUDA event pair)."""
+
+    def __init__(self) -> None:
+        self.start = self.end = self
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def elapsed_time(self, other: object) -> float:
+        return 1.0
+
+
+def test_sources_stay_referenced_until_their_copies_are_waited_for(monkeypatch):
+    """A source freed while its device copy still reads it could be handed out again by the
+    caching allocator: the batch keeps it alive until wait(); copies_in_flight() lists the copies
+    until then (the overlapped snapshot orders the trainer's stream after them)."""
+    import weakref
+
+    copy = _InFlight()
+    monkeypatch.setattr(ShmStager, "_copy", lambda self, staged, tensors: [copy])
+    with new_stager() as stager:
+        source = torch.ones(16)
+        alive = weakref.ref(source)
+        batch = stager.stage([source], keys=["a"], wait=False)
+        del source
+        assert alive() is not None and batch.copies_in_flight() == [copy]
+        batch.wait()
+        assert copy.waited and alive() is None and batch.copies_in_flight() == []
+        batch.release()
+
+
 def test_segments_are_named_for_job_rank_and_pid_and_close_unlinks_them():
     job = f"name{uuid.uuid4().hex[:6]}"
     stager = ShmStager(job_id=job, rank=3, reuse=True)
