@@ -701,6 +701,33 @@ def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> No
     _map_in_place(sharded_state_dict, cls, fn)
 
 
+def plain_tensors(sharded_state_dict: Any) -> list[tuple[str, Any]]:
+    """``(dotted key, tensor)`` for every torch tensor of ``sharded_state_dict`` that is not
+    inside a megatron-core sharded item (ShardedTensor, ShardedObject, factory) nor a
+    LocalNonpersistentObject. megatron-core saves such tensors as common state, from rank 0
+    alone: another rank's values are dropped."""
+    import torch
+
+    mapping = _import(f"{MCORE_DC}.mapping")
+    skip = (mapping.ShardedBase, mapping.LocalNonpersistentObject)
+    found: list[tuple[str, Any]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, skip):
+            return
+        if isinstance(node, torch.Tensor):
+            found.append((path, node))
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(sharded_state_dict, "")
+    return found
+
+
 def _map_in_place(node: Any, cls: type, fn: Callable[[Any], Any]) -> None:
     if isinstance(node, dict):
         items = list(node.items())

@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +57,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
 REPORT = "ckpt_report.jsonl"
 _POLL_S = 0.05  # how often a blocking finalize re-checks the writers
+_LOGGERS = ("megatron_ckpt_ext", "megatron")  # what --logging-level sets
 
 
 class CheckpointWriteError(RuntimeError):
@@ -68,13 +70,20 @@ def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
 
 
 def read_tracker(root: str | os.PathLike[str]) -> int | None:
-    """The newest committed iteration under ``root``, or None."""
+    """The newest committed iteration under ``root``, or None when there is no tracker file.
+    A tracker that does not hold one ASCII decimal number is an error naming the file."""
+    path = Path(root) / TRACKER
     try:
-        text = (Path(root) / TRACKER).read_text().strip()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    if not text.isdigit():
-        raise ValueError(f"{Path(root) / TRACKER} holds {text!r}, not an iteration number")
+    text = raw.strip()
+    if not (0 < len(text) <= 12 and all(48 <= c <= 57 for c in text)):
+        shown = raw[:40].decode("ascii", "backslashreplace")
+        raise ValueError(
+            f"{path} holds {shown!r}{'...' if len(raw) > 40 else ''}, not an iteration number "
+            f"(ASCII digits). The tracker is damaged: write the iteration to load into it (e.g. "
+            f"'echo N > {path}' for an existing {root}/iter_{{N:07d}}) or pass load(iteration=N).")
     return int(text)
 
 
@@ -116,7 +125,7 @@ class Checkpointer:
     """Save / load megatron-core sharded state dicts with the options' strategies.
 
     ``process_group`` is used for the commit barriers (default: the world), ``dp_group`` for the
-    fully-parallel save/load wrappers. Construction validates the options against the installed
+    fully-parallel save/load wrappers. ``save_dir``, when given, is checked for writability now. Construction validates the options against the installed
     backend (raising on errors, warning once on rank 0) and starts the persistent worker, if any,
     so the first save does not pay for it.
 
@@ -127,10 +136,16 @@ class Checkpointer:
     """
 
     def __init__(self, options: CkptOptions, *, process_group: Any = None, dp_group: Any = None,
-                 caps: backend.Capabilities | None = None, job_id: str | None = None) -> None:
+                 caps: backend.Capabilities | None = None, job_id: str | None = None,
+                 save_dir: str | os.PathLike[str] | None = None) -> None:
         self.options = options
+        if options.logging_level is not None:
+            for name in _LOGGERS:
+                logging.getLogger(name).setLevel(options.logging_level)
         self.caps = caps or backend.detect()
         check(options, self.caps)
+        if save_dir is not None:  # fail now, not at the first save hours later
+            preflight.check_writable(save_dir)
         self.process_group = process_group
         self.dp_group = dp_group
         self.reports: list[dict] = []
@@ -279,7 +294,8 @@ class Checkpointer:
         constant = self.options.ckpt_assume_constant_structure
         structure = _structure_key(sharded_state_dict) if constant else None
         new_structure = not constant or structure != self._structure
-        workdir = self._prepare_dir(record, new_structure=new_structure)
+        plain = backend.plain_tensors(sharded_state_dict)
+        workdir = self._prepare_dir(record, new_structure=new_structure, plain=plain)
         self._use_structure(structure, record)
         if self.reports and _rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes"])
@@ -366,16 +382,19 @@ class Checkpointer:
         if publisher is not None:
             publisher.join()
 
-    def _prepare_dir(self, record: _Save, *, new_structure: bool) -> Path:
+    def _prepare_dir(self, record: _Save, *, new_structure: bool,
+                     plain: list[tuple[str, Any]] = ()) -> Path:
         """Rank 0 creates the save's working directory; every rank learns whether it could (one
         small all-reduce in place of a barrier), so an unwritable root is an error on every rank
         before anything is staged, not rank 0 alone dying while the others wait. The same
         all-reduce tells every rank whether any rank's state structure is new (sets
         ``record.new_structure``): validating it and re-planning are collectives, so all ranks
-        must decide alike."""
+        must decide alike. A plain tensor in any rank's state (``plain``) fails the save on every
+        rank before anything is written."""
         workdir = _incomplete(record.root, record.iteration)
         error: OSError | None = None
-        if _rank() == 0:
+        plain_large = [(k, t) for k, t in plain if t.numel() > 1]
+        if _rank() == 0 and not plain_large:
             try:
                 record.root.mkdir(parents=True, exist_ok=True)
                 if workdir.exists():
@@ -383,8 +402,14 @@ class Checkpointer:
                 workdir.mkdir()
             except OSError as e:
                 error = e
-        failed, changed = self._all_max([1.0 if error is not None else 0.0, float(new_structure)])
+        failed, changed, bad_rank = self._all_max(
+            [1.0 if error is not None else 0.0, float(new_structure),
+             float(_rank()) if plain_large else -1.0])
         record.new_structure = bool(changed)
+        if bad_rank >= 0:
+            if _rank() == 0 and workdir.exists() and error is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise ValueError(_plain_tensor_message(record.iteration, plain_large, int(bad_rank)))
         if failed:
             cause = f" ({type(error).__name__}: {error})" if error is not None else " (see rank 0)"
             raise CheckpointWriteError(
@@ -454,6 +479,11 @@ class Checkpointer:
             request = dc.save(state, str(workdir), self._save_strategy(),
                               async_sharded_save=True,
                               validate_access_integrity=record.new_structure)
+        if self._async and self._persistent and request.async_fn is None:
+            # Nothing to write on this rank (no tensors, or all written by other replicas): the
+            # persistent worker reports only requests it runs, so give it one that does nothing.
+            request = request._replace(async_fn=_nothing_to_write, async_fn_args=(),
+                                       async_fn_kwargs={})
         request = backend.without_host_preload(request)
         request = strategy.sequential_request(request, self.options)
         request = strategy.crc_free_request(request)
@@ -506,10 +536,8 @@ class Checkpointer:
         if self._before_commit is not None:
             self._before_commit(record)
         ranks = self._gather_stats(record)  # also the commit's first barrier
-        final = checkpoint_name(record.root, record.iteration)
         if _rank() == 0:
-            _replace_dir(_incomplete(record.root, record.iteration), final)
-            _atomic_write(record.root / TRACKER, f"{record.iteration}\n")
+            commit_on_disk(record.root, record.iteration)
         self._barrier()
         _trace_event(env_switch("MCX_WRITER_TRACE"), "committed", iteration=record.iteration)
         self._release(record)
@@ -531,9 +559,10 @@ class Checkpointer:
             return {"max": local, "bytes_total": record.nbytes, "world": 1, "at": now}
         group, device = self.process_group, self._collective_device()
         stats = torch.tensor(local, dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
         total = torch.tensor([float(record.nbytes)], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(total, group=group)
+        self._wait(torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
+                                                group=group, async_op=True))
+        self._wait(torch.distributed.all_reduce(total, group=group, async_op=True))
         return {"max": stats.tolist(), "bytes_total": int(total.item()),
                 "world": torch.distributed.get_world_size(group), "at": now}
 
@@ -628,8 +657,25 @@ class Checkpointer:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        self._wait(torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                                group=self.process_group, async_op=True))
         return t.tolist()
+
+    def _wait(self, work: Any) -> None:
+        """Wait for one of our collectives, at most ``--distributed-timeout-minutes`` when set
+        (else the process group's own timeout). Every caller reads the result on the host next,
+        so the bounded wait adds no synchronisation."""
+        minutes = self.options.distributed_timeout_minutes
+        if minutes is None:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=timedelta(minutes=minutes))
+        except RuntimeError as e:
+            raise CheckpointWriteError(
+                f"a checkpoint collective did not complete within --distributed-timeout-minutes "
+                f"{minutes} (config key 'distributed_timeout_minutes'): some rank stopped "
+                f"calling save()/maybe_finalize() or died ({e}).") from e
 
     def _collective_device(self) -> torch.device:
         """Where this group's small collectives run: the current CUDA device for NCCL (only an
@@ -691,19 +737,37 @@ class Checkpointer:
             backend.prime_write_results_queue()
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
-             iteration: int | None = None) -> dict:
-        """Load the committed checkpoint named by the tracker (or ``iteration``)."""
+             iteration: int | None = None) -> dict | None:
+        """Load the committed checkpoint named by the tracker (or ``iteration``) into
+        ``sharded_state_dict`` and return the loaded state dict.
+
+        Where ``checkpoint_dir`` holds no committed checkpoint (no tracker: a missing or empty
+        directory), returns None after a rank-0 warning, as Megatron-LM starts from scratch;
+        with ``--exit-on-missing-checkpoint`` raises FileNotFoundError instead."""
         root = Path(checkpoint_dir)
         _warn_incomplete(root)
         if iteration is None:
             iteration = read_tracker(root)
             if iteration is None:
-                raise FileNotFoundError(
-                    f"no committed checkpoint under {root}: {TRACKER} is missing. Point --load "
-                    "at a directory saved by this plugin or Megatron, or start without --load.")
+                what = (f"{root} does not exist" if not root.exists()
+                        else f"{root} holds no {TRACKER}")
+                if self.options.exit_on_missing_checkpoint:
+                    raise FileNotFoundError(
+                        f"no committed checkpoint to load: {what} (--exit-on-missing-checkpoint "
+                        "is set). Fix: point --load at a directory saved by this plugin or "
+                        "Megatron, or drop --exit-on-missing-checkpoint to start from scratch.")
+                backend.warn_once(f"missing-checkpoint:{root}",
+                                  f"no committed checkpoint to load: {what}; starting from "
+                                  "scratch (--exit-on-missing-checkpoint makes this an error).")
+                return None
         path = checkpoint_name(root, iteration)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
+        if not (path / "common.pt").exists():
+            raise FileNotFoundError(
+                f"checkpoint {path} has no common.pt (megatron-core's common state, written by "
+                "rank 0): the copy is incomplete or damaged. Load another iteration "
+                "(load(iteration=N)) or restore the file.")
         load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
         return backend.dist_checkpointing().load(sharded_state_dict, str(path), load_strategy)
 
@@ -750,7 +814,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier(group=self.process_group)
+            self._wait(torch.distributed.barrier(group=self.process_group, async_op=True))
 
 
 def _traced_request(request: Any, folder: str) -> Any:
@@ -953,16 +1017,53 @@ def _describe_change(old: tuple | None, new: tuple) -> str:
     return "shapes, dtypes or placement changed"
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def commit_on_disk(root: Path, iteration: int) -> None:
+    """Rank 0's part of the commit, in the order that keeps the previous checkpoint loadable
+    after a crash at any point: fsync every file of ``iter_N.incomplete`` and the directory,
+    rename it to ``iter_N``, fsync ``root``, then rewrite the tracker (temporary file, fsync,
+    rename) and fsync ``root`` again. The tracker never names a directory that is not durable."""
+    src, dst = _incomplete(root, iteration), checkpoint_name(root, iteration)
+    for path in sorted(src.rglob("*")):  # megatron-core writes metadata and common.pt unsynced
+        if path.is_file():
+            _fsync(path)
+    _fsync(src)
+    old = _replace_dir(src, dst)
+    _atomic_write(root / TRACKER, f"{iteration}\n")
+    if old.exists():  # a re-save of a committed iteration: its old copy goes once replaced
+        shutil.rmtree(old)
+
+
+def _replace_dir(src: Path, dst: Path) -> Path:
+    """Rename ``src`` to ``dst`` (an existing ``dst`` moves aside to ``<dst>.old``, returned)
+    and fsync their parent."""
     old = dst.with_name(dst.name + ".old")
     if dst.exists():
         if old.exists():
             shutil.rmtree(old)
         os.rename(dst, old)
     os.rename(src, dst)
-    if old.exists():
-        shutil.rmtree(old)
-    _fsync_dir(dst.parent)
+    _fsync(dst.parent)
+    return old
+
+
+def _nothing_to_write(*args: Any, **kwargs: Any) -> None:
+    """The write of a rank that has nothing to write (module level: it is pickled)."""
+
+
+def _plain_tensor_message(iteration: int, plain: list[tuple[str, Any]], bad_rank: int) -> str:
+    if not plain:
+        return (f"checkpoint iteration {iteration}: rank {bad_rank}'s state dict holds plain "
+                "torch tensors (see that rank's error for their keys). Nothing was written.")
+    key, t = plain[0]
+    more = f" (and {len(plain) - 1} more: {[k for k, _ in plain[1:4]]})" if len(plain) > 1 else ""
+    return (
+        f"checkpoint iteration {iteration}: '{key}' is a plain torch.Tensor of shape "
+        f"{tuple(t.shape)}{more}, not a megatron-core ShardedTensor. megatron-core would save "
+        "it as common state from rank 0 alone, dropping every other rank's values. Nothing was "
+        "written. Fix: wrap it, e.g. ShardedTensor.from_rank_offsets(key, t, replica_id=dp_rank) "
+        "for a tensor replicated over data-parallel ranks, or ShardedTensor.from_rank_offsets("
+        "key, t, (axis, rank, world_size)) for one split along an axis. Plain Python numbers and "
+        "one-element tensors stay common state.")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -972,10 +1073,11 @@ def _atomic_write(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    _fsync(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

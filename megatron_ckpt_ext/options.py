@@ -137,6 +137,12 @@ class CkptOptions:
         config_default=False,
         help="Do not restore the RNG state from the checkpoint (bit-exact resume needs it).",
     )
+    exit_on_missing_checkpoint: bool = _knob(
+        False,
+        flag="--exit-on-missing-checkpoint",
+        help="With --load: fail when the directory holds no committed checkpoint (no tracker "
+        "file) instead of warning and starting from scratch, as Megatron-LM does.",
+    )
     distributed_timeout_minutes: int | None = _knob(
         10,
         flag="--distributed-timeout-minutes",

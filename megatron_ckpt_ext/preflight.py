@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 from . import backend
 
-__all__ = ["DiskUsage", "check_disk", "check_shm", "local_ranks"]
+__all__ = ["DiskUsage", "check_disk", "check_shm", "check_writable", "local_ranks"]
 
 
 class DiskUsage(NamedTuple):
@@ -30,6 +30,24 @@ def local_ranks() -> int:
     """Ranks sharing this node's /dev/shm (torchrun's LOCAL_WORLD_SIZE; 1 when unknown)."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--save") -> None:
+    """Create ``checkpoint_dir`` (with parents) and a probe file in it, so an unwritable save
+    directory fails at start-up, naming it, instead of at the first save hours later."""
+    from .options import CkptOptionsError
+
+    root = Path(checkpoint_dir)
+    probe = root / f".mcx-write-probe.{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CkptOptionsError(
+            f"{flag} {root}: the checkpoint directory is not writable ({type(e).__name__}: "
+            f"{e.strerror or e}). Fix: point {flag} at a directory this job can create files "
+            "in.") from e
 
 
 def check_shm(bytes_per_rank: int, ranks_on_node: int | None = None, *, path: str = "/dev/shm",

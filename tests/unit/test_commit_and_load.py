@@ -1,0 +1,211 @@
+"""The on-disk commit order, the load path's errors on odd directories, and the knobs the
+Checkpointer itself reads (--logging-level, --distributed-timeout-minutes, the save directory)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions, checkpointer
+from megatron_ckpt_ext.checkpointer import TRACKER, read_tracker
+from megatron_ckpt_ext.options import CkptOptionsError
+
+
+# -- commit order ---------------------------------------------------------------------------------
+def _record_disk_ops(monkeypatch, root: Path) -> list[tuple[str, str]]:
+    """Every fsync / rename / file write the commit makes, as (op, path relative to root)."""
+    events: list[tuple[str, str]] = []
+    names: dict[int, str] = {}
+    rel = lambda p: os.path.relpath(os.fspath(p), root)  # noqa: E731
+    real_open, real_fsync = os.open, os.fsync
+    real_rename, real_replace = os.rename, os.replace
+    import builtins
+
+    real_builtin_open = builtins.open
+
+    def fake_open(path, flags, *a, **k):
+        fd = real_open(path, flags, *a, **k)
+        names[fd] = rel(path)
+        return fd
+
+    class Tracked:
+        def __init__(self, fh, path):
+            self._fh, self._path = fh, rel(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._fh.__exit__(*exc)
+
+        def fileno(self):
+            fd = self._fh.fileno()
+            names[fd] = self._path
+            return fd
+
+        def write(self, text):
+            events.append(("write", self._path))
+            return self._fh.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self._fh, name)
+
+    def fake_builtin_open(path, mode="r", *a, **k):
+        fh = real_builtin_open(path, mode, *a, **k)
+        return Tracked(fh, path) if "w" in mode else fh
+
+    def fake_fsync(fd):
+        events.append(("fsync", names.get(fd, "?")))
+        return real_fsync(fd)
+
+    def fake_rename(src, dst):
+        events.append(("rename", f"{rel(src)}->{rel(dst)}"))
+        return real_rename(src, dst)
+
+    def fake_replace(src, dst):
+        events.append(("rename", f"{rel(src)}->{rel(dst)}"))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpointer.os, "open", fake_open)
+    monkeypatch.setattr(checkpointer.os, "fsync", fake_fsync)
+    monkeypatch.setattr(checkpointer.os, "rename", fake_rename)
+    monkeypatch.setattr(checkpointer.os, "replace", fake_replace)
+    monkeypatch.setattr(checkpointer, "open", fake_builtin_open, raising=False)
+    return events
+
+
+def _incomplete_checkpoint(root: Path, iteration: int) -> None:
+    work = root / f"iter_{iteration:07d}.incomplete"
+    work.mkdir(parents=True)
+    for name in ("__0_0.distcp", "common.pt", "metadata.json"):
+        (work / name).write_bytes(b"x")
+
+
+def test_commit_order_fsyncs_files_then_renames_then_writes_the_tracker(tmp_path, monkeypatch):
+    """fsync every file and the directory, rename, fsync the root, tracker through a fsync'd
+    temporary file and a rename, fsync the root: a crash at any point keeps the old latest."""
+    _incomplete_checkpoint(tmp_path, 5)
+    events = _record_disk_ops(monkeypatch, tmp_path)
+    checkpointer.commit_on_disk(tmp_path, 5)
+
+    work, final = "iter_0000005.incomplete", "iter_0000005"
+    files = {("fsync", f"{work}/{n}") for n in ("__0_0.distcp", "common.pt", "metadata.json")}
+    assert set(events[:3]) == files, events
+    tmp = next(path for op, path in events if op == "write")
+    assert tmp.startswith(f".{TRACKER}.tmp"), events
+    assert events[3:] == [
+        ("fsync", work),
+        ("rename", f"{work}->{final}"),
+        ("fsync", "."),
+        ("write", tmp),
+        ("fsync", tmp),
+        ("rename", f"{tmp}->{TRACKER}"),
+        ("fsync", "."),
+    ], events
+    assert read_tracker(tmp_path) == 5 and (tmp_path / final / "common.pt").exists()
+
+
+def test_recommit_of_an_iteration_keeps_the_tracker_valid(tmp_path):
+    _incomplete_checkpoint(tmp_path, 5)
+    checkpointer.commit_on_disk(tmp_path, 5)
+    _incomplete_checkpoint(tmp_path, 5)
+    (tmp_path / "iter_0000005.incomplete" / "new").write_bytes(b"y")
+    checkpointer.commit_on_disk(tmp_path, 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", TRACKER]
+    assert (tmp_path / "iter_0000005" / "new").exists()
+
+
+# -- load on odd directories ------------------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"\x00\x01\xff\xfe", "\u0661\u0662".encode(), "\u00b2".encode(),
+                                     b"", b"12a", b"-3", b"release"])
+def test_a_damaged_tracker_is_an_error_naming_the_file(tmp_path, content):
+    (tmp_path / TRACKER).write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        read_tracker(tmp_path)
+    assert str(tmp_path / TRACKER) in str(e.value) and "load(iteration=N)" in str(e.value)
+
+
+def test_tracker_with_newline_and_spaces_reads(tmp_path):
+    (tmp_path / TRACKER).write_bytes(b" 42\n")
+    assert read_tracker(tmp_path) == 42
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_load_from_a_directory_without_checkpoint_starts_from_scratch(tmp_path, make, caplog):
+    root = tmp_path / "ckpt"
+    if make == "empty":
+        root.mkdir()
+    with Checkpointer(CkptOptions()) as ck, caplog.at_level(logging.WARNING):
+        assert ck.load({}, root) is None
+    assert "starting from scratch" in caplog.text and str(root) in caplog.text
+
+
+def test_exit_on_missing_checkpoint_makes_it_an_error(tmp_path):
+    with Checkpointer(CkptOptions(exit_on_missing_checkpoint=True)) as ck:
+        with pytest.raises(FileNotFoundError, match="--exit-on-missing-checkpoint"):
+            ck.load({}, tmp_path / "nothing")
+
+
+def test_missing_common_pt_is_named(tmp_path):
+    it = tmp_path / "iter_0000003"
+    it.mkdir()
+    (it / "metadata.json").write_text("{}")
+    (tmp_path / TRACKER).write_text("3\n")
+    with Checkpointer(CkptOptions()) as ck:
+        with pytest.raises(FileNotFoundError) as e:
+            ck.load({}, tmp_path)
+    assert "common.pt" in str(e.value) and str(it) in str(e.value)
+
+
+# -- knobs the Checkpointer reads --------------------------------------------------------------------
+def test_logging_level_sets_the_plugin_and_megatron_loggers():
+    names = ("megatron_ckpt_ext", "megatron")
+    before = {n: logging.getLogger(n).level for n in names}
+    try:
+        with Checkpointer(CkptOptions(logging_level=logging.DEBUG)):
+            assert all(logging.getLogger(n).level == logging.DEBUG for n in names)
+        with Checkpointer(CkptOptions()):  # unset: left as the host configured it
+            assert all(logging.getLogger(n).level == logging.DEBUG for n in names)
+    finally:
+        for n, level in before.items():
+            logging.getLogger(n).setLevel(level)
+
+
+class _Work:
+    def __init__(self, fail: bool = False) -> None:
+        self.timeouts: list = []
+        self.fail = fail
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        if self.fail:
+            raise RuntimeError("[Gloo] Timed out waiting 60000ms")
+        return True
+
+
+def test_plugin_collectives_wait_at_most_distributed_timeout_minutes():
+    with Checkpointer(CkptOptions(distributed_timeout_minutes=3)) as ck:
+        work = _Work()
+        ck._wait(work)
+        assert work.timeouts == [timedelta(minutes=3)]
+        with pytest.raises(checkpointer.CheckpointWriteError, match="--distributed-timeout-minutes 3"):
+            ck._wait(_Work(fail=True))
+    with Checkpointer(CkptOptions(distributed_timeout_minutes=None)) as ck:
+        work = _Work()
+        ck._wait(work)
+        assert work.timeouts == [None]  # the process group's own timeout
+
+
+def test_an_unwritable_save_directory_fails_at_construction(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(CkptOptionsError) as e:
+        Checkpointer(CkptOptions(), save_dir=blocker / "ckpt")
+    assert "--save" in str(e.value) and str(blocker / "ckpt") in str(e.value)
+    with Checkpointer(CkptOptions(), save_dir=tmp_path / "new" / "ckpt"):
+        assert (tmp_path / "new" / "ckpt").is_dir()
+    assert list((tmp_path / "new" / "ckpt").iterdir()) == []  # the probe file is gone
