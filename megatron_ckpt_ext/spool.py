@@ -16,15 +16,30 @@ trainer's ``get_nowait`` after that always finds it. Only the methods the writer
 directory on :meth:`close`, when the queue is collected, or at exit (also as a multiprocessing
 child). A killed trainer leaves its directory (``/dev/shm/mcx-results-<pid>-*``, a few KB)
 behind; :func:`sweep_stale` (run at every Checkpointer start-up, like the segment sweep) removes
-those whose creator is no longer running.
+those that no live process holds.
+
+Liveness is a lock, not the pid in the name (the pid is there for humans): containers on one node
+share ``/dev/shm`` but not their pid namespaces, so another job's live trainer can carry a pid
+that is dead, or someone else's, in ours. Like the staging segments (``staging.sweep_orphans``),
+the creator holds a shared ``flock`` on ``<dir>/.lock`` for the queue's life; a forked writer
+inherits it and a writer that unpickles the queue (spawned, persistent) takes its own, so the
+directory stays held while any of them lives, in any pid namespace on the node. The sweep removes a
+directory only when it can take the lock exclusively (non-blocking) and removes it while holding
+it. The creator takes the lock on a temporary name and renames it to ``.lock``, so a lock file is
+never seen unlocked while its creator lives. Directories without a ``.lock`` (left by a version
+before the lock, or caught between ``mkdtemp`` and the rename) are removed only when the pid in
+the name is dead here *and* nothing in the directory changed for :data:`LEGACY_MIN_AGE_S` (a day:
+a live job's saves touch it far more often, and a leftover holds only a few KB).
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import queue
 import shutil
+import stat
 import tempfile
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -34,12 +49,44 @@ from typing import Any
 __all__ = ["SpoolQueue", "sweep_stale"]
 
 _PREFIX = "mcx-results-"
+_LOCK = ".lock"  # hidden: _names() skips dot files
+LEGACY_MIN_AGE_S = 24 * 3600  # a directory without a lock file: swept only when this old
 _counter = itertools.count()
 
 
-def _remove_dir(directory: str, owner_pid: int) -> None:
+def _remove_dir(directory: str, owner_pid: int, lock_fd: int | None) -> None:
     if os.getpid() == owner_pid:  # never from a forked child that inherited the finalizer
         shutil.rmtree(directory, ignore_errors=True)
+    if lock_fd is not None:  # after the removal: a sweep never sees our directory unlocked
+        os.close(lock_fd)
+
+
+def _hold_new_lock(directory: str) -> int:
+    """Create ``<directory>/.lock`` already locked (shared): lock a temporary name, then rename."""
+    tmp = os.path.join(directory, f"{_LOCK}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # inherited by forked writers with the descriptor
+        os.rename(tmp, os.path.join(directory, _LOCK))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _hold_existing_lock(directory: str) -> int | None:
+    """A shared lock on an existing queue's ``.lock`` for a process that attached to it; None
+    when there is none (the creator closed the queue, or a sweep is removing it)."""
+    try:
+        fd = os.open(os.path.join(directory, _LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _base_dir() -> str:
@@ -53,10 +100,19 @@ class SpoolQueue:
     def __init__(self, directory: str | None = None, *, owner: bool = True) -> None:
         self.directory = directory or tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-",
                                                        dir=_base_dir())
-        # the creator removes the directory: on close(), on collection, or at exit (also as a
-        # multiprocessing child, which skips atexit handlers); runs once
-        self._remove = (Finalize(self, _remove_dir, args=(self.directory, os.getpid()),
-                                 exitpriority=0) if owner else None)
+        self._remove = self._release = None
+        if owner:
+            # held for the queue's life: what sweep_stale checks (see the module docstring)
+            lock_fd = _hold_new_lock(self.directory)
+            # the creator removes the directory: on close(), on collection, or at exit (also as a
+            # multiprocessing child, which skips atexit handlers); runs once
+            self._remove = Finalize(self, _remove_dir,
+                                    args=(self.directory, os.getpid(), lock_fd), exitpriority=0)
+        else:
+            # a writer that attached (unpickled) keeps the directory held while it has the queue
+            lock_fd = _hold_existing_lock(self.directory)
+            if lock_fd is not None:
+                self._release = Finalize(self, os.close, args=(lock_fd,))
 
     def __reduce__(self) -> tuple:
         return SpoolQueue._attach, (self.directory,)
@@ -104,9 +160,12 @@ class SpoolQueue:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the directory (and any result still in it); only its creator does."""
+        """Remove the directory (and any result still in it); only its creator does. A writer's
+        close releases its hold on the directory."""
         if self._remove is not None:
             self._remove()
+        if self._release is not None:
+            self._release()
 
     def _names(self) -> list[str]:
         try:
@@ -119,22 +178,55 @@ class SpoolQueue:
 
 
 def sweep_stale(base: str | None = None) -> list[str]:
-    """Remove spool directories under ``base`` (default: where new ones go) whose creating
-    process is gone (killed trainers); returns what was removed."""
-    from .staging import pid_alive
+    """Remove spool directories under ``base`` (default: where new ones go) that no live process
+    holds, in any pid namespace sharing ``base`` (killed trainers); returns what was removed.
 
+    A directory with a ``.lock`` is removed only when its lock can be taken exclusively; the pid
+    in its name is not consulted. One without (see the module docstring) only when that pid is
+    dead here and it is older than :data:`LEGACY_MIN_AGE_S`."""
     base = base or _base_dir()
     removed = []
     try:
-        names = os.listdir(base)
+        names = sorted(os.listdir(base))
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(_PREFIX):
-            continue
-        pid_text = name[len(_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or pid_alive(int(pid_text)):
-            continue
-        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        removed.append(name)
+        if name.startswith(_PREFIX) and _remove_if_unheld(os.path.join(base, name)):
+            removed.append(name)
     return removed
+
+
+def _remove_if_unheld(directory: str) -> bool:
+    try:
+        fd = os.open(os.path.join(directory, _LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return _remove_legacy(directory)
+    except OSError:  # not a directory, or not ours to open: leave it
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held by a live creator or writer (perhaps in another pid namespace)
+        shutil.rmtree(directory, ignore_errors=True)  # under the lock: nobody attaches meanwhile
+        return not os.path.lexists(directory)
+    finally:
+        os.close(fd)
+
+
+def _remove_legacy(directory: str) -> bool:
+    """A directory without a lock file: a version before the lock, or a creator between
+    ``mkdtemp`` and taking its lock; removed only when clearly abandoned."""
+    from .staging import pid_alive
+
+    pid_text = os.path.basename(directory)[len(_PREFIX):].split("-", 1)[0]
+    if not pid_text.isdigit() or pid_alive(int(pid_text)):
+        return False
+    try:
+        st = os.stat(directory, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < LEGACY_MIN_AGE_S:
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return not os.path.lexists(directory)

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 
 import pytest
 
@@ -68,23 +69,129 @@ def test_a_put_in_progress_is_never_read_half_written():
         q.close()
 
 
-def test_directories_of_dead_creators_are_swept_and_live_ones_kept(tmp_path):
-    from megatron_ckpt_ext import spool
-
-    ctx = mp.get_context("fork")
-    child = ctx.Process(target=int)
+def _dead_pid() -> int:
+    """A pid that no process has in our namespace (a reaped child's)."""
+    child = mp.get_context("fork").Process(target=int)
     child.start()
     child.join(30)
-    dead = tmp_path / f"mcx-results-{child.pid}-abc"
-    live = tmp_path / f"mcx-results-{os.getpid()}-def"
+    return child.pid
+
+
+def _create_queue_and_wait(base: str, conn, fork_writer: bool) -> None:
+    """A trainer: creates a queue under ``base``, optionally forks a writer that outlives it,
+    reports, then waits to be told to die as a killed trainer does (no clean-up)."""
+    from megatron_ckpt_ext import spool
+
+    spool._base_dir = lambda: base
+    q = SpoolQueue()
+    q.put("in flight")
+    writer = None
+    if fork_writer:  # a forked writer inherits the creator's lock with the descriptor
+        writer = mp.get_context("fork").Process(target=_wait_for_word, args=(conn,))
+        writer.start()
+    conn.send((q.directory, None if writer is None else writer.pid))
+    if writer is None:
+        _wait_for_word(conn)
+    os._exit(0)  # killed: no finalizer, no rmtree
+
+
+def _wait_for_word(conn) -> None:
+    conn.recv()
+
+
+def _start_creator(base, *, fork_writer=False):
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_create_queue_and_wait,
+                                          args=(str(base), child, fork_writer))
+    proc.start()
+    child.close()  # so that the pipe reads EOF once the creator and its writer are gone
+    directory, writer_pid = parent.recv()
+    return proc, parent, directory, writer_pid
+
+
+def _wait_gone(conn) -> None:
+    """Until every process holding the other end exited (an orphaned writer's pid may linger as
+    a zombie nobody reaps, but its descriptors, and so its locks, are gone with its exit)."""
+    assert conn.poll(60), "the writer did not exit"
+    with pytest.raises(EOFError):
+        conn.recv()
+
+
+def test_a_live_queue_of_another_pid_namespace_is_never_swept(tmp_path):
+    """Containers on one node share /dev/shm, not pids: the name's pid is dead here, but the
+    creator lives and holds the queue's lock. Kept; swept once the creator is gone."""
+    from megatron_ckpt_ext import spool
+
+    proc, conn, directory, _ = _start_creator(tmp_path)
+    try:
+        # what the other container's trainer's directory looks like from ours
+        foreign = tmp_path / f"mcx-results-{_dead_pid()}-foreign"
+        os.rename(directory, foreign)  # the lock file (and the creator's lock on it) go along
+        assert spool.sweep_stale(str(tmp_path)) == []
+        assert (foreign / ".lock").is_file() and len(list(foreign.iterdir())) == 2
+        assert SpoolQueue._attach(str(foreign)).get_nowait() == "in flight"
+    finally:
+        conn.send("die")
+        proc.join(30)
+    assert spool.sweep_stale(str(tmp_path)) == [foreign.name]
+    assert not foreign.exists()
+
+
+def test_a_killed_creators_directory_is_kept_while_its_writers_live(tmp_path):
+    from megatron_ckpt_ext import spool
+
+    proc, conn, directory, _ = _start_creator(tmp_path, fork_writer=True)
+    deadline = time.monotonic() + 60  # not join(): the writer inherited its sentinel pipe
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.exitcode == 0  # the trainer was killed; its forked writer still runs
+    name = os.path.basename(directory)
+    try:
+        assert spool.sweep_stale(str(tmp_path)) == [] and os.path.isdir(directory)
+        # a writer that unpickled the queue (spawned, persistent) holds it too
+        attached = pickle.loads(pickle.dumps(SpoolQueue(directory, owner=False)))
+    finally:
+        conn.send("die")
+    _wait_gone(conn)
+    assert spool.sweep_stale(str(tmp_path)) == [] and os.path.isdir(directory)
+    attached.close()  # the last holder lets go
+    assert spool.sweep_stale(str(tmp_path)) == [name]
+    assert not os.path.exists(directory)
+
+
+def test_liveness_is_the_lock_not_the_pid_in_the_name(tmp_path, monkeypatch):
+    from megatron_ckpt_ext import spool
+
+    monkeypatch.setattr(spool, "_base_dir", lambda: str(tmp_path))
+    ours = SpoolQueue()
+    try:
+        # a killed trainer's directory whose pid now belongs to a live process (ours): unheld
+        reused = tmp_path / f"mcx-results-{os.getpid()}-reused"
+        reused.mkdir()
+        (reused / ".lock").touch()
+        (reused / "000_1_000001").write_bytes(b"stale result")
+        assert spool.sweep_stale(str(tmp_path)) == [reused.name]
+        assert not reused.exists() and os.path.isdir(ours.directory)  # ours is held
+        assert os.path.basename(ours.directory).startswith(f"mcx-results-{os.getpid()}-")
+    finally:
+        ours.close()
+    assert not os.path.exists(ours.directory)
+
+
+def test_directories_without_a_lock_are_swept_only_when_dead_and_old(tmp_path):
+    """Left by a version before the lock (or a creator before it took its lock)."""
+    from megatron_ckpt_ext import spool
+
+    dead_pid = _dead_pid()
+    old = time.time() - spool.LEGACY_MIN_AGE_S - 60
+    dead_old = tmp_path / f"mcx-results-{dead_pid}-abc"
+    dead_new = tmp_path / f"mcx-results-{dead_pid}-new"
+    live_old = tmp_path / f"mcx-results-{os.getpid()}-def"
     other = tmp_path / "mcx-results-notapid-x"
-    for d in (dead, live, other):
+    for d in (dead_old, dead_new, live_old, other):
         d.mkdir()
         (d / "000_1_000001").write_bytes(b"stale result")
-    assert spool.sweep_stale(str(tmp_path)) == [dead.name]
-    assert not dead.exists() and live.exists() and other.exists()
-    q = SpoolQueue()
-    try:  # a new queue's directory names its creator
-        assert os.path.basename(q.directory).startswith(f"mcx-results-{os.getpid()}-")
-    finally:
-        q.close()
+        if d != dead_new:
+            os.utime(d, (old, old))
+    assert spool.sweep_stale(str(tmp_path)) == [dead_old.name]
+    assert not dead_old.exists() and dead_new.exists() and live_old.exists() and other.exists()
