@@ -1,4 +1,4 @@
-"""Command line: ``python -m megatron_ckpt_ext doctor [--json]``."""
+"""Command line: ``python -m megatron_ckpt_ext [--version] doctor [--json] [--version]``."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    version = f"megatron-ckpt-ext {__version__}"
     parser = argparse.ArgumentParser(prog="python -m megatron_ckpt_ext",
                                      description="megatron-ckpt-ext utilities")
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", required=True)
-    doctor = sub.add_parser("doctor", help="show the installed backends and which features they offer")
+    doctor = sub.add_parser("doctor", help="show the installed backends and which features they "
+                            "offer, ending with a one-line verdict")
     doctor.add_argument("--json", action="store_true", help="print a JSON document for machines")
+    doctor.add_argument("--version", action="version", version=version)
     return parser
 
 

@@ -2,7 +2,8 @@
 
 Every row is derived from :func:`megatron_ckpt_ext.backend.detect`; nothing here probes a backend
 itself. Status is one of ``available`` (used as asked), ``fallback`` (the flag works, another
-mechanism does the job; the reason says which) or ``missing`` (the feature is off here).
+mechanism does the job; the reason says which) or ``missing`` (the feature is off here). The
+text report ends with a one-line verdict on the async save path (:func:`verdict`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Callable
 from . import backend
 from .backend import Capabilities
 
-__all__ = ["Row", "backend_key", "format_text", "report", "rows", "to_json"]
+__all__ = ["Row", "backend_key", "format_text", "report", "rows", "to_json", "verdict"]
 
 AVAILABLE, FALLBACK, MISSING = "available", "fallback", "missing"
 
@@ -100,7 +101,9 @@ _SIMPLE: tuple[tuple[str, str, str, str], ...] = (
     # (feature, Capabilities field, flag, what is used when it is absent)
     ("worker_priorities", "queue_priorities", "--async-ckpt-cpu-priority/--async-ckpt-io-priority",
      "priorities ignored (nvidia-resiliency-ext >= 0.7.0 adds them)"),
-    ("warmup_persistent_caller", "warmup_persistent_caller", "", "worker starts at the first save"),
+    # Either way the Checkpointer starts the persistent worker when it is built, not in save 1.
+    ("warmup_persistent_caller", "warmup_persistent_caller", "",
+     "a warm-up request starts the persistent worker when the Checkpointer is built instead"),
     ("writer_use_cpu_shm", "writer_use_cpu_shm", "", "the writer does not stage to shm; ours does"),
     ("writer_cached_structure", "writer_cached_structure", "", "write buckets rebuilt every save"),
     ("writer_multiproc_io", "writer_multiproc_io", "", "the writer's fixed I/O mode"),
@@ -133,6 +136,27 @@ def rows(caps: Capabilities) -> list[Row]:
     return [build(caps) for build in _ROW_BUILDERS] + _simple_rows(caps)
 
 
+def verdict(caps: Capabilities) -> str:
+    """One line: can this installation save, and what of the async path falls back."""
+    by = {r.feature: r for r in rows(caps)}
+    if by["mcore_dist_ckpt"].status != AVAILABLE:
+        return ("verdict: NOT USABLE - megatron-core dist_checkpointing cannot be imported: "
+                f"{by['mcore_dist_ckpt'].detail}")
+    falls = []
+    if caps.async_provider == "sync":
+        falls.append("--async-save saves synchronously (no async backend)")
+    elif by["async_save"].status != AVAILABLE:
+        falls.append(f"--async-save uses megatron-core's async path ({_nvrx(caps)})")
+    if by["persistent_worker"].status != AVAILABLE:
+        falls.append("--use-persistent-ckpt-worker starts a fresh writer process per save")
+    if by["cpu_shm_staging"].status != AVAILABLE and caps.cuda_available:
+        falls.append("with --async-ckpt-use-cpu-shm the writer still initialises CUDA "
+                     "(nvidia-resiliency-ext >= 0.7.0 keeps it out)")
+    if not falls:
+        return "verdict: OK - async cpu-shm saves with a persistent worker available"
+    return "verdict: OK with fallbacks - " + "; ".join(falls)
+
+
 def report(caps: Capabilities | None = None) -> dict[str, Any]:
     """The doctor's findings as plain data (what ``--json`` prints)."""
     caps = caps or backend.detect()
@@ -144,6 +168,7 @@ def report(caps: Capabilities | None = None) -> dict[str, Any]:
         "async_provider": caps.async_provider,
         "features": [dataclasses.asdict(r) for r in rows(caps)],
         "capabilities": dataclasses.asdict(caps),
+        "verdict": verdict(caps),
     }
 
 
@@ -152,7 +177,7 @@ def to_json(data: dict[str, Any]) -> str:
 
 
 def format_text(data: dict[str, Any]) -> str:
-    """A human-readable report: versions, then the feature table."""
+    """A human-readable report: versions, the feature table, then the verdict."""
     v = data["versions"]
     lines = [f"{name:<22} {value or 'not installed'}" for name, value in v.items()]
     lines += [f"{'CUDA available':<22} {data['cuda_available']}",
@@ -163,4 +188,6 @@ def format_text(data: dict[str, Any]) -> str:
     for r in data["features"]:
         flag = f" [{r['flag']}]" if r["flag"] else ""
         lines.append(f"{r['feature']:<{width}}  {r['status']:<9}  {r['detail']}{flag}")
+    if data.get("verdict"):
+        lines += ["", data["verdict"]]
     return "\n".join(lines)

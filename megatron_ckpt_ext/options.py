@@ -227,31 +227,19 @@ class CkptOptions:
 
         A key that is absent keeps the config path's historical default (fully_parallel_save
         True, fully_parallel_load True, load_rng False, async_save False, timeout = torch's
-        default). ``extra="ignore"`` skips keys that are not ours (a full megatron_cfg holds many
-        model keys); the default ``"error"`` rejects them, naming the closest valid key.
+        default). ``extra="ignore"`` skips keys that are clearly the host's (a full megatron_cfg
+        holds many model keys) but still rejects one that is a misspelling of ours (another case,
+        dashes, Megatron-LM's name for it, or a near typo), naming the key to write; the default
+        ``"error"`` rejects every key that is not ours, naming the closest valid one.
         """
-        if not isinstance(mapping, Mapping):
-            raise CkptOptionsError(
-                f"checkpoint config must be a mapping of knob names to values, got "
-                f"{type(mapping).__name__}"
-            )
-        if extra not in ("error", "ignore"):
-            raise ValueError(f"extra must be 'error' or 'ignore', got {extra!r}")
-        by_key = {k.key: k for k in knobs()}
-        unknown = [key for key in mapping if key not in by_key]
-        if unknown and extra == "error":
-            raise CkptOptionsError(_unknown_key_message(unknown[0], by_key))
-        values = {k.name: k.config_default for k in by_key.values() if k.config_default is not _SAME}
-        for key, value in mapping.items():
-            if key in by_key:
-                values[by_key[key].name] = value
-        return cls(**values)
+        return _from_mapping(cls, mapping, extra=extra, source=None)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], *, extra: str = "error") -> CkptOptions:
         """From a YAML file: its top-level mapping, or its ``megatron_cfg`` (also under
-        ``policy:``) section when present."""
-        return cls.from_config(_config_section(load_yaml(path), path), extra=extra)
+        ``policy:``) section when present. Errors name the file and the section."""
+        section, where = _config_section(load_yaml(path), path)
+        return _from_mapping(cls, section, extra=extra, source=f"{path}{where}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -300,10 +288,79 @@ def _range_text(knob: Knob) -> str:
     return ""
 
 
-def _unknown_key_message(key: str, by_key: Mapping[str, Knob]) -> str:
-    close = difflib.get_close_matches(str(key), list(by_key), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"unknown checkpoint config key '{key}'{hint} Valid keys: {', '.join(sorted(by_key))}"
+_TYPO_CUTOFF = 0.85  # difflib ratio: no Megatron-LM argument or NeMo-RL megatron_cfg key reaches it
+_LOOSE_CUTOFF = 0.5  # for the hint only, where every unknown key is an error anyway
+
+
+def _from_mapping(cls: type[CkptOptions], mapping: Any, *, extra: str,
+                  source: str | None) -> CkptOptions:
+    if not isinstance(mapping, Mapping):
+        raise CkptOptionsError(_where(source) + "checkpoint config must be a mapping of knob "
+                               f"names to values, got {type(mapping).__name__}")
+    if extra not in ("error", "ignore"):
+        raise ValueError(f"extra must be 'error' or 'ignore', got {extra!r}")
+    by_key = {k.key: k for k in knobs()}
+    for key in mapping:
+        if key not in by_key and (extra == "error" or _misspelt_key(key, by_key) is not None):
+            raise CkptOptionsError(_unknown_key_message(key, by_key, extra=extra, source=source))
+    values = {k.name: k.config_default for k in by_key.values() if k.config_default is not _SAME}
+    for key, value in mapping.items():
+        if key in by_key:
+            values[by_key[key].name] = value
+    try:
+        return cls(**values)
+    except CkptOptionsError as e:
+        if source is None:
+            raise
+        raise CkptOptionsError(f"{_where(source)}{e}") from e
+
+
+def _where(source: str | None) -> str:
+    return f"{source}: " if source else ""
+
+
+def _normalized(key: Any) -> str:
+    return str(key).strip().lstrip("-").lower().replace("-", "_")
+
+
+def _spellings(by_key: Mapping[str, Knob]) -> dict[str, Knob]:
+    """Every spelling that means one of our knobs: its config key, field name, Megatron-LM
+    argparse dest and flag (without ``--``, ``_`` for ``-``)."""
+    spellings: dict[str, Knob] = {}
+    for knob in by_key.values():
+        for name in (knob.key, knob.name, knob.arg_dest, _normalized(knob.flag)):
+            spellings.setdefault(name, knob)
+    return spellings
+
+
+def _misspelt_key(key: Any, by_key: Mapping[str, Knob]) -> Knob | None:
+    """The knob that ``key`` (not one of our keys) is a misspelling of, or None when ``key`` is
+    clearly someone else's."""
+    spellings = _spellings(by_key)
+    norm = _normalized(key)
+    if norm in spellings:
+        return spellings[norm]
+    close = difflib.get_close_matches(norm, list(spellings), n=1, cutoff=_TYPO_CUTOFF)
+    return spellings[close[0]] if close else None
+
+
+def _unknown_key_message(key: Any, by_key: Mapping[str, Knob], *, extra: str = "error",
+                         source: str | None = None) -> str:
+    knob = _misspelt_key(key, by_key)
+    if knob is None:
+        close = difflib.get_close_matches(str(key), list(by_key), n=1, cutoff=_LOOSE_CUTOFF)
+        knob = by_key[close[0]] if close else None
+    hint = ""
+    if knob is not None:
+        hint = f"; did you mean '{knob.key}'?"
+        if knob.negative and _normalized(key) == _normalized(knob.flag):
+            hint += f" ({knob.flag} as a key has the opposite sense: write '{knob.key}: false')"
+    msg = f"{_where(source)}unknown checkpoint config key '{key}'{hint}"
+    if extra == "ignore":
+        return (msg + " extra='ignore' skips keys that belong to the host, but this one is "
+                "another spelling of a checkpoint knob: rename it, or it would be dropped "
+                "silently.")
+    return msg + f" Valid keys: {', '.join(sorted(by_key))}"
 
 
 def load_yaml(path: str | os.PathLike[str]) -> Any:
@@ -322,17 +379,18 @@ def load_yaml(path: str | os.PathLike[str]) -> Any:
         raise CkptOptionsError(f"malformed YAML in {path}{where}: {problem}") from e
 
 
-def _config_section(doc: Any, path: Any) -> Mapping[str, Any]:
+def _config_section(doc: Any, path: Any) -> tuple[Mapping[str, Any], str]:
+    """The mapping that holds the knobs, and where it is (" (policy.megatron_cfg)" or "")."""
     if doc is None:
-        return {}
+        return {}, ""
     if not isinstance(doc, Mapping):
         raise CkptOptionsError(f"{path}: expected a mapping at top level, got {type(doc).__name__}")
     policy = doc.get("policy")
     if isinstance(policy, Mapping) and "megatron_cfg" in policy:
-        return policy["megatron_cfg"] or {}
+        return policy["megatron_cfg"] or {}, " (policy.megatron_cfg)"
     if "megatron_cfg" in doc:
-        return doc["megatron_cfg"] or {}
-    return doc
+        return doc["megatron_cfg"] or {}, " (megatron_cfg)"
+    return doc, ""
 
 
 # -- diagnostic environment switches ------------------------------------------------------------

@@ -9,7 +9,10 @@ Launch with torchrun (gloo on CPU, NCCL on GPU), any number of ranks (data paral
         --ckpt-assume-constant-structure --metrics-file metrics.json
 
 Model + optimizer + RNG + iteration are saved with the Checkpointer; ``--load DIR`` resumes from
-the tracker's iteration (an error if DIR holds no committed checkpoint).
+the tracker's iteration. As in Megatron-LM, a DIR that holds no committed checkpoint (empty or
+missing) gives a warning and training starts from scratch; ``--exit-on-missing-checkpoint`` makes it
+an error. Flags are never abbreviated (``allow_abbrev=False``, as Megatron-LM). The loss and every
+gradient are checked for NaN/Inf each step (``--no-check-for-nan-in-loss-and-grad`` turns it off).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ log = logging.getLogger("pretrain_gpt")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     g = p.add_argument_group("model and training (Megatron spellings)")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -99,6 +102,8 @@ def sharded_state(model, optimizer, iteration: int, options: mcx.CkptOptions) ->
 
 
 def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
+    """The iteration to continue from: the loaded one, or 0 where ``--load`` holds no committed
+    checkpoint (the Checkpointer warned; with --exit-on-missing-checkpoint it raised)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     like = {"model": model.sharded_state_dict(),
             "optimizer": _gpt.optimizer_sharded_state(model, optimizer, rank)}
@@ -108,6 +113,8 @@ def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
         loaded = ckpt.load(like, args.load)
     except FileNotFoundError as e:
         raise SystemExit(f"--load {args.load}: {e}") from None
+    if loaded is None:
+        return 0
     model.load_state_dict(loaded["model"], strict=False)
     for name, p in model.named_parameters():
         st = optimizer.state[p]
@@ -119,7 +126,32 @@ def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
     return int(loaded["iteration"])
 
 
-def train_step(model, optimizer, args, iteration: int, device) -> float:
+NAN_CHECK_FLAG = "--no-check-for-nan-in-loss-and-grad"
+
+
+def check_finite(loss: torch.Tensor, model: torch.nn.Module, iteration: int) -> None:
+    """Raise FloatingPointError, naming the iteration, when the loss or a gradient holds NaN/Inf.
+
+    Called on the data-parallel averages, so every rank reaches the same verdict and raises at
+    the same step (none is left waiting in a collective). One device sync per step: the norms
+    are summed first and the culprit is looked for only on failure.
+    """
+    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for _, g in grads]
+    total = loss.float() + (torch.stack(norms).sum() if norms else 0.0)
+    if bool(torch.isfinite(total)):
+        return
+    if not bool(torch.isfinite(loss)):
+        what = f"the loss is {loss.item()}"
+    else:
+        name = next(n for n, g in grads if not bool(torch.isfinite(g).all()))
+        what = f"the gradient of {name} holds NaN/Inf"
+    raise FloatingPointError(
+        f"iteration {iteration}: {what}; stopped before the optimizer step. Lower --lr or check "
+        f"the data; {NAN_CHECK_FLAG} turns this check off.")
+
+
+def train_step(model, optimizer, args, options: mcx.CkptOptions, iteration: int, device) -> float:
     tokens, position_ids, labels = _gpt.batch(args, iteration, dist.get_rank(), device)
     optimizer.zero_grad(set_to_none=True)
     loss = model(tokens, position_ids, None, labels=labels).float().mean()
@@ -129,16 +161,22 @@ def train_step(model, optimizer, args, iteration: int, device) -> float:
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad.div_(world)
-    optimizer.step()
     reduced = loss.detach().clone()
     dist.all_reduce(reduced)
-    return (reduced / world).item()
+    reduced /= world
+    if options.check_for_nan_in_grad:
+        check_finite(reduced, model, iteration)
+    optimizer.step()
+    return reduced.item()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    options = (mcx.CkptOptions.from_yaml(args.ckpt_config, extra="ignore") if args.ckpt_config
-               else mcx.CkptOptions.from_args(args))
+    try:  # a bad knob, key or file: its message names it and the fix; no traceback
+        options = (mcx.CkptOptions.from_yaml(args.ckpt_config, extra="ignore") if args.ckpt_config
+                   else mcx.CkptOptions.from_args(args))
+    except mcx.CkptOptionsError as e:
+        raise SystemExit(f"error: {e}") from None
     logging.basicConfig(level=options.logging_level or logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
@@ -152,20 +190,24 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     # Built before the model, so its writer process starts while the model is being built.
-    checkpointer = mcx.Checkpointer(options)
+    # An unwritable --save fails here, at start-up, not at the first save.
+    try:
+        checkpointer = mcx.Checkpointer(options, save_dir=args.save)
+    except mcx.CkptOptionsError as e:
+        raise SystemExit(f"error: {e}") from None
     model = _gpt.build_model(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     _gpt.init_optimizer_state(model, optimizer)
     losses: dict[str, str] = {}
     with checkpointer as ckpt:
         start = load(ckpt, model, optimizer, args, options) if args.load else 0
-        if args.load:
+        if start:
             log.info("resumed from %s at iteration %d", args.load, start)
         if args.save and args.save_interval:  # staging buffers allocated now, in the background
             ckpt.prepare(sharded_state(model, optimizer, start, options))
         for iteration in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, args, iteration, device)
+            loss = train_step(model, optimizer, args, options, iteration, device)
             losses[str(iteration)] = float(loss).hex()
             ckpt.maybe_finalize()
             if args.save_interval and iteration % args.save_interval == 0:

@@ -7,6 +7,10 @@
 ``ckpt-resume``: train 2N steps saving at N (and 2N); a fresh run loads the step-N checkpoint
 through the tracker and trains to 2N; losses N+1..2N and the final parameters must be
 bit-identical. Prints a pass/fail table and the per-save report; exits 1 on failure.
+
+A run that fails prints the failed rank's own error (its traceback, not torchrun's summary) and
+keeps the run directory, with the log it names; a passing run's directory is removed unless
+``--keep`` or ``--run-dir`` is given.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -74,8 +79,12 @@ def train(recipe: dict, run_dir: Path, name: str, iters: int, *, save: Path, sav
           load: Path | None = None) -> dict:
     """One torchrun of scripts/pretrain_gpt.py; returns its metrics JSON."""
     metrics = run_dir / f"{name}.json"
+    # --tee 3: every rank's lines reach the log prefixed "[default<rank>]:", so a failed rank's
+    # own traceback can be told apart from torchrun's summary (--log-dir keeps torchrun's copies
+    # in the run directory instead of a temporary one).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(recipe.get("nproc", 2)),
-           "--master-port", str(_port()), str(ROOT / "scripts" / "pretrain_gpt.py"),
+           "--master-port", str(_port()), "--tee", "3", "--log-dir", str(run_dir / f"{name}_ranks"),
+           str(ROOT / "scripts" / "pretrain_gpt.py"),
            "--train-iters", str(iters), "--save", str(save), "--save-interval", str(save_interval),
            "--metrics-file", str(metrics)]
     for key, value in (recipe.get("model") or {}).items():
@@ -90,13 +99,46 @@ def train(recipe: dict, run_dir: Path, name: str, iters: int, *, save: Path, sav
         cmd += ["--load", str(load)]
     log = run_dir / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                              timeout=int(recipe.get("timeout_s", 600)))
+    timeout = int(recipe.get("timeout_s", 600))
+    try:
+        with open(log, "w") as fh:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                  timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"run {name!r} timed out after {timeout} s (recipe key timeout_s); "
+                           f"{rank_error(log.read_text())}\nfull log: {log}") from None
     if proc.returncode != 0 or not metrics.exists():
-        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
-        raise RuntimeError(f"run {name!r} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+        raise RuntimeError(f"run {name!r} failed (exit {proc.returncode}); "
+                           f"{rank_error(log.read_text())}\nfull log: {log}")
     return json.loads(metrics.read_text())
+
+
+_RANK_LINE = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: )?(.*)$")  # torch's excepthook adds [rankN]
+_ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank: (\d+)", re.S)
+
+
+def rank_error(text: str, *, max_lines: int = 30) -> str:
+    """The real error in a torchrun log written with ``--tee 3``: the last traceback of the rank
+    torchrun names as the root cause (else of any rank), headed by its exception line; a rank
+    that died without a traceback shows its last lines; else the log's last lines."""
+    ranks: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = _RANK_LINE.match(line)
+        if m:
+            ranks.setdefault(int(m.group(1)), []).append(m.group(2))
+    root = _ROOT_CAUSE.search(text)
+    order = ([int(root.group(1))] if root else []) + sorted(ranks)
+    for rank in order:
+        lines = ranks.get(rank, [])
+        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+        if starts:
+            block = lines[starts[-1]:]
+            error = next((line for line in block[1:] if line and not line.startswith(" ")), block[-1])
+            return f"rank {rank}: {error}\n" + "\n".join(block[-max_lines:])
+    if root and ranks.get(int(root.group(1))):
+        rank = int(root.group(1))
+        return f"rank {rank} exited; its last lines:\n" + "\n".join(ranks[rank][-10:])
+    return "last lines of the log:\n" + "\n".join(text.splitlines()[-25:])
 
 
 def losses(metrics: dict) -> list[float]:
@@ -163,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"recipe_{recipe.get('name', 'x')}_"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    ok = False
     try:
         runner = run_regular if recipe["test_type"] == "regular" else run_ckpt_resume
         checks = runner(recipe, run_dir)
@@ -171,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'PASSED' if ok else 'FAILED'}: {recipe.get('name')}  (run dir {run_dir})")
         return 0 if ok else 1
     except (RuntimeError, subprocess.TimeoutExpired) as e:
-        print(f"FAILED: {e}", file=sys.stderr)
+        print(f"FAILED: {e}\n(run dir {run_dir} kept)", file=sys.stderr)
         return 1
     finally:
-        if not args.keep and not args.run_dir:
+        if ok and not args.keep and not args.run_dir:  # a failed run keeps its logs
             shutil.rmtree(run_dir, ignore_errors=True)
 
 

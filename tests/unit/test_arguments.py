@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ FROZEN_FLAGS = [
     "--async-save", "--async-ckpt-use-cpu-shm", "--dist-ckpt-workers",
     "--ckpt-assume-constant-structure", "--use-persistent-ckpt-worker", "--ckpt-overlap-snapshot",
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--no-save-rng",
-    "--no-load-rng", "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
+    "--no-load-rng", "--exit-on-missing-checkpoint", "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
     "--async-ckpt-io-priority", "--ckpt-timeout",
 ]
@@ -144,3 +146,69 @@ def test_absent_dest_keeps_default_and_host_none_means_unset():
     ns = argparse.Namespace(async_save=None, logging_level=None)  # a host without most of our flags
     opts = CkptOptions.from_args(ns)
     assert opts.async_save is False and opts.distributed_timeout_minutes == 10
+
+
+# -- scripts/pretrain_gpt.py: its parser (no abbreviations) and the NaN check its flag governs ------
+def _pretrain_gpt():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_gpt.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("abbrev", [["--async-sav"], ["--train-iter", "2"], ["--save-int", "1"],
+                                    ["--ckpt-time", "5"], ["--no-check-for-nan"]])
+def test_pretrain_gpt_rejects_abbreviated_flags(abbrev, capsys):
+    with pytest.raises(SystemExit) as e:
+        _pretrain_gpt().parse_args(["--train-iters", "2", *abbrev])
+    assert e.value.code == 2 and f"unrecognized arguments: {abbrev[0]}" in capsys.readouterr().err
+
+
+def test_pretrain_gpt_full_flags_still_parse():
+    ns = _pretrain_gpt().parse_args(["--train-iters", "2", "--async-save", "--ckpt-timeout", "5",
+                                     "--no-check-for-nan-in-loss-and-grad", "--exit-on-missing-checkpoint"])
+    opts = CkptOptions.from_args(ns)
+    assert (opts.async_save, opts.ckpt_timeout, opts.check_for_nan_in_grad,
+            opts.exit_on_missing_checkpoint) == (True, 5, False, True)
+
+
+def test_pretrain_gpt_ckpt_config_typo_stops_naming_file_and_key(tmp_path):
+    cfg = tmp_path / "nemo.yaml"
+    cfg.write_text("policy:\n  megatron_cfg:\n    tensor_model_parallel_size: 1\n    Async-Save: true\n")
+    with pytest.raises(SystemExit) as e:
+        _pretrain_gpt().main(["--train-iters", "1", "--ckpt-config", str(cfg)])
+    assert str(e.value).startswith(f"error: {cfg} (policy.megatron_cfg): unknown checkpoint config key "
+                                   "'Async-Save'; did you mean 'async_save'?")
+
+
+def _model_with_grads(bad: float | None = None):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model(torch.ones(1, 3)).sum().backward()
+    if bad is not None:
+        model[1].weight.grad[0, 1] = bad
+    return model
+
+
+def test_nan_check_passes_finite_loss_and_gradients():
+    import torch
+
+    _pretrain_gpt().check_finite(torch.tensor(2.5), _model_with_grads(), iteration=7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_check_names_iteration_parameter_and_flag(bad):
+    import torch
+
+    with pytest.raises(FloatingPointError, match=r"iteration 7: the gradient of 1\.weight holds NaN/Inf.*"
+                       r"--no-check-for-nan-in-loss-and-grad turns this check off"):
+        _pretrain_gpt().check_finite(torch.tensor(2.5), _model_with_grads(bad), iteration=7)
+
+
+def test_nan_check_names_a_non_finite_loss():
+    import torch
+
+    with pytest.raises(FloatingPointError, match=r"iteration 3: the loss is nan"):
+        _pretrain_gpt().check_finite(torch.tensor(float("nan")), _model_with_grads(), iteration=3)

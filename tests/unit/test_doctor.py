@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
+import megatron_ckpt_ext
 from megatron_ckpt_ext import backend, doctor
 from megatron_ckpt_ext.__main__ import main
 
@@ -61,3 +64,61 @@ def test_unusable_mcore_row_carries_the_reason():
                                mcore_error="upgrade nvidia-resiliency-ext to >= 0.6.0")
     row = _row(caps, "mcore_dist_ckpt")
     assert row.status == "missing" and "0.6.0" in row.detail
+
+
+def _full(**overrides):
+    """Capabilities of a backend where the whole async path is available (nvrx >= 0.7 on CUDA)."""
+    whole = dict(mcore_dist_ckpt_importable=True, async_provider="nvrx", nvrx_version="0.7.0",
+                 queue_persistent=True, queue_cpu_shm_mode=True, cuda_available=True)
+    return dataclasses.replace(backend.detect(), **{**whole, **overrides})
+
+
+def test_text_report_ends_with_the_one_line_verdict(capsys):
+    assert main(["doctor"]) == 0
+    last = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
+    assert last == doctor.verdict(backend.detect()) and last.startswith("verdict: ")
+
+
+def test_json_report_carries_the_verdict(capsys):
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == doctor.verdict(backend.detect())
+
+
+def test_verdict_ok_when_the_async_path_is_whole():
+    assert doctor.verdict(_full()) == "verdict: OK - async cpu-shm saves with a persistent worker available"
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ({"async_provider": "sync"}, "--async-save saves synchronously"),
+    ({"async_provider": "mcore", "nvrx_version": None}, "--async-save uses megatron-core's async path"),
+    ({"queue_persistent": False}, "--use-persistent-ckpt-worker starts a fresh writer process per save"),
+    ({"queue_cpu_shm_mode": False, "nvrx_version": "0.4.1"},
+     "with --async-ckpt-use-cpu-shm the writer still initialises CUDA"),
+])
+def test_verdict_names_what_falls_back(overrides, says):
+    line = doctor.verdict(_full(**overrides))
+    assert line.startswith("verdict: OK with fallbacks - ") and says in line and "\n" not in line
+
+
+def test_verdict_says_not_usable_without_dist_checkpointing():
+    line = doctor.verdict(_full(mcore_dist_ckpt_importable=False, mcore_error="needs nvrx >= 0.6.0"))
+    assert line == ("verdict: NOT USABLE - megatron-core dist_checkpointing cannot be imported: "
+                    "needs nvrx >= 0.6.0")
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_doctor_agrees_with_the_readme_the_worker_starts_at_construction(warmup):
+    # README: the Checkpointer "starts the writer now, not in save 1" (a warm-up request where
+    # nvrx has no warmup_persistent_caller).
+    for row in doctor.rows(_full(warmup_persistent_caller=warmup)):
+        assert "first save" not in row.detail, row
+    row = _row(_full(warmup_persistent_caller=False), "warmup_persistent_caller")
+    assert "starts the persistent worker when the Checkpointer is built" in row.detail
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["doctor", "--version"]])
+def test_version_prints_the_package_version(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megatron-ckpt-ext {megatron_ckpt_ext.__version__}"

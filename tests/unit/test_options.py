@@ -12,7 +12,7 @@ CLI_DEFAULTS = dict(
     async_save=False, async_ckpt_use_cpu_shm=False, dist_ckpt_workers=1,
     ckpt_assume_constant_structure=False, use_persistent_ckpt_worker=False, ckpt_overlap_snapshot=False,
     ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, save_rng=True, load_rng=True,
-    distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
+    exit_on_missing_checkpoint=False, distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
     ckpt_timeout=1800,
 )
@@ -73,6 +73,145 @@ def test_unknown_config_key_names_it_and_the_closest_valid_one():
 def test_unknown_keys_can_be_ignored_for_a_full_megatron_cfg():
     opts = CkptOptions.from_config({"tensor_model_parallel_size": 2, "async_save": True}, extra="ignore")
     assert opts.async_save is True
+
+
+@pytest.mark.parametrize("typo,ours", [
+    ("async_sav", "async_save"), ("asyncsave", "async_save"), ("async-save", "async_save"),
+    ("Async_Save", "async_save"), ("ASYNC-SAVE", "async_save"), ("fully_paralel_save", "fully_parallel_save"),
+    ("load_rgn", "load_rng"), ("ckpt_timout", "ckpt_timeout"), ("dist-ckpt-workers", "dist_ckpt_workers"),
+    ("async_ckpt_use_shm", "async_ckpt_use_cpu_shm"), ("distributed_timeout_minute", "distributed_timeout_minutes"),
+    ("use_persistent_ckpt_workers", "use_persistent_ckpt_worker"),
+    ("exit_on_missing_ckpt", "exit_on_missing_checkpoint"),
+])
+def test_ignore_still_rejects_a_misspelt_knob_naming_ours(typo, ours):
+    with pytest.raises(CkptOptionsError, match=rf"unknown checkpoint config key '{typo}'; did you mean '{ours}'\?"):
+        CkptOptions.from_config({typo: True, "tensor_model_parallel_size": 1}, extra="ignore")
+
+
+# Megatron-LM's argument names for our knobs: a user copying them into a megatron_cfg gets our key
+# instead of a silently dropped setting (we do not accept a second spelling).
+@pytest.mark.parametrize("megatron_name,ours", [
+    ("ckpt_fully_parallel_save", "fully_parallel_save"), ("ckpt_fully_parallel_load", "fully_parallel_load"),
+    ("check_for_nan_in_loss_and_grad", "check_for_nan_in_grad"),
+])
+def test_megatron_lm_argument_names_are_rejected_naming_our_key(megatron_name, ours):
+    with pytest.raises(CkptOptionsError, match=rf"'{megatron_name}'; did you mean '{ours}'\?"):
+        CkptOptions.from_config({megatron_name: False}, extra="ignore")
+
+
+def test_negative_flag_as_a_key_says_the_sense_is_opposite():
+    with pytest.raises(CkptOptionsError, match=r"did you mean 'load_rng'\? \(--no-load-rng as a key has "
+                       r"the opposite sense: write 'load_rng: false'\)"):
+        CkptOptions.from_config({"no_load_rng": True}, extra="ignore")
+
+
+# policy.megatron_cfg of NVIDIA-NeMo/RL examples/configs/grpo_math_1B_megatron.yaml (commit 00294d9),
+# with the keys grpo_math_1B.yaml adds (defer_fp32_logits, fp8_cfg, env_vars) and the later
+# MegatronConfig fields of nemo_rl/models/policy (bias_activation_fusion ... peft).
+NEMO_RL_MEGATRON_CFG = """
+policy:
+  precision: "bfloat16"
+  megatron_cfg:
+    enabled: true
+    empty_unused_memory_level: 0
+    activation_checkpointing: false
+    converter_type: "Qwen2ForCausalLM"
+    tensor_model_parallel_size: 1
+    expert_tensor_parallel_size: 1
+    expert_model_parallel_size: 1
+    pipeline_model_parallel_size: 1
+    num_layers_in_first_pipeline_stage: null
+    num_layers_in_last_pipeline_stage: null
+    context_parallel_size: 1
+    pipeline_dtype: ${policy.precision}
+    sequence_parallel: false
+    freeze_moe_router: true
+    moe_router_dtype: "fp64"
+    moe_router_load_balancing_type: "none"
+    moe_router_bias_update_rate: 0.0
+    moe_permute_fusion: false
+    apply_rope_fusion: True
+    defer_fp32_logits: null
+    bias_activation_fusion: True
+    force_overwrite_initial_ckpt: false
+    moe_per_layer_logging: false
+    moe_enable_deepep: false
+    moe_token_dispatcher_type: "allgather"
+    moe_shared_expert_overlap: false
+    gradient_accumulation_fusion: false
+    peft: {enabled: false}
+    optimizer:
+      optimizer: "adam"
+      lr: 5.0e-6
+      min_lr: 5.0e-7
+      weight_decay: 0.01
+      bf16: true
+      fp16: false
+      params_dtype: "float32"
+      adam_beta1: 0.9
+      adam_beta2: 0.999
+      adam_eps: 1e-8
+      sgd_momentum: 0.9
+      use_distributed_optimizer: true
+      use_precision_aware_optimizer: true
+      clip_grad: 1.0
+    scheduler:
+      start_weight_decay: 0.01
+      end_weight_decay: 0.01
+      weight_decay_incr_style: "constant"
+      lr_decay_style: "constant"
+      lr_decay_iters: 1000
+      lr_warmup_iters: 13
+      lr_warmup_init: 5.0e-7
+    distributed_data_parallel_config:
+      grad_reduce_in_fp32: false
+      overlap_grad_reduce: true
+      overlap_param_gather: true
+      average_in_collective: true
+      use_custom_fsdp: false
+      data_parallel_sharding_strategy: "optim_grads_params"
+    fp8_cfg: null
+    env_vars: null
+    async_save: true
+    load_rng: true
+"""
+
+
+def test_a_real_nemo_rl_megatron_cfg_loads_with_ignore(tmp_path):
+    cfg = tmp_path / "grpo_math_1B_megatron.yaml"
+    cfg.write_text(NEMO_RL_MEGATRON_CFG)
+    opts = CkptOptions.from_yaml(cfg, extra="ignore")
+    assert (opts.async_save, opts.load_rng, opts.ckpt_fully_parallel_load) == (True, True, True)
+
+
+# The Megatron-LM 0.19 arguments and config fields most similar to our keys (difflib ratio 0.70-0.82
+# against some spelling of ours; measured over its ~975 names): a Megatron-style config that holds
+# them must load. A looser typo cutoff would reject them.
+MEGATRON_LM_NEIGHBOURS = [
+    "async_strategy", "calc_ft_timeouts", "check_for_large_grads", "check_for_nan_in_loss",
+    "ckpt_fully_parallel_load_exchange_algo", "ckpt_fully_parallel_load_process_group",
+    "ckpt_fully_parallel_save_deprecated", "ckpt_fully_parallel_save_process_group",
+    "dist_ckpt_format", "dist_ckpt_strictness", "distributed_timeout_seconds_after_init",
+    "non_persistent_ckpt_type", "num_distributed_optimizer_instances", "ckpt_format",
+    "use_dist_ckpt", "save_interval", "save", "load", "log_level",
+]
+
+
+def test_host_keys_close_to_ours_are_still_ignored():
+    opts = CkptOptions.from_config({**{k: 1 for k in MEGATRON_LM_NEIGHBOURS}, "async_save": True},
+                                   extra="ignore")
+    assert opts.async_save is True
+
+
+def test_yaml_errors_name_the_file_and_section(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(NEMO_RL_MEGATRON_CFG.replace("async_save: true", "async-save: true"))
+    with pytest.raises(CkptOptionsError, match=r"run\.yaml \(policy\.megatron_cfg\): unknown checkpoint "
+                       r"config key 'async-save'; did you mean 'async_save'\?"):
+        CkptOptions.from_yaml(cfg, extra="ignore")
+    cfg.write_text("megatron_cfg:\n  dist_ckpt_workers: 0\n")
+    with pytest.raises(CkptOptionsError, match=r"run\.yaml \(megatron_cfg\): --dist-ckpt-workers .* >= 1, got 0"):
+        CkptOptions.from_yaml(cfg)
 
 
 @pytest.mark.parametrize("key,value,expected", [
