@@ -728,6 +728,23 @@ def plain_tensors(sharded_state_dict: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def common_state_present(checkpoint_dir: str | Path) -> bool:
+    """Whether a megatron-core checkpoint holds its common (rank 0, non-sharded) state: the
+    ``common.pt`` of megatron-core <= 0.16, or the ``common_state`` object that 0.19 keeps inside
+    the torch_dist files (named in their ``.metadata``). Without it megatron-core's load fails
+    with an AttributeError that names neither."""
+    path = Path(checkpoint_dir)
+    if (path / "common.pt").exists():
+        return True
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, RuntimeError, ValueError):
+        return False
+    return any(str(k).split("/", 1)[0] == "common_state" for k in keys)
+
+
 def _map_in_place(node: Any, cls: type, fn: Callable[[Any], Any]) -> None:
     if isinstance(node, dict):
         items = list(node.items())

@@ -765,10 +765,11 @@ class Checkpointer:
         path = checkpoint_name(root, iteration)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
-        if not (path / "common.pt").exists():
+        if not backend.common_state_present(path):
             raise FileNotFoundError(
-                f"checkpoint {path} has no common.pt (megatron-core's common state, written by "
-                "rank 0): the copy is incomplete or damaged. Load another iteration "
+                f"checkpoint {path} has no common state: neither common.pt (megatron-core "
+                "<= 0.16) nor a 'common_state' entry in its .metadata (0.19), both written by "
+                "rank 0. The copy is incomplete or damaged: load another iteration "
                 "(load(iteration=N)) or restore the file.")
         load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
         return backend.dist_checkpointing().load(sharded_state_dict, str(path), load_strategy)

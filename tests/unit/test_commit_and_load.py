@@ -161,6 +161,21 @@ def test_missing_common_pt_is_named(tmp_path):
     assert "common.pt" in str(e.value) and str(it) in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["common_state", "model.weight"])
+def test_common_state_inside_the_torch_dist_files_counts(tmp_path, key):
+    """megatron-core 0.19 writes no common.pt: its common state is a 'common_state' entry of the
+    torch_dist files. Such a checkpoint is whole; one with neither is not."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_ckpt_ext import backend
+
+    dcp.save({key: torch.zeros(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert backend.common_state_present(tmp_path) is (key == "common_state")
+    (tmp_path / "common.pt").write_bytes(b"")
+    assert backend.common_state_present(tmp_path)
+
+
 # -- knobs the Checkpointer reads --------------------------------------------------------------------
 def test_logging_level_sets_the_plugin_and_megatron_loggers():
     names = ("megatron_ckpt_ext", "megatron")
