@@ -88,7 +88,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=options.distributed_timeout())
     rank, device = dist.get_rank(), torch.device("cuda" if cuda else "cpu")
 
     torch.manual_seed(0)  # the same initial model on every rank

@@ -38,7 +38,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -665,19 +664,20 @@ class Checkpointer:
         """Wait for one of our collectives, at most ``--distributed-timeout-minutes`` when set
         (else the process group's own timeout). Every caller reads the result on the host next,
         so the bounded wait adds no synchronisation."""
-        minutes = self.options.distributed_timeout_minutes
-        if minutes is None:
+        timeout = self.options.distributed_timeout()
+        if timeout is None:
             work.wait()
             return
         try:
-            work.wait(timeout=timedelta(minutes=minutes))
+            work.wait(timeout=timeout)
         except RuntimeError as e:
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise  # a peer that crashed: the backend's own message says so
             raise CheckpointWriteError(
-                f"a checkpoint collective did not complete within --distributed-timeout-minutes "
-                f"{minutes} (config key 'distributed_timeout_minutes'): some rank stopped "
-                f"calling save()/maybe_finalize() ({e}).") from e
+                "a checkpoint collective did not complete within --distributed-timeout-minutes "
+                f"{self.options.distributed_timeout_minutes} (config key "
+                "'distributed_timeout_minutes'): some rank stopped calling save() or "
+                f"maybe_finalize() ({e}).") from e
 
     def _collective_device(self) -> torch.device:
         """Where this group's small collectives run: the current CUDA device for NCCL (only an

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
 __all__ = ["ENV_SWITCHES", "CkptOptions", "CkptOptionsError", "EnvSwitch", "Knob", "env_switch",
@@ -243,6 +244,12 @@ class CkptOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def distributed_timeout(self) -> timedelta | None:
+        """``--distributed-timeout-minutes`` as a timedelta (None: the backend's default), for
+        ``init_process_group(timeout=...)`` and the plugin's own collectives."""
+        minutes = self.distributed_timeout_minutes
+        return None if minutes is None else timedelta(minutes=minutes)
 
 
 _DESTS_ATTR = "_megatron_ckpt_ext_dests"

@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -79,8 +78,7 @@ def init_distributed(options: mcx.CkptOptions) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = (timedelta(minutes=options.distributed_timeout_minutes)
-               if options.distributed_timeout_minutes else None)
+    timeout = options.distributed_timeout()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     from megatron.core import parallel_state
 
