@@ -6,6 +6,7 @@ unset, the detected version picks the expectation (and an unknown one skips: no 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,19 +20,86 @@ from megatron_ckpt_ext import backend, doctor
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What each real nvrx release offers (checked against its code, not its version string).
+# Every field backend.detect() reports, per backend, read from each release's own source (not
+# from its version string, not from a run of detect()): a detection that changes fails here in
+# the matrix pass of that backend, and docs/COMPAT.md is only regenerated after this table agrees.
+# Environment facts, not backend capabilities: left out.
+ENVIRONMENT = frozenset({"python_version", "torch_version", "cuda_available", "mcore_version",
+                         "nvrx_version", "nvrx_error", "mcore_error"})
+# Per nvrx pass ("none": nvrx hidden, megatron-core's own async_utils / filesystem_async provide
+# the queue and the writer). Sources: nvidia_resiliency_ext/checkpointing/async_ckpt/{core,
+# filesystem_async}.py of each release (0.4.1 installed, 0.7.0 unpacked by .ci/compat_matrix.sh),
+# megatron/core/dist_checkpointing/strategies/{async_utils,filesystem_async}.py of 0.16.1.
 EXPECTED: dict[str, dict[str, object]] = {
-    "0.4.1": dict(async_provider="nvrx", nvrx_importable=True, queue_persistent=True,
-                  queue_cpu_shm_mode=False, queue_priorities=False, warmup_persistent_caller=False,
-                  writer_use_cpu_shm=False, writer_use_msc=True, writer_multiproc_io=False,
-                  write_results_queue_mp_mode=False, worker_needs_cuda=False),
-    "0.7.0": dict(async_provider="nvrx", nvrx_importable=True, queue_persistent=True,
-                  queue_cpu_shm_mode=True, queue_priorities=True, warmup_persistent_caller=True,
-                  warmup_cpu_shm_mode=True, writer_use_cpu_shm=True, writer_cached_structure=True,
-                  writer_multiproc_io=True, write_results_queue_mp_mode=True,
-                  worker_needs_cuda=True, worker_cpu_shm_skips_cuda=True),
-    "none": dict(async_provider="mcore", nvrx_importable=False, nvrx_version=None,
-                 queue_persistent=True, queue_cpu_shm_mode=False, worker_needs_cuda=True),
+    "0.4.1": dict(
+        async_provider="nvrx", nvrx_importable=True,
+        queue_persistent=True, queue_cpu_shm_mode=False, queue_priorities=False,
+        # AsyncCallsQueue has no warmup_persistent_caller: the worker starts at the first request
+        warmup_persistent_caller=False, warmup_cpu_shm_mode=False,
+        # FileSystemWriterAsync.__init__(path, *args, separation_hint=None, **kwargs) pops only
+        # use_msc and forwards the rest to torch's FileSystemWriter
+        writer_use_cpu_shm=False, writer_cached_structure=False, writer_multiproc_io=False,
+        writer_use_msc=True,
+        write_results_queue_mp_mode=False,  # _get_write_results_queue() takes no argument
+        # PersistentAsyncCaller.async_loop never calls torch.cuda.set_device (no CUDA at start) ...
+        worker_needs_cuda=False,
+        # ... and neither it nor the queue takes a cpu_shm_mode: nothing to skip. This decides
+        # fork vs spawn of the persistent worker (Checkpointer._make_queue ->
+        # backend.persistent_worker_forks): False keeps spawn once CUDA is initialised.
+        worker_cpu_shm_skips_cuda=False,
+        # AsyncCaller.sync_all_async_calls: torch.tensor(..., device=torch.cuda.current_device())
+        queue_sync_needs_cuda=True,
+    ),
+    "0.7.0": dict(
+        async_provider="nvrx", nvrx_importable=True,
+        # AsyncCallsQueue.__init__(persistent, is_daemon, cpu_priority, io_priority,
+        # sigterm_timeout, cpu_shm_mode) behind an ObjectTracker metaclass
+        queue_persistent=True, queue_cpu_shm_mode=True, queue_priorities=True,
+        # AsyncCallsQueue.warmup_persistent_caller(cls, rank, ..., cpu_shm_mode=False)
+        warmup_persistent_caller=True, warmup_cpu_shm_mode=True,
+        writer_use_cpu_shm=True, writer_cached_structure=True, writer_multiproc_io=True,
+        writer_use_msc=True,
+        write_results_queue_mp_mode=True,  # get_write_results_queue(mp_mode='spawn')
+        # PersistentAsyncCaller.async_process_target: `if not cpu_shm_mode:` ...
+        # torch.cuda.set_device(rank % torch.cuda.device_count()); torch.empty(1, device=cuda)
+        worker_needs_cuda=True,
+        # the same `if not cpu_shm_mode:`: with cpu_shm_mode=True the worker never touches CUDA,
+        # so it is forked even after the trainer initialised CUDA (persistent_worker_forks)
+        worker_cpu_shm_skips_cuda=True,
+        # AsyncCaller.sync_all_async_calls: unchanged, on torch.cuda.current_device()
+        queue_sync_needs_cuda=True,
+    ),
+    "none": dict(
+        async_provider="mcore", nvrx_importable=False,
+        # megatron-core 0.16.1 async_utils.AsyncCallsQueue.__init__(self, persistent=False)
+        queue_persistent=True, queue_cpu_shm_mode=False, queue_priorities=False,
+        warmup_persistent_caller=False, warmup_cpu_shm_mode=False,
+        # filesystem_async.FileSystemWriterAsync.__init__(path, *args, separation_hint=None,
+        # use_msc=False, **kwargs) forwards the rest to torch's FileSystemWriter;
+        # _get_write_results_queue() takes no argument
+        writer_use_cpu_shm=False, writer_cached_structure=False, writer_multiproc_io=False,
+        writer_use_msc=True, write_results_queue_mp_mode=False,
+        # PersistentAsyncCaller.async_loop: torch.cuda.set_device(rank % device_count()), always
+        worker_needs_cuda=True,
+        # no cpu_shm_mode anywhere in async_utils: never skipped, never forked after CUDA init
+        worker_cpu_shm_skips_cuda=False,
+        queue_sync_needs_cuda=True,  # AsyncCaller.sync_all_async_calls on current_device()
+    ),
+}
+# Per megatron-core release (the same in every nvrx pass; constraints/ci-py311.txt pins 0.16.1).
+MCORE_EXPECTED: dict[str, dict[str, object]] = {
+    "0.16.1": dict(
+        mcore_dist_ckpt_importable=True, mcore_async_utils=True,
+        # strategies/torch.py TorchDistSaveShardedStrategy.__init__(..., thread_count=2,
+        # cached_metadata=False, ...): no cpu_shm_mode
+        strategy_thread_count=True, strategy_cached_metadata=True, strategy_cpu_shm_mode=False,
+        # strategies/torch.py: `from .async_utils import AsyncRequest`: megatron-core's own class,
+        # so with nvrx as the provider every request is converted (backend.adapt_async_request)
+        strategy_request_provider="mcore",
+        # the wheel ships no megatron/training and its megatron_fsdp has no experimental
+        # fully_shard (distributed/fsdp/src/megatron_fsdp/fully_shard.py only)
+        megatron_training=False, fsdp_symm_mem=False,
+    ),
 }
 
 
@@ -52,12 +120,67 @@ def _env(*prepend: Path) -> dict[str, str]:
     return env
 
 
-def test_detected_features_match_the_installed_release():
+def _mcore_expected() -> dict[str, object]:
+    version = backend.detect().mcore_version
+    if version not in MCORE_EXPECTED:
+        if os.environ.get("MCE_EXPECT_NVRX"):  # the matrix runs the pinned megatron-core
+            pytest.fail(f"megatron-core {version} here; the matrix expects one of "
+                        f"{sorted(MCORE_EXPECTED)} (constraints/ci-py311.txt)")
+        pytest.skip(f"no expectations recorded for megatron-core {version}")
+    return MCORE_EXPECTED[version]
+
+
+def _mismatches(expected: dict[str, object]) -> dict[str, str]:
     caps = backend.detect()
-    expected = EXPECTED[_key()]
-    got = {name: getattr(caps, name) for name in expected}
-    assert got == expected
+    return {name: f"detected {getattr(caps, name)!r}, the release's source says {want!r}"
+            for name, want in expected.items() if getattr(caps, name) != want}
+
+
+def test_every_detected_field_has_an_expectation_per_backend():
+    # A field added to Capabilities without a value read from each release fails here.
+    fields = {f.name for f in dataclasses.fields(backend.Capabilities)}
+    for key, expected in EXPECTED.items():
+        for version, mcore in MCORE_EXPECTED.items():
+            assert not set(expected) & set(mcore)
+            unpinned = fields - ENVIRONMENT - set(expected) - set(mcore)
+            assert not unpinned, f"no expected value for {sorted(unpinned)} (nvrx {key}, mcore {version})"
+            assert not (set(expected) | set(mcore)) - fields
+
+
+def test_detected_features_match_the_installed_release():
+    key = _key()
+    wrong = _mismatches(EXPECTED[key])
+    assert not wrong, (
+        f"backend.detect() disagrees with nvrx {key}'s source: {wrong}. Re-read that release's "
+        "source (see the comments of EXPECTED) before changing the expectation; do not regenerate "
+        "docs/COMPAT.md to make a detection change pass.")
+
+
+def test_detected_features_match_the_installed_megatron_core():
+    _key()
+    caps = backend.detect()
     assert caps.mcore_dist_ckpt_importable, caps.mcore_error
+    wrong = _mismatches(_mcore_expected())
+    assert not wrong, f"backend.detect() disagrees with megatron-core {caps.mcore_version}'s source: {wrong}"
+
+
+def test_worker_start_method_follows_the_release(monkeypatch):
+    # worker_cpu_shm_skips_cuda decides fork vs spawn of the persistent worker on a CUDA host
+    # (Checkpointer._make_queue passes it as cpu_shm_mode to persistent_worker_forks): only nvrx
+    # 0.7's worker, started with cpu_shm_mode=True, keeps CUDA out, so only it may be forked
+    # after the trainer initialised CUDA. Simulated CUDA host, real queue of the real provider.
+    import torch
+
+    key = _key()
+    caps = backend.detect()
+    queue = backend.new_async_calls_queue(persistent=True)
+    module = sys.modules[type(queue).__module__]  # the module whose mp starts the worker
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with backend.persistent_worker_forks(queue, cpu_shm_mode=caps.worker_cpu_shm_skips_cuda) as forks:
+        method = module.mp.get_context("spawn").get_start_method()
+    assert (forks, method) == {"0.4.1": (False, "spawn"), "0.7.0": (True, "fork"),
+                               "none": (False, "spawn")}[key]
 
 
 def test_old_and_new_nvrx_really_differ():

@@ -156,6 +156,70 @@ def test_persistent_worker_runs_here(kw, cpu_shm, runs):
         assert "set_device" in reason
 
 
+# Shaped like each release's source (tests/compat/test_real_backend.py checks the real ones in
+# the compat matrix): the probes read the worker's and the agreement's code, not signatures.
+class _Nvrx041:  # nvrx 0.4.1 core.py: the worker never touches CUDA and has no cpu_shm_mode
+    class PersistentAsyncCaller:
+        @staticmethod
+        def async_loop(rank, queue, preload_q, comp_q, log_level=20):
+            while True:
+                item = queue.get()
+                item.async_fn(*item.async_fn_args)
+
+    class AsyncCaller:
+        def sync_all_async_calls(self, is_alive):
+            import torch
+
+            return torch.tensor([is_alive], device=torch.cuda.current_device())
+
+
+class _Nvrx070:  # nvrx 0.7.0 core.py: CUDA set up only without cpu_shm_mode
+    class PersistentAsyncCaller:
+        @staticmethod
+        def async_process_target(rank, queue, cpu_shm_mode=False):
+            import torch
+
+            if not cpu_shm_mode:
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+
+    AsyncCaller = _Nvrx041.AsyncCaller
+
+
+class _Mcore0161:  # megatron-core 0.16.1 async_utils.py: CUDA set up unconditionally
+    class PersistentAsyncCaller:
+        @staticmethod
+        def async_loop(rank, queue):
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+
+    AsyncCaller = _Nvrx041.AsyncCaller
+
+
+class _ShmButCuda:  # a worker that takes cpu_shm_mode yet sets up CUDA regardless: not skipped
+    class PersistentAsyncCaller:
+        @staticmethod
+        def async_loop(rank, queue, cpu_shm_mode=False):
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            return cpu_shm_mode
+
+    AsyncCaller = _Nvrx041.AsyncCaller
+
+
+@pytest.mark.parametrize("core, needs_cuda, shm_skips_cuda", [
+    (_Nvrx041, False, False), (_Nvrx070, True, True), (_Mcore0161, True, False),
+    (_ShmButCuda, True, False),
+    (None, True, False),  # no provider: assume the worst (CUDA needed, never forked after init)
+])
+def test_worker_probes_read_the_worker_code(core, needs_cuda, shm_skips_cuda):
+    # worker_cpu_shm_skips_cuda decides fork vs spawn of the persistent worker on a CUDA host.
+    probes = backend._worker_probes(core)
+    assert probes == {"worker_needs_cuda": needs_cuda, "worker_cpu_shm_skips_cuda": shm_skips_cuda,
+                      "queue_sync_needs_cuda": True}
+
+
 def test_no_persistent_worker_without_async_backend():
     ok, reason = backend.persistent_worker_runs_here(_caps(async_provider="sync", cuda_available=True))
     assert not ok and "sync" in reason

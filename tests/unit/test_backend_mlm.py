@@ -22,8 +22,12 @@ import pytest
 
 from megatron_ckpt_ext import backend
 
-WHEEL_0192 = Path(os.environ.get("MCORE0192_DIR", "/tmp/mcore0192"))
-MIRROR = Path(os.environ.get("MLM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+_ROOT = Path(__file__).resolve().parents[2]
+# The unpacked megatron-core 0.19.2 wheel (scripts/test.sh unpacks it there) and a Megatron-LM git
+# clone with its core_r0.8.0/core_r0.16.0/core_r0.19.0 branches (no package ships megatron/training
+# of those releases): the tests that read them skip, saying so, where they are absent.
+WHEEL_0192 = Path(os.environ.get("MCORE0192_DIR") or _ROOT / ".ext" / "mcore-0.19.2")
+MIRROR = Path(os.environ.get("MLM_MIRROR") or _ROOT / ".ext" / "megatron-lm.git")
 
 # Per module: attribute -> ["module"] (a module with save/load), ["imported"] (a name bound by
 # an import; resolved from the module it comes from), or [params, looked-up seam names].
@@ -176,14 +180,14 @@ def modules_from(recording: dict[str, dict[str, list]]) -> dict[str, types.Modul
 def test_recording_matches_real_sources_of_the_0_19_2_wheel():
     real = _extract_release(_wheel_reader)
     if real is None:
-        pytest.skip(f"megatron-core 0.19.2 sources not unpacked at {WHEEL_0192}")
+        pytest.skip(f"megatron-core 0.19.2 sources not unpacked at {WHEEL_0192} (MCORE0192_DIR)")
     assert real == RECORDED["0.19.2"]
 
 
 def test_recording_matches_mirror_branch_core_r0_19_0():
     real = _extract_release(lambda p: _git_show("core_r0.19.0", p))
     if real is None:
-        pytest.skip(f"Megatron-LM mirror not at {MIRROR}")
+        pytest.skip(f"Megatron-LM mirror not at {MIRROR} (MLM_MIRROR: a git clone of Megatron-LM)")
     assert real == RECORDED["0.19.2"]
 
 
@@ -199,7 +203,7 @@ def test_0_19_2_has_every_seam_and_is_parse_then_pretrain():
 def test_0_16_pretrain_takes_extra_args_provider_from_the_real_branch():
     real = _extract_release(lambda p: _git_show("core_r0.16.0", p))
     if real is None:
-        pytest.skip(f"Megatron-LM mirror not at {MIRROR}")
+        pytest.skip(f"Megatron-LM mirror not at {MIRROR} (MLM_MIRROR: a git clone of Megatron-LM)")
     seams = backend.megatron_training_seams(modules=modules_from(real))
     assert seams.pretrain_extra_args_provider is True
     assert seams.parse_args_fn == "arguments.parse_args"  # 0.16 has no parse_and_validate_args
@@ -250,7 +254,7 @@ def test_oldest_branches_without_async_utils_are_refused_by_name():
     for short, names in _PROBED.items():
         source = _git_show("core_r0.8.0", f"megatron/training/{short}.py")
         if source is None and not MIRROR.exists():
-            pytest.skip(f"Megatron-LM mirror not at {MIRROR}")
+            pytest.skip(f"Megatron-LM mirror not at {MIRROR} (MLM_MIRROR: a git clone of Megatron-LM)")
         real[short] = extract(source, names) if source is not None else {}
     seams = backend.megatron_training_seams(modules=modules_from(real))
     assert not seams.ok

@@ -2,9 +2,10 @@
 
 Megatron-FSDP's experimental fully_shard (the one with ``use_symm_mem``) is in megatron-core 0.19.2,
 whose top-level package does not import on this CPU machine (triton). Its ``megatron_fsdp`` package
-does, on its own, from the unpacked wheel (``MCORE0192_DIR``, default /tmp/mcore0192): tests that
-need the real code run it in a subprocess with that folder on PYTHONPATH, and are skipped where the
-wheel is not unpacked. ``wrap_fsdp``'s decisions are tested against a mocked ``fully_shard``.
+does, on its own, from the unpacked wheel (``MCORE0192_DIR``, default ``.ext/mcore-0.19.2``, where
+scripts/test.sh unpacks it): tests that need the real code run it in a subprocess with that folder
+on PYTHONPATH, and are skipped where the wheel is not unpacked. ``wrap_fsdp``'s decisions are
+tested against a mocked ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from megatron_ckpt_ext.validation import check_fsdp
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_fsdp_symm_mem.py"
-WHEEL_0192 = Path(os.environ.get("MCORE0192_DIR", "/tmp/mcore0192"))
+WHEEL_0192 = Path(os.environ.get("MCORE0192_DIR") or ROOT / ".ext" / "mcore-0.19.2")
 FSDP_SRC = WHEEL_0192 / "megatron/core/distributed/fsdp/src"
 EXPERIMENTAL = FSDP_SRC / "megatron_fsdp/experimental"
 needs_0192 = pytest.mark.skipif(not EXPERIMENTAL.is_dir(),
-                                reason=f"megatron-core 0.19.2 sources not unpacked at {WHEEL_0192}")
+                                reason=f"megatron-core 0.19.2 sources not unpacked at {WHEEL_0192} "
+                                "(scripts/unpack_wheel.sh megatron-core 0.19.2 DIR; MCORE0192_DIR)")
 
 
 def _env(**extra: str) -> dict[str, str]:
