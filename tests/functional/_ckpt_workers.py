@@ -493,3 +493,81 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
     before = len(waits)
     opt.step()
     assert len(waits) == before, "close() left the optimizer hook installed"
+
+
+def slowest_rank_report(rank: int, world: int, root: str, options: dict, delay_s: float) -> None:
+    """The last rank holds more bytes (an extra tensor only it saves) and, at save 1 only, is
+    ``delay_s`` slower waiting for its staged copies (the copy_wait phase, after the hand-over:
+    the other ranks return from save() without waiting for it). Every rank's report of save 1
+    must carry the slowest rank's figures (blocking, phase, durable; host bytes: the largest),
+    the sum of the bytes, and its own bytes; save 2 (no delay) must not carry save 1's."""
+    import json
+    import time
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_ckpt_ext import staging
+
+    slow = rank == world - 1
+    if slow:
+        real_wait = staging.StagedBatch.wait
+
+        def slow_wait(self: Any) -> None:
+            if not getattr(self, "_delayed", False):  # once per save (release() waits again)
+                self._delayed = True
+                time.sleep(delay_s)
+            real_wait(self)
+
+        staging.StagedBatch.wait = slow_wait
+    extra = torch.arange(5000, dtype=torch.float32, device=device()) + rank if slow else None
+    nbytes = {r: sum(v.numel() * v.element_size() for v in step_state(0, r).values())
+              + (5000 * 4 if r == world - 1 else 0) for r in range(world)}
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in (1, 2):
+            if step == 2 and slow:
+                staging.StagedBatch.wait = real_wait
+            state = sharded(rank, world, step_state(step, rank))
+            if extra is not None:
+                state["extra"] = ShardedTensor.from_rank_offsets("extra_on_last_rank", extra)
+            ck.save(state, root, iteration=step)
+            ck.maybe_finalize(blocking=True)
+        first, second = ck.reports
+    assert (first["bytes"], first["bytes_total"]) == (nbytes[rank], sum(nbytes.values())), first
+    assert first["host_extra_bytes"] == max(nbytes.values()), first
+    assert first["phases"]["copy_wait_s"] >= delay_s, first
+    assert first["blocking_s"] >= delay_s and first["durable_s"] >= delay_s, first
+    assert second["phases"]["copy_wait_s"] < delay_s and second["blocking_s"] < delay_s, second
+    if rank == 0:
+        lines = [json.loads(line) for line in (Path(root) / "ckpt_report.jsonl").read_text().splitlines()]
+        assert [line["phases"] for line in lines] == [first["phases"], second["phases"]], lines
+
+
+def shape_change_roundtrip(rank: int, world: int, root: str, options: dict) -> None:
+    """--ckpt-assume-constant-structure with a tensor whose shape changes under the same key and
+    at the same offsets (``w``: 64x8 per rank at saves 1-3, 64x12 at 4-5; a new storage, as a
+    resized parameter gets). megatron-core reuses its cached plan without re-planning from the
+    third save on, so ours must notice the change and rebuild it: every checkpoint loads back
+    exactly its own values and shape (5 saved with the new plan kept)."""
+    cols = {1: 8, 2: 8, 3: 8, 4: 12, 5: 12}
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        out = step_state(step, rank)
+        g = torch.Generator().manual_seed(77 * step + rank)
+        out["w"] = torch.randn(64, cols[step], generator=g).to(device())
+        return out
+
+    live = state(1)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in cols:
+            if cols[step] != live["w"].shape[1]:
+                live["w"] = torch.empty(64, cols[step], device=device())
+            for k, v in state(step).items():
+                live[k].copy_(v)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            for v in live.values():
+                v.fill_(-7)
+            ck.maybe_finalize(blocking=True)
+        for step in cols:
+            like = {k: torch.zeros_like(v) for k, v in state(step).items()}
+            assert_equal(ck.load(sharded(rank, world, like), root, iteration=step), state(step),
+                         f"iteration {step}")

@@ -293,7 +293,10 @@ def worker_death(rank: int, world: int, root: str, mode: str, how: str, out: str
         ck.save(sharded(rank, world, live), rootp, iteration=2)
         if victim and how == "kill":
             os.kill(int(_wait_for(marker, 60)), signal.SIGKILL)
-        ck.maybe_finalize(blocking=True)
+        if how == "hang":  # bounded here: a timeout that is not enforced fails in seconds
+            _finalize_within(ck, ck_timeout + 10.0)
+        else:
+            ck.maybe_finalize(blocking=True)
         result["error"] = None
     except CheckpointWriteError as e:
         result["error"] = str(e)
@@ -315,6 +318,23 @@ def worker_death(rank: int, world: int, root: str, mode: str, how: str, out: str
     _, alive = psutil.wait_procs(me.children(recursive=True), timeout=10)
     result["children_after_close"] = [f"{p.pid}:{p.name()}" for p in alive]
     _write_json(Path(out, f"death_r{rank}.json"), result)
+
+
+def _finalize_within(ck: Checkpointer, bound_s: float, poll_s: float = 0.1) -> None:
+    """Poll ``maybe_finalize`` (collective) a fixed number of times, the same on every rank, for
+    about ``bound_s`` seconds; raise AssertionError if the pending save neither committed nor
+    raised by then (a stuck writer must not hold the test until the process timeout)."""
+    for _ in range(int(bound_s / poll_s)):
+        if ck.maybe_finalize():
+            return
+        time.sleep(poll_s)
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):  # else this rank's exit waits on
+        child.kill()  # its stuck writer for ever
+    raise AssertionError(f"a writer stuck past --ckpt-timeout {ck.options.ckpt_timeout} s raised "
+                         f"no CheckpointWriteError within {bound_s:.0f} s: the timeout is not "
+                         "enforced")
 
 
 def _inject(ck: Checkpointer, how: str, marker: Path) -> None:

@@ -22,6 +22,10 @@ MODES = {
     "async-workers2": {"async_save": True, "dist_ckpt_workers": 2},
     "async-fully-parallel-load": {"async_save": True, "ckpt_fully_parallel_load": True},
     "async-constant-structure": {"async_save": True, "ckpt_assume_constant_structure": True},
+    # cpu-shm without constant structure: a fresh buffer set per save, freed at its commit
+    "async-temporal-cpu-shm": {"async_save": True, "async_ckpt_use_cpu_shm": True},
+    "async-persistent-cpu-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
+                                 "async_ckpt_use_cpu_shm": True},
     "async-persistent-cpu-shm-constant": {"async_save": True, "use_persistent_ckpt_worker": True,
                                           "async_ckpt_use_cpu_shm": True,
                                           "ckpt_assume_constant_structure": True},
@@ -157,3 +161,15 @@ def test_structure_change_on_one_rank_replans_and_validates_on_every_rank(mode, 
 def test_writer_writes_only_after_the_staged_copies_are_published(mode, tmp_path):
     run_ranks(w.late_copies_roundtrip, args=(str(tmp_path / "ck"), TRIAL_MODES[mode], 3),
               timeout=200)
+
+
+@pytest.mark.skipif(world() < 2, reason="needs a slow rank and a fast one")
+def test_every_rank_reports_the_slowest_ranks_times_and_the_sum_of_bytes(tmp_path):
+    run_ranks(w.slowest_rank_report, args=(str(tmp_path / "ck"), MODES["async-temporal-cpu-shm"],
+                                           0.8), timeout=150)
+
+
+@pytest.mark.parametrize("mode", ["sync-constant-structure", "async-persistent-cpu-shm-constant"])
+def test_shape_change_under_constant_structure_saves_and_loads_each_shape(mode, tmp_path):
+    options = MODES.get(mode) or {"ckpt_assume_constant_structure": True}
+    run_ranks(w.shape_change_roundtrip, args=(str(tmp_path / "ck"), options), timeout=180)

@@ -67,6 +67,22 @@ def test_writer_death_or_failure_raises_on_every_rank_and_keeps_the_previous_che
         assert "killed by SIGKILL" in messages[-1], messages
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["persistent-shm", "temporal"])
+def test_writer_alive_but_stuck_past_ckpt_timeout_raises_on_every_rank_within_seconds(mode):
+    """The hang case (--ckpt-timeout 3): the last rank's writer is alive but never finishes its
+    write. Every rank must raise CheckpointWriteError naming --ckpt-timeout a few seconds after
+    the timeout (not earlier), the previous checkpoint stays the latest, a retry commits. A
+    timeout that is not enforced fails in ~13 s (the rank body bounds its own wait)."""
+    case = rel.death_case(mode, "hang", world=world())
+    assert case["failures"] == 0, case
+    messages = case["messages"]
+    assert all("did not finish within --ckpt-timeout 3 s" in m and "failed on every rank" in m
+               for m in messages), messages
+    assert all("the latest committed checkpoint is still iteration 1" in m for m in messages), messages
+    assert 2.9 <= case["max_seconds_to_error"] <= 13.0, case
+
+
 @pytest.mark.timeout(200)
 def test_short_soak_keeps_memory_shm_fds_and_children_flat():
     result = rel.soak_run(saves=40, mode="persistent-shm", world=world())
