@@ -394,6 +394,10 @@ class Checkpointer:
         error: OSError | None = None
         plain_large = [(k, t) for k, t in plain if t.numel() > 1]
         if _rank() == 0 and not plain_large:
+            if checkpoint_name(record.root, record.iteration).exists():
+                logger.warning("checkpoint iteration %d under %s is already committed: this save "
+                               "replaces it (atomically, at its commit)", record.iteration,
+                               record.root)
             try:
                 record.root.mkdir(parents=True, exist_ok=True)
                 if workdir.exists():
@@ -1030,23 +1034,27 @@ def commit_on_disk(root: Path, iteration: int) -> None:
         if path.is_file():
             _fsync(path)
     _fsync(src)
-    old = _replace_dir(src, dst)
+    _replace_dir(src, dst)
     _atomic_write(root / TRACKER, f"{iteration}\n")
+    old = _aside(dst)
     if old.exists():  # a re-save of a committed iteration: its old copy goes once replaced
         shutil.rmtree(old)
 
 
-def _replace_dir(src: Path, dst: Path) -> Path:
-    """Rename ``src`` to ``dst`` (an existing ``dst`` moves aside to ``<dst>.old``, returned)
-    and fsync their parent."""
-    old = dst.with_name(dst.name + ".old")
+def _aside(dst: Path) -> Path:
+    return dst.with_name(dst.name + ".old")
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` (an existing ``dst`` moves aside to :func:`_aside`) and fsync
+    their parent."""
+    old = _aside(dst)
     if dst.exists():
         if old.exists():
             shutil.rmtree(old)
         os.rename(dst, old)
     os.rename(src, dst)
     _fsync(dst.parent)
-    return old
 
 
 def _nothing_to_write(*args: Any, **kwargs: Any) -> None:

@@ -451,23 +451,28 @@ BAD_CASES = [
                 "megatron_cfg: {asynch_save: true}\n")),
     BadCase("unwritable --save (/proc)", ["--save", "/proc/mcx_ckpt", "--save-interval", "1",
                                           "--train-iters", "2", "--async-save", *TINY],
-            r"cannot create /proc/mcx_ckpt/\S+ on rank 0 \(\w+Error: .*(Permission denied|"
-            r"No such file or directory|Read-only).*\(--save\)"),
+            r"--save /proc/mcx_ckpt: the checkpoint directory is not writable \(\w+Error: "
+            r".*(Permission denied|No such file or directory|Read-only).*Fix: point --save"),
     BadCase("--save under a regular file", ["--save", "{work}/afile/ckpt", "--save-interval", "1",
                                             "--train-iters", "2", *TINY],
-            r"cannot create \S*afile/ckpt/\S+ on rank 0 \(NotADirectoryError: .*afile",
+            r"--save \S*afile/ckpt: the checkpoint directory is not writable "
+            r"\(NotADirectoryError: ",
             setup=_write("afile", "not a directory\n")),
-    BadCase("missing --load directory", ["--load", "{work}/absent", *_OVER_GOOD],
-            r"--load .*absent: no committed checkpoint under .*absent: "
-            r"latest_checkpointed_iteration.txt is missing"),
-    BadCase("--load without a tracker", ["--load", "{work}/empty", *_OVER_GOOD],
-            r"no committed checkpoint under .*empty", setup=_write("empty/README", "x\n")),
+    # without --exit-on-missing-checkpoint these start from scratch, as Megatron-LM does
+    BadCase("missing --load directory (--exit-on-missing-checkpoint)",
+            ["--load", "{work}/absent", "--exit-on-missing-checkpoint", *_OVER_GOOD],
+            r"--load .*absent: no committed checkpoint to load: .*absent does not exist "
+            r"\(--exit-on-missing-checkpoint is set\)"),
+    BadCase("--load without a tracker (--exit-on-missing-checkpoint)",
+            ["--load", "{work}/empty", "--exit-on-missing-checkpoint", *_OVER_GOOD],
+            r"no committed checkpoint to load: .*empty holds no latest_checkpointed_iteration.txt",
+            setup=_write("empty/README", "x\n")),
     BadCase("--load whose tracker names a missing checkpoint", ["--load", "{work}/dangling",
                                                                 *_OVER_GOOD],
             r"checkpoint .*iter_0000007 is missing or was never committed",
             setup=_write("dangling/latest_checkpointed_iteration.txt", "7\n")),
     BadCase("--load whose tracker is garbage", ["--load", "{work}/garbage", *_OVER_GOOD],
-            r"latest_checkpointed_iteration.txt holds 'seven', not an iteration number",
+            r"latest_checkpointed_iteration.txt holds 'seven\\n', not an iteration number",
             setup=_write("garbage/latest_checkpointed_iteration.txt", "seven\n")),
     BadCase("--load a checkpoint of another model shape",
             ["--load", "{good}", *_OVER_GOOD[:-len(TINY)], *TINY[:2], "--hidden-size", "48",

@@ -39,13 +39,14 @@ def nothing_to_write_commits(rank: int, world: int, root: str, options: dict, bo
 
 def plain_tensor_on_one_rank_fails_everywhere(rank: int, world: int, root: str, options: dict,
                                               out: str) -> None:
-    """Rank 1 alone holds a plain multi-element tensor: every rank raises before anything is
-    written, the committed iteration 1 stays the latest and no working directory is left."""
+    """The last rank alone holds a plain multi-element tensor: every rank raises before
+    anything is written, the committed iteration 1 stays the latest and no working directory is
+    left."""
     with Checkpointer(CkptOptions(**options)) as ck:
         ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
         ck.maybe_finalize(blocking=True)
         state = sharded(rank, world, step_state(2, rank))
-        if rank == 1:
+        if rank == world - 1:
             state["extra"] = {"bias": torch.ones(3)}
         try:
             ck.save(state, root, iteration=2)

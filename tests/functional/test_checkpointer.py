@@ -91,7 +91,10 @@ def test_trainer_objects_are_frozen_only_while_a_forked_worker_shares_them(mode,
         if frozen:
             assert collected, "garbage made before the Checkpointer was frozen"
             assert frozen_open > base + 1000, (base, frozen_open)
-            assert frozen_after == (0 if base == 0 else frozen_open), "close() must unfreeze ours"
+            # close() unfreezes (count 0) only where nothing else had frozen objects first; frozen
+            # objects freed by refcount meanwhile leave the count, so no exact equality
+            assert (frozen_after == 0) == (base == 0), ("close() must unfreeze ours, and only "
+                                                        "ours", base, frozen_open, frozen_after)
         else:
             assert frozen_open == frozen_after == base, (base, frozen_open, frozen_after)
 

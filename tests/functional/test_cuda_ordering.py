@@ -53,7 +53,9 @@ def test_optimizer_step_after_an_overlapped_save_waits_for_its_copies(tmp_path):
     run_ranks(cw.optimizer_step_after_overlapped_save, timeout=300,
               args=(str(tmp_path / "ck"), OVERLAP, False, str(tmp_path)))
     results = _results(tmp_path)
-    assert all(all(r["in_flight"]) for r in results), f"save() waited for its copies: {results}"
+    # the first save validates the sharding (megatron-core collectives that synchronise), so its
+    # copies are done when it returns; from the second on, save() must return with them in flight
+    assert all(all(r["in_flight"][1:]) for r in results), f"save() waited for its copies: {results}"
     assert all(all(r["matches"]) for r in results), results
 
 

@@ -224,3 +224,19 @@ def test_an_unwritable_save_directory_fails_at_construction(tmp_path):
     with Checkpointer(CkptOptions(), save_dir=tmp_path / "new" / "ckpt"):
         assert (tmp_path / "new" / "ckpt").is_dir()
     assert list((tmp_path / "new" / "ckpt").iterdir()) == []  # the probe file is gone
+
+
+def test_a_save_that_replaces_a_committed_iteration_says_so(tmp_path, caplog):
+    """A run restarted from scratch into a --save that holds committed checkpoints replaces
+    them: rank 0 warns, naming the iteration (the replacement itself is atomic)."""
+    import time
+
+    _incomplete_checkpoint(tmp_path, 2)
+    checkpointer.commit_on_disk(tmp_path, 2)
+    with Checkpointer(CkptOptions()) as ck, caplog.at_level(logging.WARNING):
+        for it in (3, 2):
+            record = checkpointer._Save(iteration=it, root=tmp_path, started=time.perf_counter())
+            ck._prepare_dir(record, new_structure=True)
+    assert [r.getMessage() for r in caplog.records if "already committed" in r.getMessage()] == [
+        f"checkpoint iteration 2 under {tmp_path} is already committed: this save replaces it "
+        "(atomically, at its commit)"]
