@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import add_arguments
-from .options import CkptOptions, CkptOptionsError
+from .errors import CheckpointWriteError, CkptError, CkptOptionsError
+from .options import CkptOptions
 from .validation import check, validate
 
-__all__ = ["Checkpointer", "CkptOptions", "CkptOptionsError", "add_arguments", "check", "validate"]
+__all__ = ["CheckpointWriteError", "Checkpointer", "CkptError", "CkptOptions", "CkptOptionsError",
+           "add_arguments", "check", "validate"]
 __version__ = "0.1.0"
 
 

@@ -53,10 +53,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from .options import env_switch
+from .debug import env_switch
+from .errors import BackendMismatch, BackendUnavailable
 
 __all__ = [
-    "BackendUnavailable",
     "Capabilities",
     "MegatronSeams",
     "accepted_kwargs",
@@ -81,11 +81,9 @@ __all__ = [
     "writer_keeps_snapshots",
     "without_host_preload",
     "persistent_worker_runs_here",
-    "rank",
     "sharded_tensor_cls",
     "torch_dist_load_strategy_cls",
     "torch_dist_save_strategy_cls",
-    "warn_once",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,10 +96,6 @@ MCORE_DC = "megatron.core.dist_checkpointing"
 MCORE_STRATEGIES = f"{MCORE_DC}.strategies"
 # The nvrx release from which megatron-core 0.19 accepts nvrx at import time.
 MCORE_019_NVRX_MIN = "0.6.0"
-
-
-class BackendUnavailable(ImportError):
-    """A backend piece cannot be used here; the message says how to fix the environment."""
 
 
 @dataclass(frozen=True)
@@ -141,39 +135,6 @@ class Capabilities:
     worker_cpu_shm_skips_cuda: bool = False
     # The queue's cross-rank agreement (no_dist=False) allocates on torch.cuda.current_device().
     queue_sync_needs_cuda: bool = True
-
-
-# -- small shared helpers ------------------------------------------------------------------------
-_warned: set[str] = set()
-_warn_lock = threading.Lock()
-
-
-def rank() -> int:
-    """This process's torch.distributed rank, or 0 when no process group is up."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:  # a broken torch.distributed must not break a warning
-        pass
-    return 0
-
-
-def warn_once(key: str, message: str) -> None:
-    """Log ``message`` as a WARNING once per ``key`` per process, on rank 0 only."""
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    if rank() == 0:
-        logger.warning(message)
-
-
-def _reset_warnings_for_tests() -> None:
-    """Forget which warn_once keys were already emitted (tests only)."""
-    with _warn_lock:
-        _warned.clear()
 
 
 # -- keyword filtering ---------------------------------------------------------------------------
@@ -656,7 +617,7 @@ def adapt_async_request(request: Any) -> Any:
 
     megatron-core 0.16 strategies return megatron-core's own AsyncRequest; nvrx's persistent
     worker only runs requests of nvrx's class (it silently skips others and the trainer would wait
-    forever). Same fields, so a conversion is exact; unknown fields raise.
+    forever). Same fields, so a conversion is exact; unknown fields raise :class:`BackendMismatch`.
     """
     target = async_request_cls()
     if isinstance(request, target):
@@ -664,7 +625,7 @@ def adapt_async_request(request: Any) -> Any:
     values = request._asdict()
     unknown = sorted(set(values) - set(target._fields))
     if unknown:
-        raise BackendUnavailable(
+        raise BackendMismatch(
             f"cannot run a {_name(type(request))} on {_name(target)}: fields {unknown} unknown to "
             "the async backend; install matching megatron-core and nvidia-resiliency-ext versions."
         )

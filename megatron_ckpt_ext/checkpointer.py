@@ -28,13 +28,11 @@ the process group's timeout's business (``--distributed-timeout-minutes``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -45,10 +43,13 @@ from typing import Any, Callable
 import torch
 
 from . import _cpu_shim, backend, preflight, strategy
-from .options import CkptOptions, env_switch
+from ._runtime import die_with_parent, forks_die_with_this_process, rank, warn_once
+from .debug import env_switch, trace_event, traced_request
+from .errors import CheckpointWriteError
+from .options import CkptOptions
 from .validation import check
 
-__all__ = ["CheckpointWriteError", "Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
+__all__ = ["Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,6 @@ INCOMPLETE = ".incomplete"
 REPORT = "ckpt_report.jsonl"
 _POLL_S = 0.05  # how often a blocking finalize re-checks the writers
 _LOGGERS = ("megatron_ckpt_ext", "megatron")  # what --logging-level sets
-
-
-class CheckpointWriteError(RuntimeError):
-    """An async save failed on some rank: its writer died, its write raised, or it outlived
-    ``--ckpt-timeout``. Raised on every rank; the previous committed checkpoint stays the latest."""
 
 
 def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
@@ -185,9 +181,9 @@ class Checkpointer:
         if persistent:
             ok, reason = backend.persistent_worker_runs_here(self.caps, cpu_shm_mode=self._cpu_shm)
             if not ok:
-                backend.warn_once("persistent-cannot-run",
-                                  f"--use-persistent-ckpt-worker: {reason}; a fresh writer "
-                                  "process is used per save instead.")
+                warn_once("persistent-cannot-run",
+                          f"--use-persistent-ckpt-worker: {reason}; a fresh writer "
+                          "process is used per save instead.")
                 persistent = False
         self._persistent = persistent
         queue = backend.new_async_calls_queue(
@@ -208,7 +204,7 @@ class Checkpointer:
                 if forks:
                     self._freeze_gc()
                 if self.caps.warmup_persistent_caller:
-                    backend.call_with_supported(queue.warmup_persistent_caller, _rank(),
+                    backend.call_with_supported(queue.warmup_persistent_caller, rank(),
                                                 is_daemon=True, cpu_shm_mode=self._cpu_shm)
                 self._pending[queue.schedule_async_request(warm)] = None
         return queue
@@ -240,7 +236,7 @@ class Checkpointer:
     def _make_stager(self, job_id: str | None) -> Any:
         from .staging import ShmStager
 
-        return ShmStager(job_id=job_id or _job_id(), rank=_rank(),
+        return ShmStager(job_id=job_id or _job_id(), rank=rank(),
                          reuse=self.options.ckpt_assume_constant_structure)
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
@@ -273,7 +269,7 @@ class Checkpointer:
         self._check_open()
         started = time.perf_counter()
         if self._snapshot is not None:
-            backend.warn_once(
+            warn_once(
                 "overlap-not-waited",
                 f"--ckpt-overlap-snapshot: save {iteration} started before anything waited for "
                 f"the previous save's copies (iteration {self._snapshot.iteration}); if the "
@@ -296,7 +292,7 @@ class Checkpointer:
         plain = backend.plain_tensors(sharded_state_dict)
         workdir = self._prepare_dir(record, new_structure=new_structure, plain=plain)
         self._use_structure(structure, record)
-        if self.reports and _rank() == 0:
+        if self.reports and rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes"])
         state = _copy_structure(sharded_state_dict)
         t = record.phase("prepare_dir_s", t)
@@ -310,7 +306,7 @@ class Checkpointer:
         if self._async:
             request.add_finalize_fn(lambda: self._commit(record))
             with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=_POLL_S), \
-                    _forks_die_with_this_process():
+                    forks_die_with_this_process():
                 call_idx = self._queue.schedule_async_request(request)
             self._pending[call_idx] = record
             del request, state
@@ -322,8 +318,8 @@ class Checkpointer:
             else:
                 self._publish_staged(record)
             record.phase("copy_wait_s", t)
-            _trace_event(env_switch("MCX_WRITER_TRACE"), "scheduled",
-                         iteration=record.iteration)
+            trace_event(env_switch("MCX_WRITER_TRACE"), "scheduled", rank=rank(),
+                        iteration=record.iteration)
         else:
             request.execute_sync()
             del request, state
@@ -393,7 +389,7 @@ class Checkpointer:
         workdir = _incomplete(record.root, record.iteration)
         error: OSError | None = None
         plain_large = [(k, t) for k, t in plain if t.numel() > 1]
-        if _rank() == 0 and not plain_large:
+        if rank() == 0 and not plain_large:
             if checkpoint_name(record.root, record.iteration).exists():
                 logger.warning("checkpoint iteration %d under %s is already committed: this save "
                                "replaces it (atomically, at its commit)", record.iteration,
@@ -407,10 +403,10 @@ class Checkpointer:
                 error = e
         failed, changed, bad_rank = self._all_max(
             [1.0 if error is not None else 0.0, float(new_structure),
-             float(_rank()) if plain_large else -1.0])
+             float(rank()) if plain_large else -1.0])
         record.new_structure = bool(changed)
         if bad_rank >= 0:
-            if _rank() == 0 and workdir.exists() and error is None:
+            if rank() == 0 and workdir.exists() and error is None:
                 shutil.rmtree(workdir, ignore_errors=True)
             raise ValueError(_plain_tensor_message(record.iteration, plain_large, int(bad_rank)))
         if failed:
@@ -493,7 +489,7 @@ class Checkpointer:
         request = strategy.page_cache_free_request(request)
         trace = env_switch("MCX_WRITER_TRACE")
         if trace:
-            request = _traced_request(request, trace)
+            request = traced_request(request, trace, rank=rank())
         if self._cpu_shim:
             request = strategy.cpu_request(request)
         if self._async and self._stager is not None and request.async_fn is not None:
@@ -509,7 +505,7 @@ class Checkpointer:
             record.new_structure = True
             return
         if record.new_structure or self._strategy is None:
-            if self._strategy is not None and _rank() == 0:
+            if self._strategy is not None and rank() == 0:
                 logger.info("checkpoint structure changed on some rank (%s here): rebuilding "
                             "the cached save plan", _describe_change(self._structure, key))
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
@@ -539,10 +535,11 @@ class Checkpointer:
         if self._before_commit is not None:
             self._before_commit(record)
         ranks = self._gather_stats(record)  # also the commit's first barrier
-        if _rank() == 0:
+        if rank() == 0:
             commit_on_disk(record.root, record.iteration)
         self._barrier()
-        _trace_event(env_switch("MCX_WRITER_TRACE"), "committed", iteration=record.iteration)
+        trace_event(env_switch("MCX_WRITER_TRACE"), "committed", rank=rank(),
+                    iteration=record.iteration)
         self._release(record)
         self._report(record, ranks)
 
@@ -591,7 +588,7 @@ class Checkpointer:
             "phases": {name: round(v, 6) for name, v in zip(_PHASES, phases)},
         }
         self.reports.append(entry)
-        if _rank() == 0:
+        if rank() == 0:
             slowest = max(_PHASES, key=lambda n: entry["phases"][n])
             logger.info("checkpoint iter %d committed: %s, %.1f MB/rank, blocking %.3f s (most in "
                         "%s %.3f s), staging %.3f s, durable %.3f s, write %.2f GB/s, host extra "
@@ -647,7 +644,7 @@ class Checkpointer:
         timed_out = state == "running" and time.perf_counter() > self._head_deadline()
         dead = state == "dead"
         local = [float(state == "running"), float(dead), float(timed_out),
-                 float(_rank() if dead or timed_out else -1)]
+                 float(rank() if dead or timed_out else -1)]
         running, any_dead, any_late, which = self._all_max(local)
         if any_dead or any_late:
             why = (f"the async writer of rank {int(which)} stopped before finishing its write"
@@ -739,7 +736,7 @@ class Checkpointer:
         self._prime_results_queue()
 
     def _prime_results_queue(self) -> None:
-        with _forks_die_with_this_process():  # the Manager server dies with this trainer
+        with forks_die_with_this_process():  # the Manager server dies with this trainer
             backend.prime_write_results_queue()
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
@@ -762,9 +759,9 @@ class Checkpointer:
                         f"no committed checkpoint to load: {what} (--exit-on-missing-checkpoint "
                         "is set). Fix: point --load at a directory saved by this plugin or "
                         "Megatron, or drop --exit-on-missing-checkpoint to start from scratch.")
-                backend.warn_once(f"missing-checkpoint:{root}",
-                                  f"no committed checkpoint to load: {what}; starting from "
-                                  "scratch (--exit-on-missing-checkpoint makes this an error).")
+                warn_once(f"missing-checkpoint:{root}",
+                          f"no committed checkpoint to load: {what}; starting from "
+                          "scratch (--exit-on-missing-checkpoint makes this an error).")
                 return None
         path = checkpoint_name(root, iteration)
         if not (path / "metadata.json").exists():
@@ -824,70 +821,6 @@ class Checkpointer:
             self._wait(torch.distributed.barrier(group=self.process_group, async_op=True))
 
 
-def _traced_request(request: Any, folder: str) -> Any:
-    """``MCX_WRITER_TRACE=<folder>`` (diagnostics): the request's preload and write functions
-    append their wall-clock start and end, process id and name to ``<folder>/writer_trace.jsonl``
-    from whichever process runs them (the persistent worker, a temporal fork, the trainer)."""
-    fields: dict[str, Any] = {}
-    if request.async_fn is not None:
-        fields["async_fn"] = partial(_traced_call, folder, "write", request.async_fn)
-    if getattr(request, "preload_fn", None) is not None:
-        fields["preload_fn"] = partial(_traced_call, folder, "preload", request.preload_fn)
-    return request._replace(**fields)
-
-
-class _TracedQueue:
-    """The write-results queue, with each ``put`` traced (the hand-back to the trainer)."""
-
-    def __init__(self, queue: Any, folder: str) -> None:
-        self._queue, self._folder = queue, folder
-
-    def put(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.time()
-        try:
-            return self._queue.put(*args, **kwargs)
-        finally:
-            _trace_event(self._folder, "results_put", start=start)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._queue, name)
-
-
-def _traced_call(folder: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Also records this thread's CPU seconds, page faults and context switches over the call:
-    CPU close to the wall time means the write is bound by copying, not by the disk."""
-    start, before = time.time(), _thread_usage()
-    if what == "write" and args and hasattr(args[-1], "put"):
-        args = (*args[:-1], _TracedQueue(args[-1], folder))
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        after = _thread_usage()
-        _trace_event(folder, what, start=start,
-                     **{k: round(after[k] - before[k], 4) for k in after})
-
-
-def _thread_usage() -> dict[str, float]:
-    import resource
-
-    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-    u = resource.getrusage(who)
-    return {"cpu_s": u.ru_utime + u.ru_stime, "sys_s": u.ru_stime, "minflt": u.ru_minflt,
-            "majflt": u.ru_majflt, "nvcsw": u.ru_nvcsw, "nivcsw": u.ru_nivcsw}
-
-
-def _trace_event(folder: str | None, what: str, **fields: Any) -> None:
-    if not folder:
-        return
-    now = time.time()
-    line = {"what": what, "pid": os.getpid(), "rank": _rank(), "end": now, **fields}
-    if "start" in fields:
-        line["s"] = round(now - fields["start"], 4)
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    with open(Path(folder) / "writer_trace.jsonl", "a") as f:
-        f.write(json.dumps(line) + "\n")
-
-
 def _tracker_text(root: Path) -> str:
     try:
         latest = read_tracker(root)
@@ -914,60 +847,13 @@ def _warm_up(trainer_pid: int | None = None) -> None:
     """The persistent worker's first request: ties the worker's life to its trainer's, then
     imports what unpickling a save request needs."""
     if trainer_pid is not None:
-        _die_with_parent(trainer_pid)
+        die_with_parent(trainer_pid)
     backend.warm_up_writer_imports()
-
-
-_FORK_WATCH: dict[str, int | None] = {"parent": None}
-
-
-@contextlib.contextmanager
-def _forks_die_with_this_process() -> Any:
-    """Processes forked inside this block (the backends' write-results Manager server, a
-    temporal writer) get :func:`_die_with_parent`. Without it a Manager server outlives a
-    SIGKILLed trainer forever (measured: one per rank and crash). Forks elsewhere in the
-    training process are not touched."""
-    if not _FORK_WATCH.get("registered"):
-        os.register_at_fork(after_in_child=_watch_forked_child)
-        _FORK_WATCH["registered"] = 1
-    _FORK_WATCH["parent"] = os.getpid()
-    try:
-        yield
-    finally:
-        _FORK_WATCH["parent"] = None
-
-
-def _watch_forked_child() -> None:
-    parent = _FORK_WATCH["parent"]
-    _FORK_WATCH["parent"] = None  # this child's own forks are its business
-    if parent is not None:
-        _die_with_parent(parent)
-
-
-def _die_with_parent(trainer_pid: int) -> None:
-    """Watchdog for writer-side processes (Linux): SIGKILL this process when its trainer dies.
-    Without it a persistent worker whose trainer was SIGKILLed waits on its request queue
-    forever, holding the staging segments it maps (so the next start cannot sweep them).
-    Nothing such a process could still write would be committed: only the trainer commits."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
-            return
-    except (OSError, AttributeError):  # not Linux: the worker outlives a crashed trainer
-        return
-    if os.getppid() != trainer_pid:  # the trainer died before the watchdog was armed
-        os._exit(1)
 
 
 def _sig(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits (a tiny test state's GB/s stays non-zero)."""
     return float(f"{x:.{digits}g}")
-
-
-def _rank() -> int:
-    return backend.rank()
 
 
 def _job_id() -> str:
@@ -1101,6 +987,6 @@ def _warn_incomplete(root: Path) -> None:
         return
     leftovers = sorted(p.name for p in root.glob(f"iter_*{INCOMPLETE}"))
     if leftovers:
-        backend.warn_once(f"incomplete:{root}",
-                          f"{root}: ignoring uncommitted checkpoint directories {leftovers} "
-                          "(a save was interrupted before its commit)")
+        warn_once(f"incomplete:{root}",
+                  f"{root}: ignoring uncommitted checkpoint directories {leftovers} "
+                  "(a save was interrupted before its commit)")

@@ -2,8 +2,10 @@
 
 Every row is derived from :func:`megatron_ckpt_ext.backend.detect`; nothing here probes a backend
 itself. Status is one of ``available`` (used as asked), ``fallback`` (the flag works, another
-mechanism does the job; the reason says which) or ``missing`` (the feature is off here). The
-text report ends with a one-line verdict on the async save path (:func:`verdict`).
+mechanism does the job; the reason says which) or ``missing`` (the feature is off here). Any
+``MCX_*`` debug switch set to a non-default value is listed (docs/DEBUGGING.md), since it changes
+how a save runs. The text report ends with a one-line verdict on the async save path
+(:func:`verdict`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable
 
 from . import backend
 from .backend import Capabilities
+from .debug import ENV_SWITCHES, non_default_switches
 
 __all__ = ["Row", "backend_key", "format_text", "report", "rows", "to_json", "verdict"]
 
@@ -168,6 +171,7 @@ def report(caps: Capabilities | None = None) -> dict[str, Any]:
         "async_provider": caps.async_provider,
         "features": [dataclasses.asdict(r) for r in rows(caps)],
         "capabilities": dataclasses.asdict(caps),
+        "debug_switches": non_default_switches(),
         "verdict": verdict(caps),
     }
 
@@ -177,7 +181,8 @@ def to_json(data: dict[str, Any]) -> str:
 
 
 def format_text(data: dict[str, Any]) -> str:
-    """A human-readable report: versions, the feature table, then the verdict."""
+    """A human-readable report: versions, the feature table, the debug switches set, then the
+    verdict."""
     v = data["versions"]
     lines = [f"{name:<22} {value or 'not installed'}" for name, value in v.items()]
     lines += [f"{'CUDA available':<22} {data['cuda_available']}",
@@ -188,6 +193,16 @@ def format_text(data: dict[str, Any]) -> str:
     for r in data["features"]:
         flag = f" [{r['flag']}]" if r["flag"] else ""
         lines.append(f"{r['feature']:<{width}}  {r['status']:<9}  {r['detail']}{flag}")
+    lines += _switch_lines(data.get("debug_switches") or {})
     if data.get("verdict"):
         lines += ["", data["verdict"]]
     return "\n".join(lines)
+
+
+def _switch_lines(switches: dict[str, str]) -> list[str]:
+    """One line per debug switch set, so a pasted report shows a run was not on the defaults."""
+    if not switches:
+        return []
+    return [""] + [f"debug switch {name}={value} "
+                   f"(default: {ENV_SWITCHES[name].default or 'unset'}; docs/DEBUGGING.md)"
+                   for name, value in switches.items()]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from . import backend, validation
+from ._runtime import rank
+from .errors import BackendUnavailable
 from .options import CkptOptions
 
 if TYPE_CHECKING:
@@ -71,8 +73,8 @@ def wrap_fsdp(
     gets Megatron-FSDP's step hooks, which refresh the compute weights after each step. Other
     keywords go to ``fully_shard`` unchanged.
 
-    Raises :class:`~megatron_ckpt_ext.options.CkptOptionsError` for ``--fsdp-use-symm-mem`` on CPU
-    or with fewer than 2 ranks in ``mesh``; :class:`~megatron_ckpt_ext.backend.BackendUnavailable`
+    Raises :class:`~megatron_ckpt_ext.errors.CkptOptionsError` for ``--fsdp-use-symm-mem`` on CPU
+    or with fewer than 2 ranks in ``mesh``; :class:`~megatron_ckpt_ext.errors.BackendUnavailable`
     where no experimental Megatron-FSDP is installed.
     """
     api = backend.megatron_fsdp_api()
@@ -93,7 +95,7 @@ def wrap_fsdp(
     if optimizer is not None:
         _rebind_optimizer(optimizer, before, dict(model.named_parameters()))
         _adapt_optimizer(api, optimizer, precision_aware_optimizer)
-    if backend.rank() == 0:
+    if rank() == 0:
         logger.info("Megatron-FSDP (%s) over %d ranks, use_symm_mem=%s", api.module, mesh.size(),
                     use_symm_mem)
     return model
@@ -145,7 +147,7 @@ def register_sharded_buffers(model: nn.Module, *, api: backend.FsdpApi | None = 
                     buffer.rendezvous(axis)
             done["moved"].append(where)
             done["bytes"] += new.numel() * new.element_size()
-    if backend.rank() == 0:
+    if rank() == 0:
         logger.info("symmetric memory: moved %d sharded buffers (%.1f MiB) into the NCCL pool%s",
                     len(done["moved"]), done["bytes"] / 2**20,
                     f"; kept: {'; '.join(done['kept'])}" if done["kept"] else "")
@@ -214,7 +216,7 @@ def _rebind_optimizer(optimizer: Any, before: Mapping[str, Any], after: Mapping[
 
 def _adapt_optimizer(api: backend.FsdpApi, optimizer: Any, precision_aware: bool) -> None:
     if api.fully_shard_optimizer is None:
-        raise backend.BackendUnavailable(
+        raise BackendUnavailable(
             f"{api.module} has no fully_shard_optimizer, so the compute weights would not follow "
             "optimizer steps; install a Megatron-FSDP that has it (megatron-core >= 0.19.2)")
     backend.call_with_supported(api.fully_shard_optimizer, optimizer,

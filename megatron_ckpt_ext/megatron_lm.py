@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import backend
+from ._runtime import warn_once
 from .arguments import add_arguments
+from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
 
 __all__ = [
-    "MegatronAdapterError",
     "extra_args_provider",
     "install",
     "is_installed",
@@ -59,10 +60,6 @@ _PATCHES = (
     ("async_utils", "is_empty_async_queue"),
 )
 _OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"),)
-
-
-class MegatronAdapterError(RuntimeError):
-    """megatron.training cannot be hooked here; the message names the version and the seam."""
 
 
 CheckpointerFactory = Callable[[CkptOptions], Any]
@@ -233,7 +230,7 @@ _lock = threading.RLock()
 def _real_modules() -> dict[str, Any]:
     try:
         return {short: backend.megatron_training_module(short) for short in backend.MLM_MODULES}
-    except backend.BackendUnavailable as e:
+    except BackendUnavailable as e:
         version = backend.detect().mcore_version or "(not installed)"
         raise MegatronAdapterError(
             f"megatron-ckpt-ext cannot hook Megatron-LM: megatron.training of megatron-core "
@@ -293,8 +290,8 @@ class _DistCheckpointingProxy:
     def save(self, sharded_state_dict: Any, checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
         iteration = _iteration_of(checkpoint_dir)
         if iteration is None:
-            backend.warn_once(f"mlm-save-{checkpoint_dir}", f"megatron-ckpt-ext: {checkpoint_dir} "
-                              "is not an iter_NNNNNNN directory; saved by stock megatron-core.")
+            warn_once(f"mlm-save-{checkpoint_dir}", f"megatron-ckpt-ext: {checkpoint_dir} "
+                      "is not an iter_NNNNNNN directory; saved by stock megatron-core.")
             return self._real.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         return _save(sharded_state_dict, checkpoint_dir, iteration, **kwargs)
 

@@ -8,11 +8,8 @@ default. ``arguments.py`` derives the argparse group from these fields and
 
 Value checks (types and ranges) live here, in ``__post_init__``, because they hold for every source
 (CLI, config, code). Rules that relate several knobs, or a knob and the installed backend, live in
-``validation.py``.
-
-The diagnostic environment switches (``MCX_*``: each turns one of our speed-ups off, or traces
-the writer) are defined here too, in :data:`ENV_SWITCHES`, and read only through
-:func:`env_switch`.
+``validation.py``. The diagnostic ``MCX_*`` environment switches are not options: they live in
+``debug.py``.
 """
 
 from __future__ import annotations
@@ -24,14 +21,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
-__all__ = ["ENV_SWITCHES", "CkptOptions", "CkptOptionsError", "EnvSwitch", "Knob", "env_switch",
-           "knobs"]
+from .errors import CkptOptionsError
+
+__all__ = ["CkptOptions", "Knob", "knobs"]
 
 _SAME = object()  # sentinel: the config default equals the CLI default
-
-
-class CkptOptionsError(ValueError):
-    """A checkpointing option is invalid; the message names the flag/key and the fix."""
 
 
 @dataclass(frozen=True)
@@ -399,51 +393,3 @@ def _config_section(doc: Any, path: Any) -> tuple[Mapping[str, Any], str]:
         return doc["megatron_cfg"] or {}, " (megatron_cfg)"
     return doc, ""
 
-
-# -- diagnostic environment switches ------------------------------------------------------------
-@dataclass(frozen=True)
-class EnvSwitch:
-    """An ``MCX_*`` environment variable: its value when unset, and what setting it does."""
-
-    name: str
-    default: str
-    help: str
-
-
-ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
-    EnvSwitch("MCX_PERSISTENT_WORKER_START", "fork",
-              "spawn: start the persistent writer with spawn instead of fork"),
-    EnvSwitch("MCX_PICKLE_SEGMENTS_BY_NAME", "1",
-              "0: hand staged tensors to a spawned writer by fd, as torch does"),
-    EnvSwitch("MCX_PRIME_RESULTS_QUEUE", "1",
-              "0: start the writers' write-results queues (megatron-core's and nvrx's) in the "
-              "first save instead of at start-up"),
-    EnvSwitch("MCX_WRITER_KEEPS_MAPPINGS", "1",
-              "0: a persistent writer maps the staged segments again at every save"),
-    EnvSwitch("MCX_RESULTS_QUEUE", "spool",
-              "manager: the writers' write-results queues in a forked Manager server instead "
-              "of a spool directory"),
-    EnvSwitch("MCX_SPAWN_IMPORTS_MAIN", "0", "1: spawned writers re-import __main__"),
-    EnvSwitch("MCX_KEEP_WRITER_CLONES", "0",
-              "1: let nvrx 0.7's writer clone our staged copies again"),
-    EnvSwitch("MCX_KEEP_PRELOAD", "0",
-              "1: keep megatron-core's host preload even when every tensor is already staged "
-              "in host memory"),
-    EnvSwitch("MCX_KEEP_CRC32", "0",
-              "1: let torch.save compute the CRC-32 of every record the writer writes"),
-    EnvSwitch("MCX_KEEP_PAGE_CACHE", "0",
-              "1: leave a written checkpoint's pages in the page cache (the writer drops them "
-              "once fsync'd)"),
-    EnvSwitch("MCX_FREEZE_GC_AT_FORK", "1",
-              "0: do not gc.freeze() the trainer's objects when the persistent writer is forked "
-              "(its full collections then copy the pages the writer shares)"),
-    EnvSwitch("MCX_WRITER_TRACE", "",
-              "<dir>: append each save's preload, write, results hand-back, schedule and commit "
-              "wall times to <dir>/writer_trace.jsonl"),
-)}
-
-
-def env_switch(name: str) -> str:
-    """The value of the registered switch ``name`` (its default when unset); KeyError for a name
-    not in :data:`ENV_SWITCHES`, so a misspelt switch fails where it is read."""
-    return os.environ.get(name, ENV_SWITCHES[name].default)

@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from . import backend
+from ._runtime import warn_once
+from .errors import CkptOptionsError, InsufficientSharedMemory
 
 __all__ = ["DiskUsage", "check_disk", "check_shm", "check_writable", "local_ranks"]
 
@@ -35,8 +36,6 @@ def local_ranks() -> int:
 def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--save") -> None:
     """Create ``checkpoint_dir`` (with parents) and a probe file in it, so an unwritable save
     directory fails at start-up, naming it, instead of at the first save hours later."""
-    from .options import CkptOptionsError
-
     root = Path(checkpoint_dir)
     probe = root / f".mcx-write-probe.{os.getpid()}"
     try:
@@ -52,16 +51,15 @@ def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--sav
 
 def check_shm(bytes_per_rank: int, ranks_on_node: int | None = None, *, path: str = "/dev/shm",
               probe: Probe | None = None) -> None:
-    """Raise ``CkptOptionsError`` when ``path`` cannot hold every local rank's staging buffers.
+    """Raise :class:`InsufficientSharedMemory` when ``path`` cannot hold every local rank's
+    staging buffers.
 
     ``ranks_on_node`` defaults to :func:`local_ranks`."""
-    from .options import CkptOptionsError
-
     ranks = ranks_on_node or local_ranks()
     needed = bytes_per_rank * ranks
     free = (probe or shutil.disk_usage)(path).free
     if needed > free:
-        raise CkptOptionsError(
+        raise InsufficientSharedMemory(
             f"--async-ckpt-use-cpu-shm needs {_size(needed)} of shared memory in {path} "
             f"({_size(bytes_per_rank)} per rank x {ranks} ranks on this node) but only "
             f"{_size(free)} is free. Fix: enlarge {path} (containers: docker run --shm-size=..., "
@@ -75,10 +73,10 @@ def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: in
     free = _free_bytes(checkpoint_dir, probe)[1]
     if free >= last_checkpoint_bytes:
         return True
-    backend.warn_once(f"disk:{checkpoint_dir}",
-                      f"{checkpoint_dir}: {_size(free)} free, but the last checkpoint took "
-                      f"{_size(last_checkpoint_bytes)}; the next save will likely fail. Free "
-                      "space there, or point --save at a larger file system.")
+    warn_once(f"disk:{checkpoint_dir}",
+              f"{checkpoint_dir}: {_size(free)} free, but the last checkpoint took "
+              f"{_size(last_checkpoint_bytes)}; the next save will likely fail. Free "
+              "space there, or point --save at a larger file system.")
     return False
 
 

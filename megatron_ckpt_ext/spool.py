@@ -46,6 +46,8 @@ from multiprocessing.reduction import ForkingPickler
 from multiprocessing.util import Finalize
 from typing import Any
 
+from ._runtime import pid_alive
+
 __all__ = ["SpoolQueue", "sweep_stale"]
 
 _PREFIX = "mcx-results-"
@@ -217,8 +219,6 @@ def _remove_if_unheld(directory: str) -> bool:
 def _remove_legacy(directory: str) -> bool:
     """A directory without a lock file: a version before the lock, or a creator between
     ``mkdtemp`` and taking its lock; removed only when clearly abandoned."""
-    from .staging import pid_alive
-
     pid_text = os.path.basename(directory)[len(_PREFIX):].split("-", 1)[0]
     if not pid_text.isdigit() or pid_alive(int(pid_text)):
         return False

@@ -100,10 +100,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .options import env_switch
+from ._runtime import pid_alive, warn_once
+from .debug import env_switch
+from .errors import InsufficientSharedMemory, StagingFailed
 
-__all__ = ["SHM_DIR", "SEGMENT_PREFIX", "ShmStager", "StagedBatch", "StagingKey", "StagingFailed",
-           "run_when_staged", "sweep_orphans"]
+__all__ = ["SHM_DIR", "SEGMENT_PREFIX", "ShmStager", "StagedBatch", "StagingKey", "run_when_staged",
+           "sweep_orphans"]
 
 logger = logging.getLogger(__name__)
 
@@ -462,10 +464,6 @@ class ShmStager:
 
 
 # -- segments --------------------------------------------------------------------------------------
-class StagingFailed(RuntimeError):
-    """The trainer could not complete a save's staging copies; the writer wrote nothing."""
-
-
 def run_when_staged(flag: torch.Tensor, seq: int, timeout_s: float, fn: Any, *args: Any,
                     **kwargs: Any) -> Any:
     """In the writer process: wait until the trainer publishes ``seq`` in ``flag`` (its staged
@@ -561,11 +559,9 @@ def drop_kept_mappings() -> int:
     return count
 
 
-def _shm_full_error(path: str, nbytes: int, key: str) -> Exception:
-    from .options import CkptOptionsError
-
+def _shm_full_error(path: str, nbytes: int, key: str) -> InsufficientSharedMemory:
     free = os.statvfs(os.path.dirname(path))
-    return CkptOptionsError(
+    return InsufficientSharedMemory(
         f"--async-ckpt-use-cpu-shm: cannot reserve {nbytes} bytes in {os.path.dirname(path)} "
         f"for staging {key!r} ({free.f_bavail * free.f_frsize} bytes free). Fix: enlarge it "
         "(containers: docker run --shm-size=..., Kubernetes: an emptyDir with medium: Memory), "
@@ -647,17 +643,6 @@ def _owner_pid(name: str, prefix: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_if_unmapped(path: str, *, dry_run: bool) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -705,12 +690,10 @@ def _warn_file_system_strategy() -> None:
     import torch.multiprocessing as tmp
 
     if tmp.get_sharing_strategy() == "file_system":
-        from . import backend
-
-        backend.warn_once("staging-file-system-strategy",
-                          "torch.multiprocessing sharing strategy is 'file_system': staged "
-                          "tensors are copied again when handed to a spawned writer. Use the "
-                          "default 'file_descriptor' strategy for --async-ckpt-use-cpu-shm.")
+        warn_once("staging-file-system-strategy",
+                  "torch.multiprocessing sharing strategy is 'file_system': staged "
+                  "tensors are copied again when handed to a spawned writer. Use the "
+                  "default 'file_descriptor' strategy for --async-ckpt-use-cpu-shm.")
 
 
 def _describe(old: StagingKey, new: StagingKey) -> str:

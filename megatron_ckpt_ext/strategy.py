@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 from . import backend
 from ._cpu_shim import call_with_cpu_shim
-from .options import CkptOptions, env_switch
+from .debug import env_switch
+from .options import CkptOptions
 
 __all__ = ["call_without_crc32", "cpu_request", "crc_free_request", "load_strategy",
            "save_strategy", "sequential_request", "write_buckets_inline"]

@@ -2,7 +2,7 @@
 
 :func:`validate` does no I/O: it maps (options, capabilities) to a list of :class:`Finding`.
 :func:`check` is the start-up entry point: it raises :class:`CkptOptionsError` listing every error,
-and emits each warning once, on rank 0 only (through ``backend.warn_once``).
+and emits each warning once, on rank 0 only (through ``_runtime.warn_once``).
 
 Single-value checks (types, ranges) are in ``options.py`` and already hold for any
 :class:`CkptOptions`; this module relates knobs to each other and to the installed backend, so a
@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .options import CkptOptions, CkptOptionsError
+from ._runtime import warn_once
+from .errors import CkptOptionsError
+from .options import CkptOptions
 
 if TYPE_CHECKING:
     from .backend import Capabilities
@@ -269,8 +271,6 @@ def _raise_or_warn(findings: list[Finding]) -> list[Finding]:
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise CkptOptionsError("invalid checkpoint options:\n  " + "\n  ".join(map(str, errors)))
-    from . import backend
-
     for f in findings:
-        backend.warn_once(f.code, f.message)
+        warn_once(f.code, f.message)
     return findings

@@ -31,7 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_ckpt_ext.options import CkptOptions, CkptOptionsError, load_yaml  # noqa: E402
+from megatron_ckpt_ext.errors import CkptOptionsError  # noqa: E402
+from megatron_ckpt_ext.options import CkptOptions, load_yaml  # noqa: E402
 
 RECIPE_KEYS = {"name", "description", "test_type", "nproc", "train_iters", "model", "ckpt_flags",
                "megatron_cfg", "compare", "timeout_s", "gpu"}

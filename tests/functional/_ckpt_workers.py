@@ -234,7 +234,7 @@ def replicated_fully_parallel_load(rank: int, world: int, root: str) -> None:
 def unwritable_root(rank: int, world: int, root: str, options: dict) -> None:
     """The root lies under a regular file: rank 0 cannot create it. Every rank must raise
     CheckpointWriteError naming the path (no rank left waiting), and nothing is created."""
-    from megatron_ckpt_ext.checkpointer import CheckpointWriteError
+    from megatron_ckpt_ext.errors import CheckpointWriteError
 
     blocker = Path(root).parent
     if rank == 0:

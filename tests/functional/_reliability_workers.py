@@ -25,7 +25,8 @@ import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext import checkpointer as ckpt_mod
-from megatron_ckpt_ext.checkpointer import CheckpointWriteError, checkpoint_name, read_tracker
+from megatron_ckpt_ext.checkpointer import checkpoint_name, read_tracker
+from megatron_ckpt_ext.errors import CheckpointWriteError
 
 __all__ = ["MODES", "PHASES", "crash_job", "soak", "trial_state", "verify_committed",
            "worker_death"]

@@ -12,7 +12,8 @@ import pytest
 
 import megatron_ckpt_ext as m
 from megatron_ckpt_ext.arguments import flags
-from megatron_ckpt_ext.options import CkptOptions, CkptOptionsError
+from megatron_ckpt_ext.errors import CkptOptionsError
+from megatron_ckpt_ext.options import CkptOptions
 
 # Adding a flag is a deliberate act: update this list in the same commit.
 FROZEN_FLAGS = [

@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 
-from megatron_ckpt_ext import backend
+from megatron_ckpt_ext import _runtime, backend, errors
 
 
 # -- fakes with the signatures real releases have ------------------------------------------------
@@ -79,22 +79,22 @@ def test_init_function_resolves_to_its_class():
 
 # -- warn_once / rank -----------------------------------------------------------------------------
 def test_warn_once_logs_once_per_key(caplog):
-    caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext.backend")
+    caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext._runtime")
     for _ in range(3):
-        backend.warn_once("test-key-a", "message A")
-    backend.warn_once("test-key-b", "message B")
+        _runtime.warn_once("test-key-a", "message A")
+    _runtime.warn_once("test-key-b", "message B")
     assert [r.getMessage() for r in caplog.records] == ["message A", "message B"]
 
 
 def test_warn_once_silent_off_rank_zero(caplog, monkeypatch):
-    monkeypatch.setattr(backend, "rank", lambda: 1)
-    caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext.backend")
-    backend.warn_once("test-key-rank1", "not on rank 1")
+    monkeypatch.setattr(_runtime, "rank", lambda: 1)
+    caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext._runtime")
+    _runtime.warn_once("test-key-rank1", "not on rank 1")
     assert caplog.records == []
 
 
 def test_rank_is_zero_without_process_group():
-    assert backend.rank() == 0
+    assert _runtime.rank() == 0
 
 
 # -- detection ------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_dist_sync_needs_cuda_when_queue_allreduces_on_cuda():
 def test_accessors_raise_actionable_error_when_mcore_unusable(monkeypatch):
     caps = _caps(mcore_dist_ckpt_importable=False, mcore_error="upgrade nvidia-resiliency-ext")
     monkeypatch.setattr(backend, "detect", lambda **_: caps)
-    with pytest.raises(backend.BackendUnavailable, match="upgrade nvidia-resiliency-ext"):
+    with pytest.raises(errors.BackendUnavailable, match="upgrade nvidia-resiliency-ext"):
         backend.async_calls_queue_cls()
     with pytest.raises(ImportError):
         backend.dist_checkpointing()
@@ -242,7 +242,7 @@ def test_accessors_raise_actionable_error_when_mcore_unusable(monkeypatch):
 def test_sync_provider_accessor_says_how_to_enable_async(monkeypatch):
     caps = _caps(async_provider="sync", nvrx_error="not installed")
     monkeypatch.setattr(backend, "detect", lambda **_: caps)
-    with pytest.raises(backend.BackendUnavailable, match="pip install"):
+    with pytest.raises(errors.BackendUnavailable, match="pip install"):
         backend.async_request_cls()
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions, checkpointer
 from megatron_ckpt_ext.checkpointer import TRACKER, read_tracker
-from megatron_ckpt_ext.options import CkptOptionsError
+from megatron_ckpt_ext.errors import CheckpointWriteError, CkptOptionsError
 
 
 # -- commit order ---------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_plugin_collectives_wait_at_most_distributed_timeout_minutes():
         work = _Work()
         ck._wait(work)
         assert work.timeouts == [timedelta(minutes=3)]
-        with pytest.raises(checkpointer.CheckpointWriteError, match="--distributed-timeout-minutes 3"):
+        with pytest.raises(CheckpointWriteError, match="--distributed-timeout-minutes 3"):
             ck._wait(_Work(fail=True))
     with Checkpointer(CkptOptions(distributed_timeout_minutes=None)) as ck:
         work = _Work()

@@ -122,3 +122,31 @@ def test_version_prints_the_package_version(argv, capsys):
         main(argv)
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"megatron-ckpt-ext {megatron_ckpt_ext.__version__}"
+
+
+def _on_defaults(monkeypatch):
+    from megatron_ckpt_ext.debug import ENV_SWITCHES
+
+    for name in ENV_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_debug_switch_off_its_default_is_listed_before_the_verdict(monkeypatch, capsys):
+    _on_defaults(monkeypatch)
+    monkeypatch.setenv("MCX_KEEP_CRC32", "1")
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    listed = [i for i, line in enumerate(lines) if "MCX_" in line]
+    assert len(listed) == 1 and lines[listed[0]].startswith("debug switch MCX_KEEP_CRC32=1 ")
+    assert listed[0] < len(lines) - 1 and lines[-1].startswith("verdict: ")
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["debug_switches"] == {"MCX_KEEP_CRC32": "1"}
+
+
+def test_no_debug_switch_is_listed_on_the_defaults(monkeypatch, capsys):
+    _on_defaults(monkeypatch)
+    monkeypatch.setenv("MCX_PERSISTENT_WORKER_START", "fork")  # set, but to its default
+    assert main(["doctor"]) == 0
+    assert "MCX_" not in capsys.readouterr().out
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["debug_switches"] == {}

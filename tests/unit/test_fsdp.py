@@ -27,7 +27,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_ckpt_ext import CkptOptions, CkptOptionsError, add_arguments, backend, fsdp
+from megatron_ckpt_ext import CkptOptions, CkptOptionsError, _runtime, add_arguments, backend, fsdp
+from megatron_ckpt_ext.errors import BackendUnavailable
 from megatron_ckpt_ext.validation import check_fsdp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def test_installed_megatron_core_without_experimental_fsdp_is_detected_as_absent
     assert not ok
     assert "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental" in reason
     assert "megatron-core 0.19.2" in reason  # names the release that has it
-    with pytest.raises(backend.BackendUnavailable, match="experimental Megatron-FSDP"):
+    with pytest.raises(BackendUnavailable, match="experimental Megatron-FSDP"):
         backend.megatron_fsdp_api()
 
 
@@ -72,14 +73,14 @@ def test_installed_megatron_core_falls_back_with_one_warning(caps_factory, caplo
         pytest.skip(f"installed megatron-core {caps.mcore_version} has use_symm_mem")
     from megatron_ckpt_ext.validation import check
 
-    backend._reset_warnings_for_tests()
+    _runtime._reset_warnings_for_tests()
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
             check(CkptOptions(fsdp_use_symm_mem=True), caps)
             check_fsdp(CkptOptions(fsdp_use_symm_mem=True), caps, fsdp_ranks=2)
     warned = _symm_warnings(caplog)
     assert len(warned) == 1 and f"megatron-core {caps.mcore_version}" in warned[0]
-    backend._reset_warnings_for_tests()
+    _runtime._reset_warnings_for_tests()
 
 
 @needs_0192
@@ -191,7 +192,7 @@ class _Placements:
 @pytest.fixture
 def fake_api(mocker, caps_factory):
     """Patch the backend: a mock fully_shard (taking use_symm_mem or not) and a CUDA machine."""
-    backend._reset_warnings_for_tests()
+    _runtime._reset_warnings_for_tests()
     mocker.patch.object(backend, "detect", return_value=caps_factory(cuda_available=True))
 
     def make(*, use_symm_mem: bool, fully_shard: Any = None) -> backend.FsdpApi:
@@ -204,7 +205,7 @@ def fake_api(mocker, caps_factory):
         return api
 
     yield make
-    backend._reset_warnings_for_tests()
+    _runtime._reset_warnings_for_tests()
 
 
 def _symm_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

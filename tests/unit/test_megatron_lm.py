@@ -15,6 +15,7 @@ import types
 import pytest
 
 from megatron_ckpt_ext import CkptOptions, backend, megatron_lm
+from megatron_ckpt_ext.errors import MegatronAdapterError
 from .test_backend_mlm import RECORDED, modules_from
 
 
@@ -86,7 +87,7 @@ def test_importing_the_adapter_does_not_import_megatron():
 def test_install_without_megatron_training_names_version_and_reason():
     if backend.megatron_training_seams().ok:
         pytest.skip("megatron.training is importable here")
-    with pytest.raises(megatron_lm.MegatronAdapterError, match=r"megatron-core .*megatron\.training"):
+    with pytest.raises(MegatronAdapterError, match=r"megatron-core .*megatron\.training"):
         megatron_lm.install()
     assert not megatron_lm.is_installed()
 
@@ -94,7 +95,7 @@ def test_install_without_megatron_training_names_version_and_reason():
 def test_missing_seam_refuses_with_one_error_and_patches_nothing(mlm):
     del mlm.mods["training"].maybe_finalize_async_save
     original = mlm.mods["checkpointing"].schedule_async_save
-    with pytest.raises(megatron_lm.MegatronAdapterError,
+    with pytest.raises(MegatronAdapterError,
                        match=r"0\.\d+.*training\.maybe_finalize_async_save \(absent\)"):
         _install(mlm, async_save=True)
     assert mlm.mods["checkpointing"].schedule_async_save is original
@@ -220,7 +221,7 @@ def test_an_early_checkpointer_gets_the_data_parallel_group_once_megatron_has_bu
 
 def test_a_request_not_made_by_the_adapter_is_refused(mlm):
     _install(mlm, async_save=True)
-    with pytest.raises(megatron_lm.MegatronAdapterError, match="bypassed the adapter"):
+    with pytest.raises(MegatronAdapterError, match="bypassed the adapter"):
         mlm.mods["checkpointing"].schedule_async_save(object())
 
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from megatron_ckpt_ext.options import CkptOptions, CkptOptionsError, knobs
+from megatron_ckpt_ext.errors import CkptOptionsError
+from megatron_ckpt_ext.options import CkptOptions, knobs
 
 CLI_DEFAULTS = dict(
     async_save=False, async_ckpt_use_cpu_shm=False, dist_ckpt_workers=1,
@@ -270,31 +271,3 @@ def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):
     f.write_text("- async_save\n")
     with pytest.raises(CkptOptionsError, match="expected a mapping"):
         CkptOptions.from_yaml(f)
-
-
-def test_every_env_switch_read_in_the_package_is_registered_and_in_the_readme():
-    import re
-    from pathlib import Path
-
-    from megatron_ckpt_ext.options import ENV_SWITCHES, env_switch
-
-    root = Path(__file__).resolve().parents[2]
-    used = set()
-    for path in (root / "megatron_ckpt_ext").glob("*.py"):
-        text = path.read_text()
-        assert "os.environ.get(\"MCX_" not in text, f"{path.name} reads an MCX_ switch directly"
-        used |= set(re.findall(r'env_switch\("(MCX_[A-Z0-9_]+)"\)', text))
-    assert used == set(ENV_SWITCHES), used ^ set(ENV_SWITCHES)
-    readme = (root / "README.md").read_text()
-    assert [n for n in ENV_SWITCHES if n not in readme] == []
-    with pytest.raises(KeyError):
-        env_switch("MCX_NOT_A_SWITCH")
-
-
-def test_env_switch_reads_the_environment_with_its_registered_default(monkeypatch):
-    from megatron_ckpt_ext.options import env_switch
-
-    monkeypatch.delenv("MCX_PERSISTENT_WORKER_START", raising=False)
-    assert env_switch("MCX_PERSISTENT_WORKER_START") == "fork"
-    monkeypatch.setenv("MCX_PERSISTENT_WORKER_START", "spawn")
-    assert env_switch("MCX_PERSISTENT_WORKER_START") == "spawn"

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ckpt_ext import backend, preflight
-from megatron_ckpt_ext.options import CkptOptionsError
+from megatron_ckpt_ext import _runtime, backend, preflight
+from megatron_ckpt_ext.errors import InsufficientSharedMemory
 from megatron_ckpt_ext.preflight import DiskUsage
 
 SMALL_SHM = DiskUsage(2**30, 2**30 - 2**28, 2**28)  # 256 MiB free
 
 
 def test_shm_shortfall_names_needed_available_and_fix():
-    with pytest.raises(CkptOptionsError) as e:
+    with pytest.raises(InsufficientSharedMemory) as e:
         preflight.check_shm(2**28, 4, probe=lambda path: SMALL_SHM)
     msg = str(e.value)
     assert "needs 1.00 GiB (1073741824 bytes)" in msg
@@ -29,7 +29,7 @@ def test_shm_that_fits_all_local_ranks_passes():
 
 def test_shm_ranks_default_to_local_world_size(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(CkptOptionsError, match="x 8 ranks"):
+    with pytest.raises(InsufficientSharedMemory, match="x 8 ranks"):
         preflight.check_shm(2**26, probe=lambda path: SMALL_SHM)  # 8 x 64 MiB > 256 MiB
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "garbage")
     assert preflight.local_ranks() == 1
@@ -43,7 +43,7 @@ def test_shm_probe_is_asked_about_the_given_path():
 
 
 def test_disk_warns_once_when_below_last_checkpoint(tmp_path, caplog):
-    backend._reset_warnings_for_tests()
+    _runtime._reset_warnings_for_tests()
     tiny = lambda path: DiskUsage(10**9, 10**9 - 10**6, 10**6)
     with caplog.at_level("WARNING"):
         assert preflight.check_disk(tmp_path, 10**8, probe=tiny) is False
@@ -69,7 +69,7 @@ def test_checkpointer_fails_before_the_first_cpu_shm_save_when_shm_is_short(monk
     opts = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
                        ckpt_assume_constant_structure=True)
     with Checkpointer(opts) as ck:
-        with pytest.raises(CkptOptionsError,
+        with pytest.raises(InsufficientSharedMemory,
                            match=r"needs .* \(4000 bytes\) .* \(100 bytes\) is free"):
             ck.save({"w": sharded_tensor.from_rank_offsets("w", torch.ones(1000))}, tmp_path,
                     iteration=1)

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_ckpt_ext import staging
-from megatron_ckpt_ext.options import CkptOptionsError
+from megatron_ckpt_ext.errors import InsufficientSharedMemory, StagingFailed
 from megatron_ckpt_ext.staging import ShmStager, sweep_orphans
 
 DEVICE = os.environ.get("MCX_TEST_DEVICE", "cpu")
@@ -325,7 +325,7 @@ def test_full_shm_is_an_error_naming_the_fix_and_leaves_no_segment(monkeypatch):
     monkeypatch.setattr(staging.os, "posix_fallocate", no_space)
     job = f"full{uuid.uuid4().hex[:6]}"
     with ShmStager(job_id=job, rank=0, reuse=True) as stager:
-        with pytest.raises(CkptOptionsError, match=r"cannot reserve 4096 bytes .* 'w'.*--shm-size"):
+        with pytest.raises(InsufficientSharedMemory, match=r"cannot reserve 4096 bytes .* 'w'.*--shm-size"):
             stager.stage([torch.ones(1024)], keys=["w"])
     assert ours(job) == set()
 
@@ -419,7 +419,7 @@ def test_a_new_stager_sweeps_orphans_at_start():
 def test_writer_runs_only_once_its_save_is_published(tmp_path):
     import threading
 
-    from megatron_ckpt_ext.staging import StagingFailed, run_when_staged
+    from megatron_ckpt_ext.staging import run_when_staged
 
     with ShmStager(job_id="flag", rank=0, reuse=True, shm_dir=str(tmp_path), pin=False) as st:
         flag = st.ready_flag()

@@ -6,7 +6,9 @@ import logging
 
 import pytest
 
-from megatron_ckpt_ext.options import CkptOptions, CkptOptionsError
+from megatron_ckpt_ext import _runtime
+from megatron_ckpt_ext.errors import CkptOptionsError
+from megatron_ckpt_ext.options import CkptOptions
 from megatron_ckpt_ext.validation import check, validate
 
 
@@ -53,9 +55,7 @@ def test_priorities_without_async_have_no_effect():
 
 
 def test_check_warns_once_on_rank0(caplog):
-    from megatron_ckpt_ext import backend
-
-    backend._reset_warnings_for_tests()
+    _runtime._reset_warnings_for_tests()
     opts = CkptOptions(async_ckpt_use_cpu_shm=True)
     with caplog.at_level(logging.WARNING):
         check(opts)
@@ -65,10 +65,8 @@ def test_check_warns_once_on_rank0(caplog):
 
 
 def test_check_is_silent_off_rank0(caplog, monkeypatch):
-    from megatron_ckpt_ext import backend
-
-    backend._reset_warnings_for_tests()
-    monkeypatch.setattr(backend, "rank", lambda: 1)
+    _runtime._reset_warnings_for_tests()
+    monkeypatch.setattr(_runtime, "rank", lambda: 1)
     with caplog.at_level(logging.WARNING):
         check(CkptOptions(async_ckpt_use_cpu_shm=True))
     assert not [r for r in caplog.records if "--async-save" in r.getMessage()]

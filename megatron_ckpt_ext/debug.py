@@ -1,0 +1,144 @@
+"""The ``MCX_*`` diagnostic switches and the writer trace (docs/DEBUGGING.md).
+
+Each switch turns one of our speed-ups off, to rule it out when debugging, or traces the writer.
+Every switch is registered once in :data:`ENV_SWITCHES` and read only through :func:`env_switch`,
+so a misspelt name fails where it is read and ``doctor`` can list those set. Standard library
+only: this module is a leaf that anything in the package may import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV_SWITCHES", "EnvSwitch", "TRACE_FILE", "env_switch", "non_default_switches",
+           "trace_event", "traced_request"]
+
+TRACE_FILE = "writer_trace.jsonl"
+
+
+@dataclass(frozen=True)
+class EnvSwitch:
+    """An ``MCX_*`` environment variable: its value when unset, and what setting it does."""
+
+    name: str
+    default: str
+    help: str
+
+
+ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
+    EnvSwitch("MCX_PERSISTENT_WORKER_START", "fork",
+              "spawn: start the persistent writer with spawn instead of fork"),
+    EnvSwitch("MCX_PICKLE_SEGMENTS_BY_NAME", "1",
+              "0: hand staged tensors to a spawned writer by fd, as torch does"),
+    EnvSwitch("MCX_PRIME_RESULTS_QUEUE", "1",
+              "0: start the writers' write-results queues (megatron-core's and nvrx's) in the "
+              "first save instead of at start-up"),
+    EnvSwitch("MCX_WRITER_KEEPS_MAPPINGS", "1",
+              "0: a persistent writer maps the staged segments again at every save"),
+    EnvSwitch("MCX_RESULTS_QUEUE", "spool",
+              "manager: the writers' write-results queues in a forked Manager server instead "
+              "of a spool directory"),
+    EnvSwitch("MCX_SPAWN_IMPORTS_MAIN", "0", "1: spawned writers re-import __main__"),
+    EnvSwitch("MCX_KEEP_WRITER_CLONES", "0",
+              "1: let nvrx 0.7's writer clone our staged copies again"),
+    EnvSwitch("MCX_KEEP_PRELOAD", "0",
+              "1: keep megatron-core's host preload even when every tensor is already staged "
+              "in host memory"),
+    EnvSwitch("MCX_KEEP_CRC32", "0",
+              "1: let torch.save compute the CRC-32 of every record the writer writes"),
+    EnvSwitch("MCX_KEEP_PAGE_CACHE", "0",
+              "1: leave a written checkpoint's pages in the page cache (the writer drops them "
+              "once fsync'd)"),
+    EnvSwitch("MCX_FREEZE_GC_AT_FORK", "1",
+              "0: do not gc.freeze() the trainer's objects when the persistent writer is forked "
+              "(its full collections then copy the pages the writer shares)"),
+    EnvSwitch("MCX_WRITER_TRACE", "",
+              "<dir>: append each save's preload, write, results hand-back, schedule and commit "
+              f"wall times to <dir>/{TRACE_FILE}"),
+)}
+
+
+def env_switch(name: str) -> str:
+    """The value of the registered switch ``name`` (its default when unset); KeyError for a name
+    not in :data:`ENV_SWITCHES`, so a misspelt switch fails where it is read."""
+    return os.environ.get(name, ENV_SWITCHES[name].default)
+
+
+def non_default_switches() -> dict[str, str]:
+    """The registered switches set to something other than their default, with their values:
+    what ``doctor`` lists, since any of them changes how a save runs."""
+    return {name: os.environ[name] for name, switch in ENV_SWITCHES.items()
+            if os.environ.get(name, switch.default) != switch.default}
+
+
+# -- writer trace (MCX_WRITER_TRACE) -------------------------------------------------------------
+def traced_request(request: Any, folder: str, *, rank: int) -> Any:
+    """``request`` whose preload and write functions append their wall-clock start and end,
+    process id and ``rank`` to ``<folder>/writer_trace.jsonl`` from whichever process runs them
+    (the persistent worker, a temporal fork, the trainer)."""
+    fields: dict[str, Any] = {}
+    if request.async_fn is not None:
+        fields["async_fn"] = partial(_traced_call, folder, "write", rank, request.async_fn)
+    if getattr(request, "preload_fn", None) is not None:
+        fields["preload_fn"] = partial(_traced_call, folder, "preload", rank, request.preload_fn)
+    return request._replace(**fields)
+
+
+def trace_event(folder: str | None, what: str, *, rank: int, **fields: Any) -> None:
+    """Append one line to ``<folder>/writer_trace.jsonl``; nothing when ``folder`` is empty
+    (the trace is off). ``start`` in ``fields`` adds the duration ``s`` up to now."""
+    if not folder:
+        return
+    now = time.time()
+    line = {"what": what, "pid": os.getpid(), "rank": rank, "end": now, **fields}
+    if "start" in fields:
+        line["s"] = round(now - fields["start"], 4)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / TRACE_FILE, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+class _TracedQueue:
+    """The write-results queue, with each ``put`` traced (the hand-back to the trainer)."""
+
+    def __init__(self, queue: Any, folder: str, rank: int) -> None:
+        self._queue, self._folder, self._rank = queue, folder, rank
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        try:
+            return self._queue.put(*args, **kwargs)
+        finally:
+            trace_event(self._folder, "results_put", rank=self._rank, start=start)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def _traced_call(folder: str, what: str, rank: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Also records this thread's CPU seconds, page faults and context switches over the call:
+    CPU close to the wall time means the write is bound by copying, not by the disk."""
+    start, before = time.time(), _thread_usage()
+    if what == "write" and args and hasattr(args[-1], "put"):
+        args = (*args[:-1], _TracedQueue(args[-1], folder, rank))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        after = _thread_usage()
+        trace_event(folder, what, rank=rank, start=start,
+                    **{k: round(after[k] - before[k], 4) for k in after})
+
+
+def _thread_usage() -> dict[str, float]:
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    u = resource.getrusage(who)
+    return {"cpu_s": u.ru_utime + u.ru_stime, "sys_s": u.ru_stime, "minflt": u.ru_minflt,
+            "majflt": u.ru_majflt, "nvcsw": u.ru_nvcsw, "nivcsw": u.ru_nivcsw}

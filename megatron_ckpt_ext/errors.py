@@ -1,0 +1,55 @@
+"""The package's exceptions, under one base class.
+
+Catch :class:`CkptError` for anything the plugin raises on purpose. Each error also keeps the
+builtin base it has always had (``ValueError`` for a bad option, ``ImportError`` for a missing
+backend, ...), so ``except ValueError`` and the like keep working. Every message names the fix.
+A leaf: imports nothing from the package, so any module (and a spawned writer) can import it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendMismatch",
+    "BackendUnavailable",
+    "CheckpointWriteError",
+    "CkptError",
+    "CkptOptionsError",
+    "InsufficientSharedMemory",
+    "MegatronAdapterError",
+    "StagingFailed",
+]
+
+
+class CkptError(Exception):
+    """Base class of every error megatron-ckpt-ext raises on purpose."""
+
+
+class CkptOptionsError(CkptError, ValueError):
+    """A checkpointing option is invalid; the message names the flag/key and the fix."""
+
+
+class BackendUnavailable(CkptError, ImportError):
+    """A backend piece cannot be used here; the message says how to fix the environment."""
+
+
+class BackendMismatch(CkptError, RuntimeError):
+    """The installed backends import but disagree (e.g. a request field one of them does not
+    know); the fix is matching versions, not an installation."""
+
+
+class InsufficientSharedMemory(CkptError, OSError):
+    """Shared memory (/dev/shm) cannot hold the staging buffers: a limit of the machine or
+    container, not a bad option; the message names the bytes needed and free, and the fix."""
+
+
+class CheckpointWriteError(CkptError, RuntimeError):
+    """An async save failed on some rank: its writer died, its write raised, or it outlived
+    ``--ckpt-timeout``. Raised on every rank; the previous committed checkpoint stays the latest."""
+
+
+class StagingFailed(CkptError, RuntimeError):
+    """The trainer could not complete a save's staging copies; the writer wrote nothing."""
+
+
+class MegatronAdapterError(CkptError, RuntimeError):
+    """megatron.training cannot be hooked here; the message names the version and the seam."""
