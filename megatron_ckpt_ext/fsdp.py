@@ -15,9 +15,9 @@ across ranks, so a rank may own an uneven number of rows of a tensor (or none): 
 megatron-core ShardedTensors on an irregular grid (``axis_fragmentations=None``), which its
 torch_dist format stores as they are.
 
-This module reads Megatron-FSDP objects (parameter groups and their DBuffers); the classes and
-functions it calls come from ``backend`` (the one module that imports megatron-core). Importing it
-needs no CUDA and detects nothing.
+This module works on Megatron-FSDP objects (parameter groups and their DBuffers); the classes and
+functions it calls, and the reads of a DBuffer's layout and placements, come from ``backend`` (the
+one package that imports megatron-core). Importing it needs no CUDA and detects nothing.
 """
 
 from __future__ import annotations
@@ -142,9 +142,8 @@ def register_sharded_buffers(model: nn.Module, *, api: backend.FsdpApi | None = 
                 new = torch.empty_like(old)
             new.copy_(old)
             buffer.local_buffer = new
-            for axis, placement in enumerate(buffer.placements):
-                if isinstance(placement, api.flat):
-                    buffer.rendezvous(axis)
+            for axis in backend.dbuffer_flat_axes(buffer, api):
+                buffer.rendezvous(axis)
             done["moved"].append(where)
             done["bytes"] += new.numel() * new.element_size()
     if rank() == 0:
@@ -287,11 +286,7 @@ def _fsdp_shards(model: nn.Module) -> Iterator[_Shard]:
 
 
 def _named_parameter_groups(model: nn.Module) -> Iterator[tuple[str, Any]]:
-    api = backend.megatron_fsdp_api()
-    for name, module in model.named_modules():
-        if isinstance(module, api.fsdp_module):
-            for group in module.parameter_groups:
-                yield name, group
+    yield from backend.fsdp_parameter_groups(model, backend.megatron_fsdp_api())
 
 
 def _parameter_groups(model: nn.Module) -> Iterator[Any]:
@@ -299,15 +294,12 @@ def _parameter_groups(model: nn.Module) -> Iterator[Any]:
 
 
 def _shard_of(key: str, parameter: Any, buffer: Any, index: int) -> _Shard:
-    """Where this rank's slice of tensor ``index`` of a DBuffer lies in the global tensor: the
-    buffer holds the tensors back to back (``layout.tensor_to_offset``), and this rank the
-    elements from ``buffer.offset`` on, always whole rows."""
-    shape = tuple(buffer.layout.tensor_shapes[index])
+    """Where this rank's slice of tensor ``index`` of a DBuffer lies in the global tensor (it
+    holds whole rows)."""
+    shape, local, skipped = backend.dbuffer_slice(buffer, index)
     if not shape:
         raise ValueError(f"FSDP parameter {key!r} is a scalar; sharded checkpoints need dim >= 1")
-    local = buffer.get_local_tensor(index)
     row = math.prod(shape[1:])
-    skipped = max(0, buffer.offset - buffer.layout.tensor_to_offset[index])
     if local.numel() and skipped % row:
         raise ValueError(f"FSDP parameter {key!r}: this rank's shard starts inside a row")
     return _Shard(key, parameter, local, shape, skipped // row if local.numel() else 0,
@@ -317,10 +309,7 @@ def _shard_of(key: str, parameter: Any, buffer: Any, index: int) -> _Shard:
 def _replica_id(buffer: Any) -> Any:
     """0 on every rank of plain FSDP; with replicated mesh axes (HSDP), the rank's coordinates on
     them (the shard at all-zero coordinates is the one that is written)."""
-    coordinate = buffer.mesh.get_coordinate() or ()
-    api = backend.megatron_fsdp_api()
-    replicated = tuple(c for c, p in zip(coordinate, buffer.placements)
-                       if not isinstance(p, api.flat))
+    replicated = backend.dbuffer_replicated_coordinates(buffer, backend.megatron_fsdp_api())
     return replicated if any(replicated) else 0
 
 

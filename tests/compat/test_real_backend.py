@@ -289,7 +289,7 @@ def test_writer_clone_detection_matches_release():
 def test_clone_is_skipped_only_for_snapshots_and_only_inside_the_block(monkeypatch):
     import torch
 
-    monkeypatch.setattr(backend, "writer_clones_cpu_tensors", lambda writer_cls=None: True)
+    monkeypatch.setattr(backend.async_queue, "writer_clones_cpu_tensors", lambda writer_cls=None: True)
     mine, other = torch.ones(4), torch.ones(4)
     with backend.writer_keeps_snapshots(lambda t: t.data_ptr() == mine.data_ptr()) as active:
         assert active

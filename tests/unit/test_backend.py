@@ -1,4 +1,4 @@
-"""backend.py branches pinned with fake backend callables (old/new signatures, traps)."""
+"""backend/ branches pinned with fake backend callables (old/new signatures, traps)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 import pytest
 
 from megatron_ckpt_ext import _runtime, backend, errors
+from megatron_ckpt_ext.backend import detection, mcore
 
 
 # -- fakes with the signatures real releases have ------------------------------------------------
@@ -108,7 +109,7 @@ def test_detect_never_raises(monkeypatch):
     def boom():
         raise RuntimeError("probe exploded")
 
-    monkeypatch.setattr(backend, "_detect", boom)
+    monkeypatch.setattr(detection, "_detect", boom)
     caps = backend.detect(refresh=True)
     try:
         assert caps.async_provider == "sync" and not caps.mcore_dist_ckpt_importable
@@ -119,7 +120,7 @@ def test_detect_never_raises(monkeypatch):
 
 
 def test_mcore_019_nvrx_trap_message_names_both_fixes():
-    msg = backend._explain_mcore_error(
+    msg = detection._explain_mcore_error(
         "AttributeError: module 'nvidia_resiliency_ext' has no attribute '__version__'",
         "0.19.2", "0.4.1")
     assert "0.19.2" in msg and "0.4.1" in msg
@@ -127,7 +128,7 @@ def test_mcore_019_nvrx_trap_message_names_both_fixes():
 
 
 def test_other_mcore_import_errors_are_passed_through():
-    msg = backend._explain_mcore_error("ImportError: no module named x", "0.16.1", "0.7.0")
+    msg = detection._explain_mcore_error("ImportError: no module named x", "0.16.1", "0.7.0")
     assert "pip uninstall" not in msg and "no module named x" in msg
 
 
@@ -215,7 +216,7 @@ class _ShmButCuda:  # a worker that takes cpu_shm_mode yet sets up CUDA regardle
 ])
 def test_worker_probes_read_the_worker_code(core, needs_cuda, shm_skips_cuda):
     # worker_cpu_shm_skips_cuda decides fork vs spawn of the persistent worker on a CUDA host.
-    probes = backend._worker_probes(core)
+    probes = detection._worker_probes(core)
     assert probes == {"worker_needs_cuda": needs_cuda, "worker_cpu_shm_skips_cuda": shm_skips_cuda,
                       "queue_sync_needs_cuda": True}
 
@@ -232,7 +233,7 @@ def test_dist_sync_needs_cuda_when_queue_allreduces_on_cuda():
 
 def test_accessors_raise_actionable_error_when_mcore_unusable(monkeypatch):
     caps = _caps(mcore_dist_ckpt_importable=False, mcore_error="upgrade nvidia-resiliency-ext")
-    monkeypatch.setattr(backend, "detect", lambda **_: caps)
+    monkeypatch.setattr(mcore, "detect", lambda **_: caps)
     with pytest.raises(errors.BackendUnavailable, match="upgrade nvidia-resiliency-ext"):
         backend.async_calls_queue_cls()
     with pytest.raises(ImportError):
@@ -241,7 +242,7 @@ def test_accessors_raise_actionable_error_when_mcore_unusable(monkeypatch):
 
 def test_sync_provider_accessor_says_how_to_enable_async(monkeypatch):
     caps = _caps(async_provider="sync", nvrx_error="not installed")
-    monkeypatch.setattr(backend, "detect", lambda **_: caps)
+    monkeypatch.setattr(mcore, "detect", lambda **_: caps)
     with pytest.raises(errors.BackendUnavailable, match="pip install"):
         backend.async_request_cls()
 

@@ -70,7 +70,7 @@ def test_an_unwritable_save_directory_stays_an_options_error(tmp_path):
 def test_request_fields_unknown_to_the_backend_raise_backend_mismatch(monkeypatch):
     target = collections.namedtuple("AsyncRequest", ["async_fn", "async_fn_args"])
     newer = collections.namedtuple("AsyncRequest", ["async_fn", "async_fn_args", "new_field"])
-    monkeypatch.setattr(backend, "async_request_cls", lambda: target)
+    monkeypatch.setattr(backend.mcore, "async_request_cls", lambda: target)
     with pytest.raises(errors.BackendMismatch, match=r"fields \['new_field'\] unknown") as e:
         backend.adapt_async_request(newer(None, (), 1))
     assert not isinstance(e.value, ImportError)

@@ -32,7 +32,7 @@ from megatron_ckpt_ext.errors import BackendUnavailable
 from megatron_ckpt_ext.validation import check_fsdp
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "check_fsdp_symm_mem.py"
+SCRIPT = ROOT / "tools" / "check_fsdp_symm_mem.py"
 WHEEL_0192 = Path(os.environ.get("MCORE0192_DIR") or ROOT / ".ext" / "mcore-0.19.2")
 FSDP_SRC = WHEEL_0192 / "megatron/core/distributed/fsdp/src"
 EXPERIMENTAL = FSDP_SRC / "megatron_fsdp/experimental"
@@ -57,7 +57,7 @@ def test_installed_megatron_core_without_experimental_fsdp_is_detected_as_absent
     caps = backend.detect()
     if caps.mcore_version and tuple(map(int, caps.mcore_version.split(".")[:2])) >= (0, 19):
         pytest.skip(f"installed megatron-core {caps.mcore_version} may have it")
-    backend._fsdp_probe.cache_clear()
+    backend.megatron_fsdp._fsdp_probe.cache_clear()
     ok, reason = backend.fsdp_symm_mem_support()
     assert not ok
     assert "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental" in reason
@@ -134,11 +134,11 @@ def test_detection_needs_a_declared_use_symm_mem_parameter(monkeypatch):
 
     old = _fake_fsdp_package(monkeypatch, "mcx_fake_old_fsdp", catch_all)
     new = _fake_fsdp_package(monkeypatch, "mcx_fake_new_fsdp", declared)
-    api, _ = backend._fsdp_probe((old,))
+    api, _ = backend.megatron_fsdp._fsdp_probe((old,))
     assert api is not None and api.use_symm_mem is False
-    api, _ = backend._fsdp_probe(("mcx_not_installed.experimental", new))
+    api, _ = backend.megatron_fsdp._fsdp_probe(("mcx_not_installed.experimental", new))
     assert api is not None and api.module == new and api.use_symm_mem is True
-    api, why = backend._fsdp_probe(("mcx_not_installed.experimental",))
+    api, why = backend.megatron_fsdp._fsdp_probe(("mcx_not_installed.experimental",))
     assert api is None and "not installed" in why
 
 

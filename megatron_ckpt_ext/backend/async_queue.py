@@ -1,0 +1,262 @@
+"""The provider's async calls queue: built with every value that matters passed explicitly, its
+writers inspected, stopped and unblocked, and the start-up tricks that keep the persistent
+writer's first save fast (fork instead of spawn, no re-import of ``__main__``, no second clone)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import queue as queue_mod
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from ..debug import env_switch
+from ..errors import BackendUnavailable
+from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
+from .introspect import _source_has, call_with_supported
+from .mcore import async_calls_queue_cls, filesystem_writer_async_cls
+
+logger = logging.getLogger("megatron_ckpt_ext.backend")
+
+
+def new_async_calls_queue(
+    *,
+    persistent: bool,
+    is_daemon: bool = True,
+    cpu_shm_mode: bool = False,
+    cpu_priority: int | None = None,
+    io_priority: int | None = None,
+) -> Any:
+    """A provider AsyncCallsQueue with the values that matter passed explicitly.
+
+    ``persistent`` and ``is_daemon`` are always passed (their defaults flipped between releases);
+    the others only when asked for. What the backend does not accept is dropped: callers check
+    :func:`detect` (and warn) before asking.
+    """
+    kwargs: dict[str, Any] = {"persistent": persistent, "is_daemon": is_daemon}
+    if cpu_shm_mode:
+        kwargs["cpu_shm_mode"] = True
+    if cpu_priority is not None:
+        kwargs["cpu_priority"] = cpu_priority
+    if io_priority is not None:
+        kwargs["io_priority"] = io_priority
+    return call_with_supported(async_calls_queue_cls(), **kwargs)
+
+
+@contextlib.contextmanager
+def persistent_worker_forks(queue: Any, *, cpu_shm_mode: bool) -> Any:
+    """Within this block, nvrx's persistent writer is started with ``fork`` instead of ``spawn``
+    where that is safe: the worker will not use CUDA (nvrx's ``cpu_shm_mode``) or CUDA is not
+    initialised in this process. Returns whether it applied (``yield``-ed value).
+
+    A spawned worker starts a fresh interpreter and imports torch, nvrx and megatron-core before
+    it takes a request: 18-19 s on the H100 machine, so a trainer that saves early waits for it
+    inside its first save. A forked one has them all, in milliseconds. This is the method
+    megatron-core's temporal writer and write-results queue already use after CUDA
+    initialisation. Cost: the worker shares the trainer's pages copy-on-write (bounded by the
+    trainer's host memory at start-up). ``MCX_PERSISTENT_WORKER_START=spawn`` keeps spawn."""
+
+    import torch
+
+    module = sys.modules.get(type(queue).__module__)  # the module whose mp starts the worker
+    mp = getattr(module, "mp", None)
+    safe = cpu_shm_mode or not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    if (env_switch("MCX_PERSISTENT_WORKER_START") == "spawn" or mp is None
+            or not hasattr(mp, "get_context") or not safe):
+        yield False
+        return
+
+    class _ForkInsteadOfSpawn:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mp, name)
+
+        @staticmethod
+        def get_context(method: str | None = None) -> Any:
+            return mp.get_context("fork" if method == "spawn" else method)
+
+    module.mp = _ForkInsteadOfSpawn()
+    try:
+        yield True
+    finally:
+        module.mp = mp
+
+
+@contextlib.contextmanager
+def spawn_skips_main() -> Any:
+    """Within this block, processes started with the ``spawn`` method do not re-import the
+    training script (``__main__``).
+
+    A spawned child normally imports the parent's ``__main__`` module by path before it runs; for
+    a Megatron-LM ``pretrain_gpt.py`` that is all of megatron.training (seconds), paid by the
+    persistent writer at start-up, before it can take the first save. The writer needs nothing
+    from ``__main__`` (requests carry functions of megatron-core, nvrx and this package, and
+    pickled bytes), so while it is started ``sys.modules["__main__"]`` is a bare module without
+    ``__file__``/``__spec__``: multiprocessing then has no main to re-import. Set
+    ``MCX_SPAWN_IMPORTS_MAIN=1`` to keep the default behaviour."""
+    import types
+
+    if env_switch("MCX_SPAWN_IMPORTS_MAIN") == "1":
+        yield
+        return
+    main = sys.modules.get("__main__")
+    bare = types.ModuleType("__main__")
+    bare.__spec__ = None
+    sys.modules["__main__"] = bare
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+_CLONES_CPU: dict[str, bool] = {}
+
+
+def writer_clones_cpu_tensors(writer_cls: type | None = None) -> bool:
+    """Whether the async writer's ``prepare_write_data`` clones every CPU tensor it is given
+    (nvrx >= 0.7's FileSystemWriterAsync does, so a persistent worker never reads live training
+    tensors; megatron-core's own writer clones only views). Read from the source, cached."""
+    if writer_cls is None:
+        try:
+            writer_cls = filesystem_writer_async_cls()
+        except BackendUnavailable:
+            return False
+    key = f"{writer_cls.__module__}.{writer_cls.__qualname__}"
+    if key not in _CLONES_CPU:
+        fn = getattr(writer_cls, "prepare_write_data", None)
+        _CLONES_CPU[key] = (_source_has(fn, "ten.clone()", default=False)
+                            and _source_has(fn, 'device.type == "cpu"', default=False))
+    return _CLONES_CPU[key]
+
+
+@contextlib.contextmanager
+def writer_keeps_snapshots(is_snapshot: Callable[[Any], bool]) -> Any:
+    """Within this block, ``Tensor.clone()`` with no arguments returns the tensor itself for
+    tensors ``is_snapshot`` accepts (this save's staged copies), and clones everything else.
+
+    nvrx 0.7's writer clones every CPU tensor of a save request (``_clone_or_dequantize_if_
+    needed``), to snapshot live training tensors. Ours are already snapshots owned by the save
+    until its commit, so that clone is a second full copy on the critical path (0.7-0.9 s for
+    8.5 GB on the H100), into fresh memory that torch then copies again into a new shared
+    segment to pickle it for the persistent worker (3.2-3.9 s). Used only around the request's
+    planning, only where :func:`writer_clones_cpu_tensors`; ``MCX_KEEP_WRITER_CLONES=1`` keeps
+    the clones."""
+
+    import torch
+
+    if env_switch("MCX_KEEP_WRITER_CLONES") == "1" or not writer_clones_cpu_tensors():
+        yield False
+        return
+    original = torch.Tensor.clone
+
+    def clone(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and self.device.type == "cpu" and is_snapshot(self):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.clone = clone
+    try:
+        yield True
+    finally:
+        torch.Tensor.clone = original
+
+
+def warm_up_writer_imports() -> None:
+    """Import, in a writer process, the modules a save request's functions live in (run by the
+    persistent worker's warm-up request, so the first save does not wait for these imports)."""
+    for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{MCORE_STRATEGIES}.torch",
+                 f"{NVRX_ASYNC}.filesystem_async", "megatron_ckpt_ext.strategy"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a missing optional module is not an error here
+            logger.debug("writer warm-up: %s not imported: %s", name, e)
+
+
+# The queue of nvrx 0.4-0.7 and megatron-core's own share these shapes: ``async_calls`` (a deque
+# of (idx, caller, request)), a temporal caller's forked ``process`` per save, a persistent
+# caller's long-lived ``process`` with ``comp_q`` (finished call indices, read into ``cur_item``)
+# and ``preload_q`` (the hand-over the trainer joins). Anything else reads as "running", so an
+# unknown shape degrades to the timeout, never to a false error.
+def persistent_caller(queue: Any) -> Any:
+    return getattr(queue, "persistent_caller", None) if getattr(queue, "persistent", False) else None
+
+
+def async_writer_state(queue: Any) -> tuple[str, str]:
+    """This rank's writer for the oldest pending call: ("done" | "running" | "dead", detail)."""
+    calls = getattr(queue, "async_calls", None)
+    if not calls:
+        caller = persistent_caller(queue)  # idle: is the persistent worker still there?
+        return ("dead", _writer_exit_text(caller.process)) if _writer_died(caller) else ("done", "")
+    caller = calls[0].async_caller
+    process = getattr(caller, "process", None)
+    if hasattr(caller, "comp_q"):  # persistent: done once it reported the call
+        if caller.cur_item is None:
+            with contextlib.suppress(queue_mod.Empty):
+                caller.cur_item = caller.comp_q.get_nowait()
+        if caller.cur_item is not None or process is None:
+            return "done", ""
+        return ("running", "") if process.is_alive() else ("dead", _writer_exit_text(process))
+    if process is None or process.is_alive():
+        return ("done", "") if process is None else ("running", "")
+    return ("done", "") if process.exitcode == 0 else ("dead", _writer_exit_text(process))
+
+
+def _writer_died(caller: Any) -> bool:
+    process = getattr(caller, "process", None)
+    return process is not None and not process.is_alive()
+
+
+def _writer_exit_text(process: Any) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"writer pid {process.pid} was killed by {signal.Signals(-code).name}"
+    return f"writer pid {process.pid} exited with code {code}; its traceback is in that rank's log"
+
+
+def stop_async_writers(queue: Any) -> None:
+    """Kill this queue's writer processes and forget its calls, so nothing waits on them (the
+    queue's own close would join a dead worker's queue forever)."""
+    callers = [call.async_caller for call in getattr(queue, "async_calls", ())]
+    callers.append(persistent_caller(queue))
+    for caller in filter(None, callers):
+        process = getattr(caller, "process", None)
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+            caller.process = None
+        for name in ("queue", "preload_q", "comp_q"):  # no exit-time flush into a dead pipe
+            with contextlib.suppress(Exception):
+                getattr(caller, name).cancel_join_thread()
+    with contextlib.suppress(AttributeError):
+        queue.async_calls.clear()
+
+
+@contextlib.contextmanager
+def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05) -> Any:
+    """While a request is handed to the persistent worker, the trainer joins the worker's
+    preload queue; if the worker dies meanwhile, release that join (the next maybe_finalize then
+    reports the dead worker on every rank) instead of waiting forever."""
+    caller = persistent_caller(queue)
+    if caller is None or not hasattr(caller, "preload_q"):
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            if _writer_died(caller):
+                with contextlib.suppress(ValueError):  # the worker had already released it
+                    caller.preload_q.task_done()
+                return
+
+    watcher = threading.Thread(target=watch, name="mcx-preload-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()

@@ -1,0 +1,140 @@
+"""Reading a backend's callables without calling them: the accepted keywords, the parameters
+declared, the names its code looks up. The only user of ``inspect`` in the package."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import re
+import sys
+from typing import Any, Callable, Mapping
+
+logger = logging.getLogger("megatron_ckpt_ext.backend")
+
+_POPPED_KWARG = re.compile(r"kwargs\s*\.\s*(?:pop|get)\(\s*['\"](\w+)['\"]")
+
+
+_FORWARDS_TO_SUPER = re.compile(r"super\(\s*(?:\w+\s*,\s*\w+)?\s*\)\s*\.__init__\([^)]*\*\*kwargs", re.S)
+
+
+def _owner_and_init(fn: Callable[..., Any]) -> tuple[type | None, Callable[..., Any]]:
+    """(class, its __init__) for a class or a class's ``__init__``; (None, fn) otherwise.
+
+    A class is probed through ``__init__``: ``inspect.signature`` of a class whose metaclass
+    defines ``__call__(cls, *args, **kwargs)`` (nvrx 0.7 AsyncCallsQueue) shows only that.
+    """
+    if isinstance(fn, type):
+        for klass in fn.__mro__:
+            if "__init__" in vars(klass):
+                return klass, vars(klass)["__init__"]
+        return None, fn
+    parts = getattr(fn, "__qualname__", "").split(".")
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    if len(parts) >= 2 and parts[-1] == "__init__" and module is not None:
+        owner: Any = module
+        for part in parts[:-1]:
+            owner = getattr(owner, part, None)
+        if isinstance(owner, type) and vars(owner).get("__init__") is fn:
+            return owner, fn
+    return None, fn
+
+
+def _parent_init_owner(owner: type) -> type | None:
+    for klass in owner.__mro__[1:]:
+        if "__init__" in vars(klass) and klass is not object:
+            return klass
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _accepted_names(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """Keyword names ``fn`` accepts; None when it truly accepts any keyword.
+
+    A ``**kwargs`` callee accepts anything only when it does not forward them: an ``__init__``
+    that passes ``**kwargs`` to ``super().__init__`` accepts its own names, the names it pops from
+    ``kwargs``, and what the parent's ``__init__`` accepts (nvrx 0.4 FileSystemWriterAsync).
+    """
+    owner, target = _owner_and_init(fn)
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return named - {"self"}
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        return None
+    parent = _parent_init_owner(owner) if owner is not None else None
+    if parent is None or not _FORWARDS_TO_SUPER.search(source):
+        return None
+    inherited = _accepted_names(parent)
+    if inherited is None:
+        return None
+    return (named | frozenset(_POPPED_KWARG.findall(source)) | inherited) - {"self"}
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[dict, dict]:
+    """Split ``kwargs`` into (accepted by ``fn``, dropped)."""
+    names = _accepted_names(fn)
+    if names is None:
+        return dict(kwargs), {}
+    accepted = {k: v for k, v in kwargs.items() if k in names}
+    dropped = {k: v for k, v in kwargs.items() if k not in names}
+    return accepted, dropped
+
+
+def call_with_supported(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **accepted)``; keywords ``fn`` does not take are dropped (debug log).
+
+    Pass every value that matters explicitly: backend defaults changed between releases.
+    """
+    accepted, dropped = accepted_kwargs(fn, kwargs)
+    if dropped:
+        logger.debug("%s does not accept %s; dropped", _name(fn), sorted(dropped))
+    return fn(*args, **accepted)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    if fn is None:
+        return False
+    names = _accepted_names(fn)
+    return names is None or name in names
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _source_has(obj: Any, needle: str, *, default: bool) -> bool:
+    if obj is None:
+        return default
+    try:
+        return needle in inspect.getsource(obj)
+    except (OSError, TypeError):
+        return default
+
+
+def _code_names(fn: Any) -> frozenset[str]:
+    """Global and attribute names ``fn``'s own code looks up (empty when it has no code)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+    return frozenset(code.co_names) if code is not None else frozenset()
+
+
+def _names_param(fn: Any, name: str) -> bool:
+    """``fn`` declares a parameter ``name`` (a ``**kwargs`` catch-all does not count)."""
+    if fn is None:
+        return False
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _parameters(fn: Any) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}

@@ -1,0 +1,355 @@
+"""megatron-core's dist_checkpointing as the checkpointer uses it: accessors that raise
+:class:`BackendUnavailable` saying how to fix the environment, the shapes of save requests and
+state dicts, and the writers' global write-results queues."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from ..debug import env_switch
+from ..errors import BackendMismatch, BackendUnavailable
+from ._imports import MCORE_DC, MCORE_STRATEGIES, NVRX_ASYNC, _import
+from .detection import Capabilities, detect
+from .introspect import _name, _parameters, _takes, call_with_supported
+
+logger = logging.getLogger("megatron_ckpt_ext.backend")
+
+
+def _require_mcore() -> Capabilities:
+    caps = detect()
+    if not caps.mcore_dist_ckpt_importable:
+        raise BackendUnavailable(
+            f"megatron.core.dist_checkpointing is not usable: {caps.mcore_error}"
+        )
+    return caps
+
+
+def _provider_attr(kind: str, name: str) -> Any:
+    caps = _require_mcore()
+    if caps.async_provider == "sync":
+        raise BackendUnavailable(
+            f"no async checkpointing backend here ({caps.nvrx_error}; megatron-core "
+            f"{caps.mcore_version} has no strategies.async_utils): save synchronously, or "
+            "pip install 'nvidia-resiliency-ext>=0.4'."
+        )
+    modules = {
+        ("nvrx", "core"): f"{NVRX_ASYNC}.core", ("nvrx", "fs"): f"{NVRX_ASYNC}.filesystem_async",
+        ("mcore", "core"): f"{MCORE_STRATEGIES}.async_utils",
+        ("mcore", "fs"): f"{MCORE_STRATEGIES}.filesystem_async",
+    }
+    return getattr(_import(modules[(caps.async_provider, kind)]), name)
+
+
+def dist_checkpointing() -> ModuleType:
+    """``megatron.core.dist_checkpointing`` (save/load/ShardedTensor)."""
+    _require_mcore()
+    return _import(MCORE_DC)
+
+
+def sharded_tensor_cls() -> type:
+    return dist_checkpointing().ShardedTensor
+
+
+def async_calls_queue_cls() -> type:
+    """AsyncCallsQueue of the async provider (nvrx when usable, else megatron-core's)."""
+    return _provider_attr("core", "AsyncCallsQueue")
+
+
+def async_request_cls() -> type:
+    """AsyncRequest of the async provider, the type :func:`async_calls_queue_cls` runs."""
+    return _provider_attr("core", "AsyncRequest")
+
+
+def filesystem_writer_async_cls() -> type:
+    return _provider_attr("fs", "FileSystemWriterAsync")
+
+
+def get_write_results_queue(*, mp_mode: str = "spawn") -> Any:
+    """The provider's write-results queue; ``mp_mode`` is passed where it is accepted."""
+    fs_get = _provider_attr("fs", "__dict__")
+    fn = fs_get.get("get_write_results_queue") or fs_get.get("_get_write_results_queue")
+    if fn is None:
+        raise BackendUnavailable("the async backend has no write-results queue")
+    return call_with_supported(fn, mp_mode=mp_mode)
+
+
+def torch_dist_save_strategy_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.torch").TorchDistSaveShardedStrategy
+
+
+def torch_dist_load_strategy_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.torch").TorchDistLoadShardedStrategy
+
+
+def fully_parallel_save_wrapper_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.fully_parallel").FullyParallelSaveStrategyWrapper
+
+
+def fully_parallel_load_wrapper_cls() -> type:
+    _require_mcore()
+    return _import(f"{MCORE_STRATEGIES}.fully_parallel").FullyParallelLoadStrategyWrapper
+
+
+def mcore_content_metadata_key() -> str:
+    """The common-state key under which ``dist_checkpointing.save`` stores ``content_metadata``."""
+    _require_mcore()
+    return getattr(_import(f"{MCORE_DC}.serialization"), "_CONTENT_METADATA_KEY", "content_metadata")
+
+
+def adapt_async_request(request: Any) -> Any:
+    """``request`` as the provider's AsyncRequest, so the provider's queue can run it.
+
+    megatron-core 0.16 strategies return megatron-core's own AsyncRequest; nvrx's persistent
+    worker only runs requests of nvrx's class (it silently skips others and the trainer would wait
+    forever). Same fields, so a conversion is exact; unknown fields raise :class:`BackendMismatch`.
+    """
+    target = async_request_cls()
+    if isinstance(request, target):
+        return request
+    values = request._asdict()
+    unknown = sorted(set(values) - set(target._fields))
+    if unknown:
+        raise BackendMismatch(
+            f"cannot run a {_name(type(request))} on {_name(target)}: fields {unknown} unknown to "
+            "the async backend; install matching megatron-core and nvidia-resiliency-ext versions."
+        )
+    return target(**values)
+
+
+def without_host_preload(request: Any) -> Any:
+    """``request`` without its preload function when that would only move CPU tensors to the
+    CPU; the request unchanged otherwise (or where ``MCX_KEEP_PRELOAD=1``).
+
+    megatron-core's own async writer (used with megatron-core 0.16, or 0.19 without nvrx) hands
+    the queue ``partial(preload_tensors, write_buckets, True)``: copy each bucket's tensors to
+    the host, then a CUDA device synchronize. After our staging every tensor is already in host
+    memory, so the preload does nothing useful, but a persistent worker runs it and the trainer
+    joins on that hand-over: measured on CPU (megatron-core 0.16.1 writer, nvrx 0.7.0 queue,
+    0.1 GB), scheduling took 0.17-0.35 s per save with the preload and under 0.01 s without.
+    Without it no synchronize runs in the writer either. nvrx 0.7's own writer (megatron-core
+    0.19 with nvrx) builds its buckets in its preload: another shape, left alone. Recognised by
+    shape (a ``functools.partial`` of a function named ``preload_tensors`` over a list of write
+    buckets), never by version."""
+    import functools
+
+    import torch
+
+    preload = getattr(request, "preload_fn", None)
+    if preload is None or env_switch("MCX_KEEP_PRELOAD") == "1":
+        return request
+    if not (isinstance(preload, functools.partial)
+            and getattr(preload.func, "__name__", "") == "preload_tensors"
+            and preload.args and isinstance(preload.args[0], list)):
+        return request
+    try:
+        for bucket in preload.args[0]:
+            _file_name, _storage_key, (_bytes_data, tensor_data) = bucket
+            for _item, tensor in tensor_data:
+                if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                    return request
+    except (TypeError, ValueError):  # another bucket layout: leave it to the backend
+        return request
+    return request._replace(preload_fn=None)
+
+
+def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> None:
+    """Replace every ShardedTensor ``t`` in nested dicts/lists with ``fn(t)``, in place."""
+    cls = sharded_tensor_cls()
+    _map_in_place(sharded_state_dict, cls, fn)
+
+
+def plain_tensors(sharded_state_dict: Any) -> list[tuple[str, Any]]:
+    """``(dotted key, tensor)`` for every torch tensor of ``sharded_state_dict`` that is not
+    inside a megatron-core sharded item (ShardedTensor, ShardedObject, factory) nor a
+    LocalNonpersistentObject. megatron-core saves such tensors as common state, from rank 0
+    alone: another rank's values are dropped."""
+    import torch
+
+    mapping = _import(f"{MCORE_DC}.mapping")
+    skip = (mapping.ShardedBase, mapping.LocalNonpersistentObject)
+    found: list[tuple[str, Any]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, skip):
+            return
+        if isinstance(node, torch.Tensor):
+            found.append((path, node))
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(sharded_state_dict, "")
+    return found
+
+
+def common_state_present(checkpoint_dir: str | Path) -> bool:
+    """Whether a megatron-core checkpoint holds its common (rank 0, non-sharded) state: the
+    ``common.pt`` of megatron-core <= 0.16, or the ``common_state`` object that 0.19 keeps inside
+    the torch_dist files (named in their ``.metadata``). Without it megatron-core's load fails
+    with an AttributeError that names neither."""
+    path = Path(checkpoint_dir)
+    if (path / "common.pt").exists():
+        return True
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, RuntimeError, ValueError):
+        return False
+    return any(str(k).split("/", 1)[0] == "common_state" for k in keys)
+
+
+def _map_in_place(node: Any, cls: type, fn: Callable[[Any], Any]) -> None:
+    if isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return
+    for key, value in items:
+        if isinstance(value, cls):
+            node[key] = fn(value)
+        else:
+            _map_in_place(value, cls, fn)
+
+
+def _forking_multiproc_writer(async_fn: Any) -> type | None:
+    """The writer class when ``async_fn`` is a megatron-core 0.16-style
+    ``partial(FileSystemWriterAsync.write_preloaded_data_multiproc, transform_list, use_msc)``,
+    which forks one writer process per bucket even at ``thread_count=1``; else None.
+
+    Newer writers (megatron-core >= 0.17 / nvrx >= 0.5) take an ``open_file`` argument and write
+    the last bucket inline themselves: they are left alone.
+    """
+    func = getattr(async_fn, "func", None)
+    if getattr(func, "__name__", "") != "write_preloaded_data_multiproc":
+        return None
+    owner: Any = sys.modules.get(getattr(func, "__module__", ""))
+    for part in func.__qualname__.split(".")[:-1]:
+        owner = getattr(owner, part, None)
+    writer = getattr(owner, "write_preloaded_data", None)
+    if owner is None or writer is None or len(getattr(async_fn, "args", ())) != 2:
+        return None
+    params = list(_parameters(writer))
+    if params[:6] != ["transform_list", "local_proc_idx", "write_bucket", "results_queue",
+                      "count_queue", "use_fsync"]:
+        return None
+    return owner
+
+
+def sequential_writer(async_fn: Any) -> tuple[type, tuple] | None:
+    """(writer class, partial args) when the request's writer would fork per bucket, so the
+    caller can run the buckets inline instead (Megatron-LM PR #3424); None when the installed
+    writer already writes inline or is of an unknown shape (then it is used as it is)."""
+    owner = _forking_multiproc_writer(async_fn)
+    return None if owner is None else (owner, tuple(async_fn.args))
+
+
+def shutdown_write_results_queues() -> None:
+    """Drop the backends' global write-results queues: a Manager server is stopped (so
+    ``close()`` leaves no child behind), a :class:`~megatron_ckpt_ext.spool.SpoolQueue`'s
+    directory removed, so no stale result is read by a later save. The next save (or
+    :func:`prime_write_results_queue`) puts new ones in place."""
+    from ..spool import SpoolQueue
+
+    for name in (f"{NVRX_ASYNC}.filesystem_async", f"{MCORE_STRATEGIES}.filesystem_async"):
+        module = sys.modules.get(name)
+        queue = getattr(module, "_results_queue", None) if module is not None else None
+        if isinstance(queue, SpoolQueue):
+            queue.close()  # its directory, with any stale result still in it
+        manager = getattr(queue, "_manager", None)
+        if manager is not None:
+            try:
+                manager.shutdown()
+            except Exception as e:  # noqa: BLE001 - best effort at teardown
+                logger.debug("write-results queue manager shutdown: %s", e)
+        if queue is not None:
+            module._results_queue = None
+
+
+def prime_write_results_queue() -> bool:
+    """Put the backends' global write-results queues in place now (start-up), not inside the
+    first save.
+
+    Left to the writer, each queue is a multiprocessing Manager server started at the first save
+    with the ``spawn`` context, whose child re-imports the training script's ``__main__`` (seconds
+    with Megatron-LM's imports, on the first save's critical path). We set every writer module's
+    module-global queue (megatron-core's ``filesystem_async`` and, where installed, nvrx's: nvrx
+    0.7's writer, used by megatron-core 0.19 with nvrx, has its own) the way its getter would,
+    but to a :class:`~megatron_ckpt_ext.spool.SpoolQueue`: no server process at all. A forked
+    Manager (what Megatron-LM's own start-up uses, ``mp_mode="fork"``) kept ~190 MB of the
+    trainer's pages alive by copy-on-write on the H100 bench (``scripts/profile_save.py
+    --mem-breakdown``). ``MCX_RESULTS_QUEUE=manager`` primes one forked Manager for both queues
+    instead. Returns whether megatron-core's queue is in place; False (lazy, as before) on an
+    unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy."""
+    import multiprocessing as mp
+
+    if env_switch("MCX_PRIME_RESULTS_QUEUE") == "0":
+        return False
+    use_manager = env_switch("MCX_RESULTS_QUEUE") == "manager"
+    if use_manager and "fork" not in mp.get_all_start_methods():
+        return False
+    primed = {}
+    shared: list[Any] = []  # the one Manager, started at the first queue that needs it
+
+    def new_queue() -> Any:
+        if not use_manager:
+            from ..spool import SpoolQueue
+
+            return SpoolQueue()
+        if not shared:
+            shared.append(mp.get_context("fork").Manager())
+        return shared[0].Queue()
+
+    for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{NVRX_ASYNC}.filesystem_async"):
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - optional speed-up; the save path reports errors
+            logger.debug("write-results queue of %s not primed: %s", name, e)
+            primed[name] = False
+            continue
+        primed[name] = _prime_module_queue(module, new_queue)
+    return primed[f"{MCORE_STRATEGIES}.filesystem_async"]
+
+
+def _prime_module_queue(module: Any, new_queue: Callable[[], Any]) -> bool:
+    """Set ``module``'s global results queue to ``new_queue()`` where its lazy getter would
+    create one, when the module keeps it in ``_results_queue``; else call a getter that takes
+    ``mp_mode`` with ``"fork"``."""
+    getter = getattr(module, "get_write_results_queue", None)
+    takes_mode = getter is not None and _takes(getter, "mp_mode")
+    if hasattr(module, "_results_queue") and (takes_mode
+                                              or hasattr(module, "_get_write_results_queue")):
+        if module._results_queue is None:
+            module._results_queue = new_queue()
+        return True
+    if takes_mode:
+        getter(mp_mode="fork")
+        return True
+    return False
+
+
+def checkpoint_failure_text(e: BaseException) -> str:
+    """One line for a failed write: torch's CheckpointException names each failing rank's own
+    exception (``failures``), which its ``str`` leaves out."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # torch wraps each as (exception, traceback frames) (WRAPPED_EXCEPTION)
+        failures = {rank: exc[0] if isinstance(exc, tuple) and exc and
+                    isinstance(exc[0], BaseException) else exc for rank, exc in failures.items()}
+        parts = [f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+                 if str(exc).strip() else f"rank {rank}: {type(exc).__name__}"
+                 for rank, exc in sorted(failures.items())]
+        return f"{type(e).__name__} ({'; '.join(parts)})"
+    return f"{type(e).__name__}: {str(e).strip()[:500]}"

@@ -1,0 +1,123 @@
+"""Megatron-LM's ``megatron.training``: where the installed copy can be hooked (the seams the
+Megatron-LM adapter patches), found by feature detection; never raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Mapping
+
+from ._imports import MCORE_DIST, _attr, _import, _installed_version, _try_import
+from .introspect import _code_names, _names_param
+
+MLM_TRAINING = "megatron.training"
+MLM_MODULES = ("checkpointing", "training", "async_utils", "arguments", "initialize")
+# (module, attribute, names its code must look up): the seams megatron_lm.install() patches. A
+# function seam counts only where the caller really looks the name up in that module's globals.
+MLM_REQUIRED_SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("checkpointing", "save_checkpoint", ("dist_checkpointing", "schedule_async_save")),
+    ("checkpointing", "dist_checkpointing", ()),
+    ("checkpointing", "schedule_async_save", ()),
+    ("checkpointing", "is_empty_async_queue", ()),
+    ("training", "maybe_finalize_async_save", ()),
+    ("training", "pretrain", ()),
+    ("async_utils", "schedule_async_save", ()),
+    ("async_utils", "maybe_finalize_async_save", ()),
+    ("async_utils", "is_empty_async_queue", ()),
+)
+
+
+_MLM_PARSE_FNS = ("parse_and_validate_args", "parse_args")
+
+
+@dataclass(frozen=True)
+class MegatronSeams:
+    """Where the installed ``megatron.training`` can be hooked (see :func:`megatron_training_seams`)."""
+
+    mcore_version: str | None
+    error: str | None  # why megatron.training cannot be imported; None when it can
+    missing: tuple[str, ...]  # required seams not found, each "module.name (what is wrong)"
+    pretrain_extra_args_provider: bool  # pretrain(..., extra_args_provider=...) is accepted
+    parse_args_fn: str | None  # "arguments.<fn>" taking extra_args_provider (parse-then-pretrain)
+    persistent_worker_init: bool  # initialize.init_persistent_async_worker is looked up there
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.missing
+
+    def describe_problem(self) -> str:
+        """One sentence naming the Megatron version and what is missing (empty when ok)."""
+        where = f"megatron.training of megatron-core {self.mcore_version or '(unknown version)'}"
+        if self.error is not None:
+            return f"{where} cannot be imported: {self.error}"
+        if self.missing:
+            return f"{where} lacks the seam(s) {', '.join(self.missing)}"
+        return ""
+
+
+def megatron_training_seams(*, modules: Mapping[str, Any] | None = None) -> MegatronSeams:
+    """Probe ``megatron.training`` for the seams the adapter needs; never raises.
+
+    ``modules`` maps the short names of :data:`MLM_MODULES` to module-like objects (tests pass
+    stand-ins built from recorded signatures); by default the real modules are imported.
+    """
+    version = _installed_version("megatron", MCORE_DIST)
+    if modules is None:
+        modules, error = _import_mlm_modules()
+        if error is not None:
+            return MegatronSeams(version, error, (), False, None, False)
+    try:
+        return _probe_mlm(modules, version)
+    except Exception as e:  # noqa: BLE001 - probing must never take the run down
+        return MegatronSeams(version, f"probing failed: {type(e).__name__}: {e}", (), False,
+                             None, False)
+
+
+def megatron_training_module(short_name: str) -> ModuleType:
+    """``megatron.training.<short_name>``; raises BackendUnavailable saying why not."""
+    return _import(f"{MLM_TRAINING}.{short_name}")
+
+
+def _import_mlm_modules() -> tuple[dict[str, Any], str | None]:
+    modules: dict[str, Any] = {}
+    for short in MLM_MODULES:
+        module, error = _try_import(f"{MLM_TRAINING}.{short}")
+        if module is None:
+            return {}, f"importing {MLM_TRAINING}.{short} fails ({error})"
+        modules[short] = module
+    return modules, None
+
+
+def _probe_mlm(modules: Mapping[str, Any], version: str | None) -> MegatronSeams:
+    missing = tuple(m for m in (_seam_problem(modules, *s) for s in MLM_REQUIRED_SEAMS) if m)
+    pretrain = _attr(modules.get("training"), "pretrain")
+    parse_fn = next((name for name in _MLM_PARSE_FNS
+                     if _names_param(_attr(modules.get("arguments"), name), "extra_args_provider")),
+                    None)
+    init_worker = _attr(modules.get("initialize"), "initialize_megatron")
+    return MegatronSeams(
+        mcore_version=version,
+        error=None,
+        missing=missing,
+        pretrain_extra_args_provider=_names_param(pretrain, "extra_args_provider"),
+        parse_args_fn=f"arguments.{parse_fn}" if parse_fn else None,
+        persistent_worker_init=(_attr(modules.get("initialize"), "init_persistent_async_worker")
+                                is not None
+                                and "init_persistent_async_worker" in _code_names(init_worker)),
+    )
+
+
+def _seam_problem(modules: Mapping[str, Any], short: str, name: str,
+                  looks_up: tuple[str, ...]) -> str | None:
+    module = modules.get(short)
+    value = _attr(module, name)
+    label = f"{MLM_TRAINING}.{short}.{name}"
+    if value is None:
+        return f"{label} (absent)"
+    if name == "dist_checkpointing":
+        has_api = callable(_attr(value, "save")) and callable(_attr(value, "load"))
+        return None if has_api else f"{label} (has no save/load)"
+    if not callable(value):
+        return f"{label} (not callable)"
+    unused = [n for n in looks_up if n not in _code_names(value)]
+    return f"{label} (does not look up {', '.join(unused)})" if unused else None
