@@ -23,4 +23,4 @@ run_pass default 0.4.1 "$PWD"
 run_pass "nvrx $NVRX_NEW_VER" "$NVRX_NEW_VER" "$PWD/$NVRX_NEW_DIR:$PWD"
 run_pass "nvrx hidden" none "$PWD/tests/compat/_hide_nvrx:$PWD"
 echo "== docs/COMPAT.md up to date"
-"$PY" scripts/compat_table.py --nvrx-dir "$NVRX_NEW_DIR" --check
+"$PY" tools/compat_table.py --nvrx-dir "$NVRX_NEW_DIR" --check

@@ -216,7 +216,7 @@ class Checkpointer:
         trainer writes to the header of every object it traverses, so each later one copied
         every page holding the trainer's objects, and the worker kept the old copies: ~100 MB
         more host memory from the first full collection on, and that collection took 0.23-0.29 s
-        inside a save (measured on the H100, 8 GiB state, ``scripts/profile_save.py
+        inside a save (measured on the H100, 8 GiB state, ``benchmarks/profile_save.py
         --mem-breakdown``). Frozen objects are skipped by collections; their refcounts still
         free them, only reference cycles among them are no longer collected until
         :meth:`close` unfreezes them. Garbage that exists now is collected first, so nothing

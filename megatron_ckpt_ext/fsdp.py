@@ -109,7 +109,7 @@ def register_sharded_buffers(model: nn.Module, *, api: backend.FsdpApi | None = 
     rendezvouses only the all-gather *output* (the unsharded weights) and the reduce-scatter
     *input* (the unsharded gradients). NCCL 2.28 picks its symmetric kernels (``ncclSymk*``) only
     when both buffers of a collective lie in registered windows (measured on 2 x H200:
-    ``scripts/probe_nccl_symk.py``, docs/FSDP.md), so every collective ran as a ring. This moves
+    ``tools/probe_nccl_symk.py``, docs/FSDP.md), so every collective ran as a ring. This moves
     the two persistent sharded buffers of each parameter group -- ``model_weight`` (the
     all-gather input, the compute-dtype shard) and ``main_grad`` (the reduce-scatter output) --
     into the group's own pool (one copy each, at wrap time) and rendezvouses them once, on every

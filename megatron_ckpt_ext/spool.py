@@ -4,7 +4,7 @@ megatron-core's and nvrx's writers hand each save's write results back to the tr
 module-global queue (``filesystem_async._results_queue``) that must pickle into the writer
 process, so they make it a ``multiprocessing.Manager().Queue()``: a proxy to a server process.
 That server is one more fork of the trainer, and on the H100 benchmark it held ~190 MB of the
-trainer's pages alive by copy-on-write (``scripts/profile_save.py --mem-breakdown``), a third of
+trainer's pages alive by copy-on-write (``benchmarks/profile_save.py --mem-breakdown``), a third of
 all the host memory our persistent mode used beyond the staging buffers.
 
 :class:`SpoolQueue` does the same job with files: ``put`` writes one pickle into a private

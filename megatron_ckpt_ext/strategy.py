@@ -7,7 +7,7 @@
   With one rank there is nothing to spread, and megatron-core 0.16-0.19 then never caches the
   wrapper's (empty) distribution, so it re-validates the sharding with collectives at every
   save: on one H100 that all_gather_object queued behind our staging copies and cost the
-  copy's full 0.155 s of 8.5 GB again in every save's planning (``scripts/profile_save.py
+  copy's full 0.155 s of 8.5 GB again in every save's planning (``benchmarks/profile_save.py
   --cprofile-save``).
 * :func:`load_strategy`: the fully-parallel load wrapper when ``ckpt_fully_parallel_load`` (and
   CUDA is there: its shard exchange runs on CUDA), else megatron-core's default.

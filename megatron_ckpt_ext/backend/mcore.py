@@ -289,7 +289,7 @@ def prime_write_results_queue() -> bool:
     0.7's writer, used by megatron-core 0.19 with nvrx, has its own) the way its getter would,
     but to a :class:`~megatron_ckpt_ext.spool.SpoolQueue`: no server process at all. A forked
     Manager (what Megatron-LM's own start-up uses, ``mp_mode="fork"``) kept ~190 MB of the
-    trainer's pages alive by copy-on-write on the H100 bench (``scripts/profile_save.py
+    trainer's pages alive by copy-on-write on the H100 bench (``benchmarks/profile_save.py
     --mem-breakdown``). ``MCX_RESULTS_QUEUE=manager`` primes one forked Manager for both queues
     instead. Returns whether megatron-core's queue is in place; False (lazy, as before) on an
     unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy."""

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compat_table():
-    spec = importlib.util.spec_from_file_location("compat_table", ROOT / "scripts" / "compat_table.py")
+    spec = importlib.util.spec_from_file_location("compat_table", ROOT / "tools" / "compat_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -26,7 +26,7 @@ def test_committed_table_matches_installed_backend():
     if data["backend"] not in table:
         if os.environ.get("MCE_COMPAT_REQUIRE_COLUMN"):
             pytest.fail(f"docs/COMPAT.md has no column for {data['backend']}; "
-                        "run python scripts/compat_table.py --nvrx-dir .ext/nvrx-0.7.0")
+                        "run python tools/compat_table.py --nvrx-dir .ext/nvrx-0.7.0")
         pytest.skip(f"docs/COMPAT.md has no column for {data['backend']}")
     reported = {row["feature"]: row["status"] for row in data["features"]}
     differ = {f: f"table {table[data['backend']].get(f)!r}, doctor {reported.get(f)!r}"
@@ -37,7 +37,7 @@ def test_committed_table_matches_installed_backend():
     assert not differ, (
         f"docs/COMPAT.md's column {data['backend']!r} differs from doctor: {differ}. If "
         "tests/compat/test_real_backend.py fails too, a detection changed: fix that first. Only "
-        "when it passes, regenerate: python scripts/compat_table.py --nvrx-dir .ext/nvrx-0.7.0")
+        "when it passes, regenerate: python tools/compat_table.py --nvrx-dir .ext/nvrx-0.7.0")
 
 
 def test_render_parse_round_trip():

@@ -11,13 +11,7 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.checkpointer import read_tracker
 
-from ._dist import device
-
-
-def sharded(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    return {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in tensors.items()}
+from tools._dist import device, sharded
 
 
 def step_state(step: int, rank: int) -> dict[str, torch.Tensor]:

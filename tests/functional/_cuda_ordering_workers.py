@@ -12,7 +12,7 @@ import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 
-from ._ckpt_workers import sharded
+from tools._dist import sharded
 
 BIG = 64 << 20  # fp32 elements: 256 MiB per rank
 STEPS = (1, 2, 3)

@@ -10,7 +10,9 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.checkpointer import read_tracker
 
-from ._ckpt_workers import sharded, step_state
+from tools._dist import sharded
+
+from ._ckpt_workers import step_state
 
 
 def nothing_to_write_commits(rank: int, world: int, root: str, options: dict, bound_s: float) -> None:

@@ -1,4 +1,4 @@
-"""The checkpoint benchmark's CPU smoke run (scripts/bench_ckpt.py --cpu-smoke, 2 gloo ranks):
+"""The checkpoint benchmark's CPU smoke run (benchmarks/bench_ckpt.py --cpu-smoke, 2 gloo ranks):
 the JSON has the documented schema, every mode either has one record per save or a recorded
 reason, byte counts match the state, and our checkpoints load back bit-exact. No timing is
 asserted (shared CI cores)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import _bench_modes as bm  # noqa: E402
 
 SAVES = 2
@@ -25,7 +25,7 @@ RECORD_KEYS = {"mode", "source", "cpu_shm", "state_bytes", "save_index", "blocki
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "scripts" / "bench_ckpt.py"), "--cpu-smoke", "--saves", str(SAVES),
+           str(ROOT / "benchmarks" / "bench_ckpt.py"), "--cpu-smoke", "--saves", str(SAVES),
            "--out", str(out / "ckpt"), "--json", str(out / "bench.json"), "--mem-sample-s", "0.2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -130,14 +130,14 @@ def test_summary_ratios_and_flatness_from_records():
 
 
 def test_write_path_bench_writes_each_variant_and_its_json(tmp_path):
-    """scripts/bench_write_path.py on a tiny size: every variant measured each round, the files
+    """benchmarks/bench_write_path.py on a tiny size: every variant measured each round, the files
     it wrote removed, and the JSON ratios computed against the raw writes."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_write_path.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_write_path.py"
     target, out = tmp_path / "wp", tmp_path / "wp.json"
     r = subprocess.run([sys.executable, str(script), "--dir", str(target), "--gib", "0.01",
                         "--tensor-mib", "2", "--rounds", "2", "--json", str(out)],

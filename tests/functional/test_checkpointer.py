@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from . import _ckpt_workers as w
-from ._dist import device, run_ranks, world
+from tools._dist import device, run_ranks, world
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 

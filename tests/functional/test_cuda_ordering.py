@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from . import _cuda_ordering_workers as cw
-from ._dist import device, run_ranks, world
+from tools._dist import device, run_ranks, world
 
 pytestmark = [
     pytest.mark.multirank, pytest.mark.timeout(400),

@@ -1,4 +1,4 @@
-"""Reliability, the CI subset of ``scripts/reliability.py`` (issue 9): a SIGKILL at every phase
+"""Reliability, the CI subset of ``tools/reliability.py`` (issue 9): a SIGKILL at every phase
 of an async save never leaves a torn checkpoint, a process or a segment behind; a writer that
 dies, hangs or fails gives every rank a clear error in bounded time and the previous checkpoint
 stays the latest; a short soak stays flat; bad input fails naming the cause."""
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from . import _reliability_workers as rw
-from ._dist import world
+from tools import _reliability_workers as rw
+from tools._dist import world
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multirank]
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location("reliability", ROOT / "scripts" / "reliability.py")
+    spec = importlib.util.spec_from_file_location("reliability", ROOT / "tools" / "reliability.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("reliability", module)
     spec.loader.exec_module(module)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional import _dist
+from tools import _dist
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_loop.py"

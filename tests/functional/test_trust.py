@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._dist import run_ranks, world
+from tools._dist import run_ranks, world
 from ._trust_workers import nothing_to_write_commits, plain_tensor_on_one_rank_fails_everywhere
 
 pytestmark = pytest.mark.multirank

@@ -22,8 +22,9 @@ import torch.multiprocessing as mp
 from megatron_ckpt_ext import staging
 from megatron_ckpt_ext.errors import InsufficientSharedMemory, StagingFailed
 from megatron_ckpt_ext.staging import ShmStager, sweep_orphans
+from tools._dist import device
 
-DEVICE = os.environ.get("MCX_TEST_DEVICE", "cpu")
+DEVICE = device()
 
 
 def new_stager(*, reuse: bool = True, job: str | None = None) -> ShmStager:

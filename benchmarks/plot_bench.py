@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draw the checkpoint benchmark's PNG from its JSON (needs matplotlib: pip install '.[bench]').
 
-    python scripts/plot_bench.py docs/benchmarks/h100.json [--png OUT.png]
+    python benchmarks/plot_bench.py docs/benchmarks/h100.json [--png OUT.png]
 
 Left: blocking time (training stall) per save, one line per mode, at the largest state size, with
 the pinned D2H floor. Right: steady-state blocking (median of save 3 onward) against state size.

@@ -1,6 +1,6 @@
 """Rank bodies of the reliability harness (issue 9): crash jobs, worker death, soak.
 
-Used by ``scripts/reliability.py`` (the long trials) and ``tests/functional/test_reliability.py``
+Used by ``tools/reliability.py`` (the long trials) and ``tests/functional/test_reliability.py``
 (the CI subset). A module of its own, importable from the repository root, because the functions
 injected into a save request (a held or failing write) are pickled to spawned writer processes.
 
@@ -28,6 +28,8 @@ from megatron_ckpt_ext import checkpointer as ckpt_mod
 from megatron_ckpt_ext.checkpointer import checkpoint_name, read_tracker
 from megatron_ckpt_ext.errors import CheckpointWriteError
 
+from ._dist import device, sharded
+
 __all__ = ["MODES", "PHASES", "crash_job", "soak", "trial_state", "verify_committed",
            "worker_death"]
 
@@ -43,10 +45,6 @@ PHASES = ("before_save", "staging", "write", "before_rename", "after_rename", "a
 HOLD_S = 120.0  # a held rank waits this long for the harness's SIGKILL
 
 
-def device() -> str:
-    return os.environ.get("MCX_TEST_DEVICE", "cpu")
-
-
 def trial_state(iteration: int, rank: int) -> dict[str, torch.Tensor]:
     """Distinct values per iteration and rank; fp32, bf16 and int64; ~70 KB per rank."""
     g = torch.Generator().manual_seed(100_003 * iteration + rank)
@@ -54,12 +52,6 @@ def trial_state(iteration: int, rank: int) -> dict[str, torch.Tensor]:
              "b": torch.randn(4096, generator=g).to(torch.bfloat16),
              "it": torch.full((8,), iteration, dtype=torch.int64)}
     return {k: v.to(device()) for k, v in state.items()}
-
-
-def sharded(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    return {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in tensors.items()}
 
 
 def options_for(mode: str, **extra: Any) -> CkptOptions:
@@ -410,9 +402,9 @@ def _rss(p: Any) -> int:
         return 0
 
 
-# -- entry point of a crash-job rank (started by scripts/reliability.py) -------------------------
+# -- entry point of a crash-job rank (started by tools/reliability.py) -------------------------
 def rank_main(spec_path: str) -> None:
-    """``python -c 'import tests.functional._reliability_workers as w; w.rank_main(SPEC)'``
+    """``python -c 'import tools._reliability_workers as w; w.rank_main(SPEC)'``
     with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set: one rank of a crash job."""
     import torch.distributed as dist
 
@@ -426,4 +418,4 @@ def rank_main(spec_path: str) -> None:
         crash_job(rank, world, spec)
     finally:
         dist.destroy_process_group()
-    os._exit(0)  # see tests/functional/_dist.py: torch 2.13's exit-time teardown can abort
+    os._exit(0)  # see tools/_dist.py: torch 2.13's exit-time teardown can abort

@@ -3,7 +3,7 @@ trainer goes through: CUDA context, shared-memory segments and their ``cudaHostR
 registration from another thread, device-to-host copies into them (default and side stream),
 ``pin_memory``, and NCCL's communicator (created at the first collective).
 
-    python scripts/probe_host_memory.py            # CUDA machine, one process
+    python benchmarks/probe_host_memory.py            # CUDA machine, one process
 
 Prints one line per step with ``Rss``, ``Pss_Anon`` and ``Anonymous`` (MiB, from
 ``/proc/self/smaps_rollup``). Shared memory shows in ``Rss`` only; what a step adds to

@@ -6,7 +6,7 @@ A minimal probe without Megatron-FSDP, to tell an environment limit from a wrapp
 few sizes, profiled; prints and writes the CUDA kernel names per size, and whether any contains
 ``Symk``. The same with plain (unregistered) buffers as the contrast.
 
-    torchrun --nproc-per-node 2 scripts/probe_nccl_symk.py --out $OUT
+    torchrun --nproc-per-node 2 tools/probe_nccl_symk.py --out $OUT
 
 It keeps the environment the FSDP check requires (``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) unless ``--allow-env`` is given.

@@ -1,5 +1,5 @@
 """The checkpoint benchmark's pieces: the synthetic GPT state, host-memory sampling, and one runner
-per save mode (stock megatron-core/nvrx, torch DCP, ours). Driven by ``scripts/bench_ckpt.py``.
+per save mode (stock megatron-core/nvrx, torch DCP, ours). Driven by ``benchmarks/bench_ckpt.py``.
 
 Every runner has the same small lifecycle, which the driver times:
 
@@ -197,7 +197,7 @@ def warm_up_default_group(device: torch.device) -> None:
     """One all-reduce on the default group, as a trainer's gradient all-reduces have done before
     its first checkpoint. NCCL creates its communicator at the first collective, and that holds
     host memory (+321 MB of anonymous memory measured on the H100 by
-    scripts/probe_host_memory.py): without this, whichever mode runs first would be charged for it."""
+    benchmarks/probe_host_memory.py): without this, whichever mode runs first would be charged for it."""
     t = torch.ones(1, device=device)
     dist.all_reduce(t)
     if device.type == "cuda":

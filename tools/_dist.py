@@ -1,4 +1,6 @@
-"""Run a function on N gloo ranks on localhost, with a hard timeout (a hang fails, never blocks)."""
+"""Run a function on N gloo ranks on localhost, with a hard timeout (a hang fails, never blocks).
+
+Shared by tests/ and tools/reliability.py, so it lives here: nothing outside tests/ imports tests/."""
 
 from __future__ import annotations
 
@@ -10,12 +12,19 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["device", "free_port", "run_ranks", "world"]
+__all__ = ["device", "free_port", "run_ranks", "sharded", "world"]
 
 
 def device() -> str:
     """Where test tensors live: "cpu" (CI) or "cuda" (MCX_TEST_DEVICE=cuda on the GPU machine)."""
     return os.environ.get("MCX_TEST_DEVICE", "cpu")
+
+
+def sharded(rank: int, world: int, tensors: dict[str, Any]) -> dict:
+    """Each tensor as rank's slice of a 1-D split over ``world`` ranks (a ShardedTensor per key)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in tensors.items()}
 
 
 def world() -> int:

@@ -4,11 +4,11 @@ and megatron-ckpt-ext, side by side in one invocation (docs/benchmarks/README.md
 
 One process per rank via torchrun:
 
-    torchrun --nproc-per-node 1 scripts/bench_ckpt.py --gib-per-rank 8 4 2 --out /tmp/bench \\
+    torchrun --nproc-per-node 1 benchmarks/bench_ckpt.py --gib-per-rank 8 4 2 --out /tmp/bench \\
         --json docs/benchmarks/h100.json
-    torchrun --standalone --nproc-per-node 2 scripts/bench_ckpt.py --cpu-smoke --out /tmp/bs
-    python scripts/bench_ckpt.py --merge a.json b.json --json all.json   # split GPU runs
-    python scripts/bench_ckpt.py --plot docs/benchmarks/h100.json        # needs matplotlib
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_ckpt.py --cpu-smoke --out /tmp/bs
+    python benchmarks/bench_ckpt.py --merge a.json b.json --json all.json   # split GPU runs
+    python benchmarks/bench_ckpt.py --plot docs/benchmarks/h100.json        # needs matplotlib
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip loading our last checkpoint of each mode back (bit-exact check)")
     p.add_argument("--dist-timeout-min", type=int, default=10)
     p.add_argument("--log-level", default="WARNING")
-    p.add_argument("--plot", metavar="JSON", help="only draw JSON's PNG (scripts/plot_bench.py)")
+    p.add_argument("--plot", metavar="JSON", help="only draw JSON's PNG (benchmarks/plot_bench.py)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="only merge result files into --json")
     args = p.parse_args(argv)
     if args.cpu_smoke:

@@ -1,6 +1,6 @@
 """Where a save's seconds go: our Checkpointer on a synthetic GPT-like state, per mode.
 
-    torchrun --nproc-per-node 1 scripts/profile_save.py --gib 1.9 --saves 4 --out prof.json
+    torchrun --nproc-per-node 1 benchmarks/profile_save.py --gib 1.9 --saves 4 --out prof.json
 
 Each mode: a fresh Checkpointer (start-up timed), ``prepare()`` where it applies, then ``--saves``
 saves of the same state (modified in place between saves, like training). ``--finalize`` picks

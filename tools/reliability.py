@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Reliability harness (issue 9): crash trials, writer death, soak, bad input.
 
-    python scripts/reliability.py crash --trials 50            # SIGKILL a 2-rank async run
-    python scripts/reliability.py death                        # kill / hang / fail the writer
-    python scripts/reliability.py soak --saves 200             # memory, shm, fds, children flat
-    python scripts/reliability.py badinput                     # every bad flag/config/path
+    python tools/reliability.py crash --trials 50              # SIGKILL a 2-rank async run
+    python tools/reliability.py death                          # kill / hang / fail the writer
+    python tools/reliability.py soak --saves 200               # memory, shm, fds, children flat
+    python tools/reliability.py badinput                       # every bad flag/config/path
     ... --device cuda [--world 1]                              # the same with CUDA tensors
 
 Each prints a table, writes ``--json`` when given, and exits 1 when a failure count is not 0.
-Rank bodies live in ``tests/functional/_reliability_workers.py`` (importable by spawned writers).
+Rank bodies live in ``tools/_reliability_workers.py`` (importable by spawned writers).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.functional import _reliability_workers as rw  # noqa: E402
-from tests.functional._dist import free_port, run_ranks  # noqa: E402
+from tools import _reliability_workers as rw  # noqa: E402
+from tools._dist import free_port, run_ranks  # noqa: E402
 
 RANDOM = "random"
 ORPHAN_GRACE_S = 3.0  # after the ranks are killed, how long their children get to exit
@@ -136,7 +136,7 @@ class CrashCampaign:
 
     def _launch(self, out: Path, tag: str) -> list[subprocess.Popen]:
         port = free_port()
-        code = ("import tests.functional._reliability_workers as w; "
+        code = ("import tools._reliability_workers as w; "
                 f"w.rank_main({str(out / 'spec.json')!r})")
         procs = []
         for rank in range(self.world):

@@ -22,7 +22,7 @@ Variants alternate over ``--rounds`` so drifting disk speed hits all of them; ea
 bytes / (write + fsync) seconds. ``--sink memory`` writes into a BytesIO instead (serialisation
 cost alone). Prints a table and writes JSON (``--json``).
 
-    python scripts/bench_write_path.py --dir /tmp/wp --gib 2 --rounds 3 --json out.json
+    python benchmarks/bench_write_path.py --dir /tmp/wp --gib 2 --rounds 3 --json out.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Run on two GPUs of one host (new stack: torch 2.11 CUDA, megatron-core 0.19.2)::
 
-    torchrun --nproc-per-node 2 scripts/check_fsdp_symm_mem.py --out OUT_DIR
+    torchrun --nproc-per-node 2 tools/check_fsdp_symm_mem.py --out OUT_DIR
 
 Phases, each bounded by ``--phase-timeout`` seconds (a hang dumps every thread's stack and exits):
 
@@ -100,7 +100,7 @@ def launch_facts() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SetupError("launch with torchrun: torchrun --nproc-per-node 2 "
-                         "scripts/check_fsdp_symm_mem.py --out DIR")
+                         "tools/check_fsdp_symm_mem.py --out DIR")
     world = int(os.environ["WORLD_SIZE"])
     if world < 2:
         raise SetupError(f"needs 2 ranks (one GPU each), WORLD_SIZE is {world}: "
