@@ -23,7 +23,7 @@ Fallback policy, one line per feature (a warning only where the user asked for t
   (warning); neither -> synchronous save (warning).
 * persistent worker (``--use-persistent-ckpt-worker``): absent -> fresh worker per save (warning);
   never started where it would die at start-up (see :func:`persistent_worker_runs_here`).
-* CPU shared-memory staging (``--async-ckpt-use-cpu-shm``): always ours (staging.py); nvrx
+* CPU shared-memory staging (``--async-ckpt-use-cpu-shm``): always ours (staging/); nvrx
   ``cpu_shm_mode`` absent -> the worker still initialises CUDA (warning on CUDA hosts).
 * worker priorities (``--async-ckpt-cpu-priority/--async-ckpt-io-priority``): absent -> ignored
   (warning).

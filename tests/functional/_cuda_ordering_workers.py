@@ -113,7 +113,7 @@ def optimizer_step_after_overlapped_save(rank: int, world: int, root: str, optio
 
     staging.ShmStager._copy_stream = slow_copies
     if mutate:
-        staging._Copies.order_before_current_stream = lambda self: None
+        staging.batch._Copies.order_before_current_stream = lambda self: None
     in_flight = []
     with Checkpointer(CkptOptions(**options)) as ck:
         ck.prepare(sharded(rank, world, {"big": param.detach()}))

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_ckpt_ext import staging
+from megatron_ckpt_ext.staging import segments
 from megatron_ckpt_ext.errors import InsufficientSharedMemory, StagingFailed
 from megatron_ckpt_ext.staging import ShmStager, sweep_orphans
 from tools._dist import device
@@ -73,7 +73,7 @@ def stale_data_trial(stager: ShmStager, steps: int = 10) -> list[int]:
 
 
 def test_stale_data_trial_every_batch_equals_its_own_step(caplog):
-    with new_stager() as stager, caplog.at_level("INFO", logger="megatron_ckpt_ext.staging"):
+    with new_stager() as stager, caplog.at_level("INFO", logger="megatron_ckpt_ext.staging.shm"):
         assert stale_data_trial(stager) == []
         # steps 3, 6 and 9 changed the state's storage/structure: each one rebuild, with a reason
         assert stager.stats["rebuilds"] == 3
@@ -103,7 +103,7 @@ def test_reshaped_entry_gets_a_new_buffer_and_the_old_one_is_unlinked(caplog):
     with new_stager() as stager:
         stager.stage([torch.ones(4)], keys=["a"]).release()
         old = set(stager.segments())
-        with caplog.at_level("INFO", logger="megatron_ckpt_ext.staging"):
+        with caplog.at_level("INFO", logger="megatron_ckpt_ext.staging.shm"):
             batch = stager.stage([torch.ones(6)], keys=["a"])
         assert torch.equal(batch.tensors[0], torch.ones(6))
         assert "reshaped ['a']" in caplog.text
@@ -274,9 +274,9 @@ def test_a_staged_tensor_is_pickled_by_segment_name_and_any_other_storage_as_tor
         other = bytes(ForkingPickler.dumps(torch.ones(4).share_memory_()))
         assert b"rebuild_storage_fd" in other and b"_open_segment" not in other
         storage_ptr = batch.tensors[0].untyped_storage().data_ptr()
-        assert storage_ptr in staging._SEGMENTS
+        assert storage_ptr in segments._SEGMENTS
         batch.release()
-    assert storage_ptr not in staging._SEGMENTS  # closed: forgotten, never pickled by a dead name
+    assert storage_ptr not in segments._SEGMENTS  # closed: forgotten, never pickled by a dead name
 
 
 def _receive(tensor: torch.Tensor) -> torch.Tensor:
@@ -289,7 +289,7 @@ def _receive(tensor: torch.Tensor) -> torch.Tensor:
 
 def test_a_writer_keeps_its_mappings_for_reused_buffers_until_the_owner_frees_one(monkeypatch):
     monkeypatch.delenv("MCX_WRITER_KEEPS_MAPPINGS", raising=False)
-    staging.drop_kept_mappings()
+    segments.drop_kept_mappings()
     with new_stager() as stager:
         batch = stager.stage([torch.full((256,), 1.0)], keys=["w"])
         first = _receive(batch.tensors[0])
@@ -299,31 +299,31 @@ def test_a_writer_keeps_its_mappings_for_reused_buffers_until_the_owner_frees_on
         # the same mapping handed back, and it shows the bytes staged for this save
         assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
         assert torch.equal(second, torch.full((256,), 2.0))
-        assert len(staging._MAPPED["storages"]) == 1
+        assert len(segments._MAPPED["storages"]) == 1
         batch.release()
         # a structure change frees the old buffer: the next reference drops the kept mapping
         moved = _receive(stager.stage([torch.full((512,), 3.0)], keys=["w"]).tensors[0])
-        assert list(staging._MAPPED["storages"]) == stager.segments()
+        assert list(segments._MAPPED["storages"]) == stager.segments()
         assert torch.equal(moved, torch.full((512,), 3.0))
-    assert staging.drop_kept_mappings() == 1
+    assert segments.drop_kept_mappings() == 1
 
 
 @pytest.mark.parametrize("case", ["no-reuse", "switch-off"])
 def test_a_writer_maps_again_each_time_without_reuse_or_with_the_switch_off(case, monkeypatch):
     monkeypatch.setenv("MCX_WRITER_KEEPS_MAPPINGS", "0" if case == "switch-off" else "1")
-    staging.drop_kept_mappings()
+    segments.drop_kept_mappings()
     with new_stager(reuse=case != "no-reuse") as stager:
         staged = stager.stage([torch.full((256,), 1.0)], keys=["w"]).tensors[0]
         a, b = _receive(staged), _receive(staged)
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-        assert torch.equal(a, b) and not staging._MAPPED["storages"]
+        assert torch.equal(a, b) and not segments._MAPPED["storages"]
 
 
 def test_full_shm_is_an_error_naming_the_fix_and_leaves_no_segment(monkeypatch):
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(staging.os, "posix_fallocate", no_space)
+    monkeypatch.setattr(segments.os, "posix_fallocate", no_space)
     job = f"full{uuid.uuid4().hex[:6]}"
     with ShmStager(job_id=job, rank=0, reuse=True) as stager:
         with pytest.raises(InsufficientSharedMemory, match=r"cannot reserve 4096 bytes .* 'w'.*--shm-size"):
@@ -332,7 +332,7 @@ def test_full_shm_is_an_error_naming_the_fix_and_leaves_no_segment(monkeypatch):
 
 
 def test_too_few_file_descriptors_is_an_error_naming_ulimit(monkeypatch):
-    monkeypatch.setattr(staging.resource, "getrlimit", lambda what: (64, 64))
+    monkeypatch.setattr(segments.resource, "getrlimit", lambda what: (64, 64))
     with new_stager() as stager:
         with pytest.raises(OSError, match="ulimit -n"):
             stager.stage([torch.ones(1) for _ in range(10)])

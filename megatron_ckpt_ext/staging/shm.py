@@ -1,0 +1,314 @@
+"""The shared-memory stager: per-tensor buffer sets, the cache key that keeps reuse from going
+stale, and the device-to-host copies on a copy stream per device."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from .batch import StagedBatch, _Buffer, _BufferSet, _Copies, _Spec
+from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _register, _register_segment,
+                       _sanitize, _segment_path, _shared_segment, _warn_file_system_strategy,
+                       sweep_orphans)
+
+__all__ = ["ShmStager", "StagingKey"]
+
+logger = logging.getLogger(__name__)
+
+StagingKey = tuple  # per tensor: (id, shape, dtype, device, storage data_ptr, storage_offset)
+
+
+class ShmStager:
+    """Stages tensors (GPU or CPU) into per-tensor CPU shared-memory buffers."""
+
+    def __init__(self, *, job_id: str, rank: int, reuse: bool, pin: bool | None = None,
+                 shm_dir: str = SHM_DIR, sweep: bool = True) -> None:
+        self.job_id, self.rank, self.reuse = _sanitize(job_id), rank, reuse
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.shm_dir = shm_dir
+        self._sets: list[_BufferSet] = []
+        self._last_key: StagingKey | None = None
+        self._lock = threading.Lock()
+        self._prepare_thread: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._flag: _Buffer | None = None
+        self._closed = False
+        self.stats = {"bytes_staged": 0, "stages": 0, "allocations": 0, "bytes_allocated": 0,
+                      "rebuilds": 0, "last_rebuild_reason": None}
+        _warn_file_system_strategy()
+        if sweep:
+            sweep_orphans(shm_dir=shm_dir)
+
+    # -- public ----------------------------------------------------------------------------------
+    def prepare(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
+                background: bool = False) -> None:
+        """Allocate (and pin) a buffer set ahead of the first save: start-up, not critical path.
+
+        With ``background=True`` this returns at once; a stage() meanwhile waits for it."""
+        self._check_open()
+        specs = _specs(tensors, keys)
+        if not background:
+            with self._lock:
+                self._prepare_locked(specs)
+            return
+        self._join_prepare()
+        self._prepare_thread = threading.Thread(target=self._prepare_in_background, args=(specs,),
+                                                name="mcx-staging-prepare", daemon=True)
+        self._prepare_thread.start()
+
+    def stage(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
+              wait: bool = True) -> StagedBatch:
+        """Copy ``tensors`` into shared memory; returns when the copies are complete, or with
+        ``wait=False`` once device copies are issued (call :meth:`StagedBatch.wait` before
+        anything reads the staged bytes or the sources change)."""
+        self._check_open()
+        self._join_prepare()
+        t0 = time.perf_counter()
+        specs = _specs(tensors, keys)
+        with self._lock:
+            if self.reuse:
+                self._check_key(tensors, specs)
+            buffer_set = self._acquire(specs)
+        staged = [buffer_set.buffers[s].tensor for s in specs]
+        pending = self._copy(staged, tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in staged)
+        self.stats["bytes_staged"] += nbytes
+        self.stats["stages"] += 1
+        # The sources stay referenced until the copies are waited for: one freed meanwhile (a
+        # temporary of the caller's state dict) could be handed out again by the caching
+        # allocator and overwritten while its copy still reads it.
+        batch = StagedBatch(staged, nbytes, time.perf_counter() - t0, _started=t0,
+                            _pending=pending, _sources=list(tensors) if pending else [],
+                            _owner=self, _set=buffer_set)
+        if wait:
+            batch.wait()
+        return batch
+
+    def host_bytes(self) -> int:
+        """Shared memory currently held by this stager."""
+        with self._lock:
+            return sum(b.nbytes for s in self._sets for b in s.buffers.values())
+
+    def segments(self) -> list[str]:
+        """Paths of the shared-memory segments this stager holds."""
+        with self._lock:
+            return [b.path for s in self._sets for b in s.buffers.values() if b.path]
+
+    def close(self) -> None:
+        """Unregister, free and unlink every buffer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._prepare_thread is not None:
+            self._prepare_thread.join()
+            self._prepare_thread = None
+        with self._lock:
+            for s in self._sets:
+                self._free_all(s.buffers.values())
+            self._sets.clear()
+            if self._flag is not None:
+                self._free_all([self._flag])
+                self._flag = None
+
+    def ready_flag(self) -> torch.Tensor:
+        """A shared one-element int64 tensor (a segment like the buffers, freed by close()):
+        the trainer writes a save's number there once that save's staged copies are complete,
+        or its negative when they failed; :func:`run_when_staged` waits on it in the writer."""
+        self._check_open()
+        with self._lock:
+            if self._flag is None:
+                pin, self.pin = self.pin, False  # nothing is copied into it by the device
+                try:
+                    self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64))
+                finally:
+                    self.pin = pin
+                self._flag.tensor.zero_()
+            return self._flag.tensor
+
+    def __enter__(self) -> ShmStager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: sweep_orphans cleans up at the next start
+            pass
+
+    # -- cache key -------------------------------------------------------------------------------
+    def _check_key(self, tensors: Sequence[torch.Tensor], specs: Sequence[_Spec]) -> None:
+        key = tuple((s[0], s[1], s[2], t.device, t.untyped_storage().data_ptr(), t.storage_offset())
+                    for s, t in zip(specs, tensors))
+        if self._last_key is not None and key != self._last_key:
+            reason = _describe(self._last_key, key)
+            self.stats["rebuilds"] += 1
+            self.stats["last_rebuild_reason"] = reason
+            if self.rank == 0:
+                logger.info("staging cache: the state changed since the last save (%s); "
+                            "rebuilding the staging plan from the current tensors", reason)
+        self._last_key = key
+
+    # -- buffer sets -----------------------------------------------------------------------------
+    def _prepare_locked(self, specs: list[_Spec]) -> None:
+        if not any(s.fits(specs) and not s.in_flight for s in self._sets):
+            self._sets.append(self._build(specs, donor=self._idle_donor()))
+
+    def _prepare_in_background(self, specs: list[_Spec]) -> None:
+        try:
+            with self._lock:
+                self._prepare_locked(specs)
+        except BaseException as e:  # re-raised by the next stage()/prepare()
+            self._prepare_error = e
+
+    def wait_prepared(self, timeout_s: float | None = None) -> bool:
+        """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is.
+        Its error, if any, is raised by the next stage() or prepare()."""
+        thread = self._prepare_thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+            self._prepare_thread = None
+        return True
+
+    def _join_prepare(self) -> None:
+        self.wait_prepared()
+        if self._prepare_error is not None:
+            error, self._prepare_error = self._prepare_error, None
+            raise error
+
+    def _acquire(self, specs: list[_Spec]) -> _BufferSet:
+        chosen = next((s for s in self._sets if not s.in_flight and s.fits(specs)), None)
+        if chosen is None:
+            chosen = self._build(specs, donor=self._idle_donor())
+            self._sets.append(chosen)
+        chosen.in_flight = True
+        return chosen
+
+    def _idle_donor(self) -> _BufferSet | None:
+        """An idle set whose matching buffers a new set may take over (the rest is freed)."""
+        donor = next((s for s in self._sets if not s.in_flight), None)
+        if donor is not None:
+            self._sets.remove(donor)
+        return donor
+
+    def _build(self, specs: list[_Spec], *, donor: _BufferSet | None) -> _BufferSet:
+        kept = donor.buffers if donor is not None else {}
+        buffers = {s: kept.pop(s) for s in specs if s in kept}
+        self._free_all(kept.values())
+        missing = [s for s in specs if s not in buffers]
+        _ensure_fd_room(len(missing))
+        for spec in missing:
+            buffers[spec] = self._allocate(spec)
+        return _BufferSet(buffers)
+
+    def _release(self, buffer_set: _BufferSet) -> None:
+        with self._lock:
+            buffer_set.in_flight = False
+            if (not self.reuse or self._closed) and buffer_set in self._sets:
+                self._sets.remove(buffer_set)
+                self._free_all(buffer_set.buffers.values())
+
+    # -- one buffer ------------------------------------------------------------------------------
+    def _allocate(self, spec: _Spec) -> _Buffer:
+        _, shape, dtype = spec
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return _Buffer(torch.empty(shape, dtype=dtype), None)
+        path = _segment_path(self.shm_dir, self.job_id, self.rank)
+        storage = _shared_segment(path, nbytes, key=spec[0])
+        _register_segment(storage, path, nbytes, reuse=self.reuse)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        buffer = _Buffer(tensor, path)
+        if self.pin:
+            buffer.registered = _register(tensor, nbytes)
+        self.stats["allocations"] += 1
+        self.stats["bytes_allocated"] += nbytes
+        return buffer
+
+    @staticmethod
+    def _free_all(buffers: object) -> None:
+        for buffer in list(buffers):  # type: ignore[call-overload]
+            if buffer.registered:
+                torch.cuda.cudart().cudaHostUnregister(buffer.tensor.data_ptr())
+                buffer.registered = False
+            if buffer.path:
+                _forget_segment(buffer.tensor.untyped_storage().data_ptr(), buffer.path)
+            buffer.tensor = torch.empty(0)  # drop our mapping; a holder still keeps its own
+
+    # -- copies ----------------------------------------------------------------------------------
+    def _copy(self, staged: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[_Copies]:
+        """Host sources are copied here; device sources are queued on a copy stream per device
+        (after the work queued so far on the current stream), returned for StagedBatch.wait."""
+        started: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
+        for dst, src in zip(staged, tensors):
+            if src.is_cuda:
+                if src.device not in started:
+                    started[src.device] = self._copy_stream(src.device)
+                stream = started[src.device][0]
+                with torch.cuda.stream(stream):
+                    dst.copy_(src.detach(), non_blocking=True)
+            else:
+                dst.copy_(src.detach())
+        pending = []
+        for device, (stream, start) in started.items():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            pending.append(_Copies(start, end, device))
+        return pending
+
+    def _copy_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # sources are final up to now
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return stream, start
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ShmStager is closed: create a new one (Checkpointer.close() "
+                               "closes its stager; do not save after close)")
+
+
+# -- cache key and specs -------------------------------------------------------------------------
+def _specs(tensors: Sequence[torch.Tensor], keys: Sequence[str] | None) -> list[_Spec]:
+    if keys is not None and len(keys) != len(tensors):
+        raise ValueError(f"stage(): {len(keys)} keys for {len(tensors)} tensors; pass one key "
+                         "per tensor, or none")
+    names = list(keys) if keys is not None else [str(i) for i in range(len(tensors))]
+    seen: dict[str, int] = {}
+    specs = []
+    for name, tensor in zip(names, tensors):
+        n = seen[name] = seen.get(name, 0) + 1
+        specs.append((name if n == 1 else f"{name}#{n}", tuple(tensor.shape), tensor.dtype))
+    return specs
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _describe(old: StagingKey, new: StagingKey) -> str:
+    old_by, new_by = {e[0]: e for e in old}, {e[0]: e for e in new}
+    common = set(old_by) & set(new_by)
+    changes = (
+        ("added", sorted(set(new_by) - set(old_by))),
+        ("removed", sorted(set(old_by) - set(new_by))),
+        ("reshaped", sorted(k for k in common if old_by[k][1:4] != new_by[k][1:4])),
+        ("reallocated", sorted(k for k in common if old_by[k][1:4] == new_by[k][1:4]
+                               and old_by[k][4:] != new_by[k][4:])),
+    )
+    parts = [f"{name} {keys[:3]}{'...' if len(keys) > 3 else ''}" for name, keys in changes if keys]
+    return "; ".join(parts) or "order changed"
