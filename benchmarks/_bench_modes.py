@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions, _cpu_shim, backend
 from megatron_ckpt_ext import strategy as strategy_mod
-from megatron_ckpt_ext.checkpointer import TRACKER, checkpoint_name
+from megatron_ckpt_ext.save.layout import TRACKER, checkpoint_name
 
 __all__ = ["GptShape", "HostMemSampler", "MODES", "ModeSpec", "build_state", "gpt_shape",
            "make_runner", "mutate", "state_bytes"]

@@ -29,13 +29,12 @@ the process group's timeout's business (``--distributed-timeout-minutes``).
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -46,74 +45,21 @@ from . import _cpu_shim, backend, preflight, strategy
 from ._runtime import die_with_parent, forks_die_with_this_process, rank, warn_once
 from .debug import env_switch, trace_event, traced_request
 from .errors import CheckpointWriteError
+from .load import locate
 from .options import CkptOptions
+from .save.layout import (TRACKER, checkpoint_name, commit_on_disk, incomplete_name, read_tracker,
+                          tracker_text)
+from .save.planner import SavePlanner, copy_structure, state_bytes
+from .save.report import SaveRecord, log_report, report_entry
 from .validation import check
 
+# TRACKER, checkpoint_name and read_tracker (save.layout) are public from here as well.
 __all__ = ["Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
 
 logger = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-INCOMPLETE = ".incomplete"
-REPORT = "ckpt_report.jsonl"
 _POLL_S = 0.05  # how often a blocking finalize re-checks the writers
 _LOGGERS = ("megatron_ckpt_ext", "megatron")  # what --logging-level sets
-
-
-def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def read_tracker(root: str | os.PathLike[str]) -> int | None:
-    """The newest committed iteration under ``root``, or None when there is no tracker file.
-    A tracker that does not hold one ASCII decimal number is an error naming the file."""
-    path = Path(root) / TRACKER
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    text = raw.strip()
-    if not (0 < len(text) <= 12 and all(48 <= c <= 57 for c in text)):
-        shown = raw[:40].decode("ascii", "backslashreplace")
-        raise ValueError(
-            f"{path} holds {shown!r}{'...' if len(raw) > 40 else ''}, not an iteration number "
-            f"(ASCII digits). The tracker is damaged: write the iteration to load into it (e.g. "
-            f"'echo N > {path}' for an existing {root}/iter_{{N:07d}}) or pass load(iteration=N).")
-    return int(text)
-
-
-@dataclass
-class _Save:
-    """One save in flight: what must stay alive until it is committed."""
-
-    iteration: int
-    root: Path
-    started: float
-    blocking_s: float = 0.0
-    staged: Any = None  # staging buffers handed to the writer (released at commit)
-    nbytes: int = 0
-    staging_s: float = 0.0
-    mode: str = ""
-    host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
-    snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
-    new_structure: bool = True  # some rank's structure is new: validate sharding, re-plan
-    seq: int = 0  # published in the stager's ready flag when the staged copies are complete
-    copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
-    phases: dict = field(default_factory=dict)  # seconds per step of save(), see _PHASES
-    extra: dict = field(default_factory=dict)
-
-    def phase(self, name: str, since: float) -> float:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - since
-        return now
-
-
-# The steps of save() timed in every report (max over ranks), in order: waiting for the previous
-# save's commit, creating the .incomplete directory (a barrier), staging (device-to-host copies),
-# megatron-core's planning (dist_checkpointing.save: metadata exchange, write buckets), and handing
-# the request to the writer (async) or writing and committing it (sync).
-_PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s", "copy_wait_s",
-           "write_commit_s")
 
 
 class Checkpointer:
@@ -145,13 +91,12 @@ class Checkpointer:
         self.dp_group = dp_group
         self.reports: list[dict] = []
         self._closed = False
-        self._pending: dict[int, _Save | None] = {}
-        self._strategy: Any = None
-        self._structure: Any = None
+        self._pending: dict[int, SaveRecord | None] = {}
+        self._planner = SavePlanner(options, dp_group=dp_group)
         self._seq = 0  # saves handed to a writer that waits on the ready flag
         self._froze_gc = False  # _freeze_gc froze (alone): close() unfreezes
         self.startup: dict[str, float] = {}
-        self._before_commit: Callable[[_Save], None] | None = None  # fault-injection hook (tests)
+        self._before_commit: Callable[[SaveRecord], None] | None = None  # fault injection (tests)
         self._cpu_shim = _cpu_shim.install()
         self._async = options.async_save and self.caps.async_provider != "sync"
         self._cpu_shm = self._async and options.async_ckpt_use_cpu_shm
@@ -166,7 +111,7 @@ class Checkpointer:
         # --ckpt-overlap-snapshot: save() returns with the copies in flight; the next optimizer
         # step (a global torch.optim step pre-hook) makes the trainer's stream wait for them.
         self._overlap = bool(options.ckpt_overlap_snapshot and self._cpu_shm and self._persistent)
-        self._snapshot: _Save | None = None  # overlapped save the trainer has not waited for
+        self._snapshot: SaveRecord | None = None  # overlapped save the trainer has not waited for
         self._publisher: threading.Thread | None = None
         self._step_hook = None
         if self._overlap:
@@ -283,23 +228,22 @@ class Checkpointer:
             # first's (a wrong or missing entry once the structure changes).
             self.maybe_finalize(blocking=True)
         self._ready_writers(iteration, Path(checkpoint_dir))
-        record = _Save(iteration=iteration, root=Path(checkpoint_dir), started=started,
-                       mode=self._mode())
+        record = SaveRecord(iteration=iteration, root=Path(checkpoint_dir), started=started,
+                            mode=self._mode())
         t = record.phase("wait_previous_s", started)
-        constant = self.options.ckpt_assume_constant_structure
-        structure = _structure_key(sharded_state_dict) if constant else None
-        new_structure = not constant or structure != self._structure
+        structure = self._planner.key(sharded_state_dict)
         plain = backend.plain_tensors(sharded_state_dict)
-        workdir = self._prepare_dir(record, new_structure=new_structure, plain=plain)
-        self._use_structure(structure, record)
+        workdir = self._prepare_dir(record, new_structure=self._planner.is_new(structure),
+                                    plain=plain)
+        self._planner.use(structure, record)
         if self.reports and rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes"])
-        state = _copy_structure(sharded_state_dict)
+        state = copy_structure(sharded_state_dict)
         t = record.phase("prepare_dir_s", t)
         if self._async:
             self._stage(state, record)
         else:
-            record.nbytes = _state_bytes(state)
+            record.nbytes = state_bytes(state)
         t = record.phase("stage_s", t)
         request = self._request(state, workdir, record)
         t = record.phase("plan_s", t)
@@ -352,7 +296,7 @@ class Checkpointer:
         if self._snapshot is not None:
             self.wait_for_snapshot()
 
-    def _publish_in_background(self, record: _Save) -> None:
+    def _publish_in_background(self, record: SaveRecord) -> None:
         """Publish ``record``'s staged copies to its writer from a thread once they are done;
         save() returns meanwhile. The trainer's stream waits for them at the next optimizer
         step (:meth:`wait_for_snapshot`). A failure of the copies is published too (the writer
@@ -377,7 +321,7 @@ class Checkpointer:
         if publisher is not None:
             publisher.join()
 
-    def _prepare_dir(self, record: _Save, *, new_structure: bool,
+    def _prepare_dir(self, record: SaveRecord, *, new_structure: bool,
                      plain: list[tuple[str, Any]] = ()) -> Path:
         """Rank 0 creates the save's working directory; every rank learns whether it could (one
         small all-reduce in place of a barrier), so an unwritable root is an error on every rank
@@ -386,7 +330,7 @@ class Checkpointer:
         ``record.new_structure``): validating it and re-planning are collectives, so all ranks
         must decide alike. A plain tensor in any rank's state (``plain``) fails the save on every
         rank before anything is written."""
-        workdir = _incomplete(record.root, record.iteration)
+        workdir = incomplete_name(record.root, record.iteration)
         error: OSError | None = None
         plain_large = [(k, t) for k, t in plain if t.numel() > 1]
         if rank() == 0 and not plain_large:
@@ -417,7 +361,7 @@ class Checkpointer:
                 "writable directory.") from error
         return workdir
 
-    def _stage(self, state: Any, record: _Save) -> None:
+    def _stage(self, state: Any, record: SaveRecord) -> None:
         """Replace every tensor by a CPU copy owned by this save (see the module docstring)."""
         t0 = time.perf_counter()
         tensors: list[Any] = []
@@ -442,7 +386,7 @@ class Checkpointer:
                              else record.nbytes)
         record.staging_s = time.perf_counter() - t0
 
-    def _publish_staged(self, record: _Save) -> None:
+    def _publish_staged(self, record: SaveRecord) -> None:
         """Wait for this save's copies, then tell its writer (the ready flag); on failure tell
         it to write nothing, and raise."""
         try:
@@ -454,7 +398,7 @@ class Checkpointer:
         if record.seq:
             self._stager.ready_flag()[0] = record.seq
 
-    def _wait_staged(self, record: _Save) -> None:
+    def _wait_staged(self, record: SaveRecord) -> None:
         """Until this save's staged copies are in host memory; staging_s then covers the
         copies, not the planning that overlapped them. Idempotent."""
         batch = record.staged
@@ -464,7 +408,7 @@ class Checkpointer:
             batch.wait()
             record.staging_s = batch.copy_s if batch.copy_s is not None else batch.staging_s
 
-    def _request(self, state: Any, workdir: Path, record: _Save) -> Any:
+    def _request(self, state: Any, workdir: Path, record: SaveRecord) -> Any:
         """megatron-core's save request. Planning reads only the staged tensors' metadata, so it
         runs while their device copies are in flight; this save's staged copies
         (``record.snapshots``) need not be cloned again by the writer. Where that clone is kept
@@ -475,7 +419,7 @@ class Checkpointer:
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps:
             if not keeps and backend.writer_clones_cpu_tensors():
                 self._wait_staged(record)
-            request = dc.save(state, str(workdir), self._save_strategy(),
+            request = dc.save(state, str(workdir), self._planner.strategy(),
                               async_sharded_save=True,
                               validate_access_integrity=record.new_structure)
         if self._async and self._persistent and request.async_fn is None:
@@ -496,23 +440,7 @@ class Checkpointer:
             request = self._after_staging(request, record)
         return backend.adapt_async_request(request) if self._async else request
 
-    def _use_structure(self, key: tuple | None, record: _Save) -> None:
-        """With ``--ckpt-assume-constant-structure``, keep the save strategy (megatron-core's
-        cached plan and metadata) only while no rank's structure changed, and validate the
-        sharding only when it did (the first save included), as Megatron-LM skips validation
-        after its first save; without it, a fresh strategy and a validation every save."""
-        if not self.options.ckpt_assume_constant_structure:
-            record.new_structure = True
-            return
-        if record.new_structure or self._strategy is None:
-            if self._strategy is not None and rank() == 0:
-                logger.info("checkpoint structure changed on some rank (%s here): rebuilding "
-                            "the cached save plan", _describe_change(self._structure, key))
-            self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
-            record.new_structure = True
-        self._structure = key
-
-    def _after_staging(self, request: Any, record: _Save) -> Any:
+    def _after_staging(self, request: Any, record: SaveRecord) -> Any:
         """``request`` whose write first waits for this save's staged copies to be published
         (outermost wrapper: nothing of the write runs before)."""
         from .staging import run_when_staged
@@ -523,14 +451,8 @@ class Checkpointer:
             run_when_staged, self._stager.ready_flag(), record.seq,
             float(self.options.ckpt_timeout), request.async_fn))
 
-    def _save_strategy(self) -> Any:
-        """The save strategy: the one kept by :meth:`_use_structure`, else a fresh one."""
-        if self.options.ckpt_assume_constant_structure and self._strategy is not None:
-            return self._strategy
-        return strategy.save_strategy(self.options, dp_group=self.dp_group)
-
     # -- commit ------------------------------------------------------------------------------
-    def _commit(self, record: _Save) -> None:
+    def _commit(self, record: SaveRecord) -> None:
         """Collective: make ``record``'s checkpoint visible and name it in the tracker."""
         if self._before_commit is not None:
             self._before_commit(record)
@@ -543,18 +465,16 @@ class Checkpointer:
         self._release(record)
         self._report(record, ranks)
 
-    def _release(self, record: _Save) -> None:
+    def _release(self, record: SaveRecord) -> None:
         if record.staged is not None and hasattr(record.staged, "release"):
             record.staged.release()
         record.staged = None
 
-    def _gather_stats(self, record: _Save) -> dict:
+    def _gather_stats(self, record: SaveRecord) -> dict:
         """Max over ranks of this save's times and sizes, and the sum of its bytes: one small
         all-reduce that replaces the commit's first barrier (so no extra synchronisation)."""
         now = time.perf_counter()
-        local = [now - record.started, record.blocking_s, record.staging_s,
-                 float(record.host_bytes), float(record.nbytes),
-                 *(record.phases.get(name, 0.0) for name in _PHASES)]
+        local = record.local_stats(now)
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return {"max": local, "bytes_total": record.nbytes, "world": 1, "at": now}
         group, device = self.process_group, self._collective_device()
@@ -566,37 +486,10 @@ class Checkpointer:
         return {"max": stats.tolist(), "bytes_total": int(total.item()),
                 "world": torch.distributed.get_world_size(group), "at": now}
 
-    def _report(self, record: _Save, ranks: dict) -> None:
-        # Every figure is the slowest rank's: durable is the slowest rank's time from its save()
-        # call to the commit's first collective, plus the commit itself (rename, tracker, barrier).
-        elapsed, blocking, staging, host, nbytes_max, *phases = ranks["max"]
-        durable = elapsed + time.perf_counter() - ranks["at"]
-        if not self._async:
-            blocking = durable
-        write_s = max(durable - blocking, 1e-9) if self._async else max(
-            phases[_PHASES.index("write_commit_s")], 1e-9)
-        entry = {
-            "iteration": record.iteration, "mode": record.mode, "world": ranks["world"],
-            "bytes": record.nbytes, "bytes_total": ranks["bytes_total"],
-            "blocking_s": round(blocking, 6), "staging_s": round(staging, 6),
-            "staging_gbps": _sig(nbytes_max / staging / 1e9) if staging > 0 else None,
-            "durable_s": round(durable, 6),
-            # the writer's time after save() returned until the commit (async: bounded below by
-            # how often the trainer calls maybe_finalize), as aggregate GB/s of all ranks
-            "write_gbps": _sig(ranks["bytes_total"] / write_s / 1e9),
-            "host_extra_bytes": int(host),
-            "phases": {name: round(v, 6) for name, v in zip(_PHASES, phases)},
-        }
+    def _report(self, record: SaveRecord, ranks: dict) -> None:
+        entry = report_entry(record, ranks, is_async=self._async)
         self.reports.append(entry)
-        if rank() == 0:
-            slowest = max(_PHASES, key=lambda n: entry["phases"][n])
-            logger.info("checkpoint iter %d committed: %s, %.1f MB/rank, blocking %.3f s (most in "
-                        "%s %.3f s), staging %.3f s, durable %.3f s, write %.2f GB/s, host extra "
-                        "%.1f MB", record.iteration, record.mode, nbytes_max / 1e6,
-                        entry["blocking_s"], slowest[:-2], entry["phases"][slowest],
-                        entry["staging_s"], entry["durable_s"], entry["write_gbps"], host / 1e6)
-            with open(record.root / REPORT, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(entry) + "\n")
+        log_report(record, entry, ranks)
 
     # -- finalize / load / close -------------------------------------------------------------
     def maybe_finalize(self, *, blocking: bool = False) -> list[int]:
@@ -712,7 +605,7 @@ class Checkpointer:
             what, root = f"checkpoint iteration {before[0]} under {before[1]} (before it started)", before[1]
         else:
             what, root = "the persistent checkpoint writer's start-up", None
-        latest = _tracker_text(root) if root is not None else ""
+        latest = tracker_text(root) if root is not None else ""
         needed = max([record.nbytes if record is not None else 0]
                      + [r.get("bytes", 0) for r in self.reports[-1:]])
         space = preflight.disk_full_hint(root, needed) if root is not None else ""
@@ -747,31 +640,10 @@ class Checkpointer:
         Where ``checkpoint_dir`` holds no committed checkpoint (no tracker: a missing or empty
         directory), returns None after a rank-0 warning, as Megatron-LM starts from scratch;
         with ``--exit-on-missing-checkpoint`` raises FileNotFoundError instead."""
-        root = Path(checkpoint_dir)
-        _warn_incomplete(root)
-        if iteration is None:
-            iteration = read_tracker(root)
-            if iteration is None:
-                what = (f"{root} does not exist" if not root.exists()
-                        else f"{root} holds no {TRACKER}")
-                if self.options.exit_on_missing_checkpoint:
-                    raise FileNotFoundError(
-                        f"no committed checkpoint to load: {what} (--exit-on-missing-checkpoint "
-                        "is set). Fix: point --load at a directory saved by this plugin or "
-                        "Megatron, or drop --exit-on-missing-checkpoint to start from scratch.")
-                warn_once(f"missing-checkpoint:{root}",
-                          f"no committed checkpoint to load: {what}; starting from "
-                          "scratch (--exit-on-missing-checkpoint makes this an error).")
-                return None
-        path = checkpoint_name(root, iteration)
-        if not (path / "metadata.json").exists():
-            raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
-        if not backend.common_state_present(path):
-            raise FileNotFoundError(
-                f"checkpoint {path} has no common state: neither common.pt (megatron-core "
-                "<= 0.16) nor a 'common_state' entry in its .metadata (0.19), both written by "
-                "rank 0. The copy is incomplete or damaged: load another iteration "
-                "(load(iteration=N)) or restore the file.")
+        path = locate(checkpoint_dir, iteration=iteration,
+                      exit_on_missing=self.options.exit_on_missing_checkpoint)
+        if path is None:
+            return None
         load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
         return backend.dist_checkpointing().load(sharded_state_dict, str(path), load_strategy)
 
@@ -801,7 +673,7 @@ class Checkpointer:
                 self._stager = None
             backend.shutdown_write_results_queues()
             self._pending.clear()
-            self._strategy = self._structure = None
+            self._planner.reset()
             if self._froze_gc:
                 self._froze_gc = False
                 gc.unfreeze()
@@ -819,16 +691,6 @@ class Checkpointer:
     def _barrier(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self._wait(torch.distributed.barrier(group=self.process_group, async_op=True))
-
-
-def _tracker_text(root: Path) -> str:
-    try:
-        latest = read_tracker(root)
-    except (OSError, ValueError):
-        return ""
-    if latest is None:
-        return f" (no committed checkpoint under {root} yet)"
-    return f"; the latest committed checkpoint is still iteration {latest} ({root / TRACKER})"
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -851,96 +713,8 @@ def _warm_up(trainer_pid: int | None = None) -> None:
     backend.warm_up_writer_imports()
 
 
-def _sig(x: float, digits: int = 4) -> float:
-    """``x`` rounded to ``digits`` significant digits (a tiny test state's GB/s stays non-zero)."""
-    return float(f"{x:.{digits}g}")
-
-
 def _job_id() -> str:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
-
-
-def _state_bytes(state: Any) -> int:
-    sizes: list[int] = []
-    backend.map_sharded_tensors(state, lambda t: sizes.append(t.data.numel() * t.data.element_size()) or t)
-    return sum(sizes)
-
-
-def _incomplete(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}{INCOMPLETE}"
-
-
-def _copy_structure(node: Any) -> Any:
-    """Copy nested dicts/lists (not their leaves), so the caller's dict is never modified."""
-    if isinstance(node, dict):
-        return {k: _copy_structure(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_copy_structure(v) for v in node]
-    return node
-
-
-def _structure_key(state: Any) -> tuple:
-    """Keys, shapes, dtypes and placement of every sharded item: what cached metadata assumes."""
-    items: list[tuple] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-        elif hasattr(node, "key"):
-            data = getattr(node, "data", None)
-            items.append((type(node).__name__, node.key, tuple(getattr(node, "global_shape", ()) or ()),
-                          tuple(getattr(node, "global_offset", ()) or ()),
-                          str(getattr(data, "dtype", "")), tuple(getattr(data, "shape", ()) or ())))
-
-    walk(state)
-    return tuple(sorted(items))
-
-
-def _describe_change(old: tuple | None, new: tuple) -> str:
-    if old == new:
-        return "unchanged on this rank"
-    old_keys, new_keys = {i[1] for i in old or ()}, {i[1] for i in new}
-    added, removed = sorted(new_keys - old_keys), sorted(old_keys - new_keys)
-    if added or removed:
-        return f"added {added[:3]}, removed {removed[:3]}"
-    return "shapes, dtypes or placement changed"
-
-
-def commit_on_disk(root: Path, iteration: int) -> None:
-    """Rank 0's part of the commit, in the order that keeps the previous checkpoint loadable
-    after a crash at any point: fsync every file of ``iter_N.incomplete`` and the directory,
-    rename it to ``iter_N``, fsync ``root``, then rewrite the tracker (temporary file, fsync,
-    rename) and fsync ``root`` again. The tracker never names a directory that is not durable."""
-    src, dst = _incomplete(root, iteration), checkpoint_name(root, iteration)
-    for path in sorted(src.rglob("*")):  # megatron-core writes metadata and common.pt unsynced
-        if path.is_file():
-            _fsync(path)
-    _fsync(src)
-    _replace_dir(src, dst)
-    _atomic_write(root / TRACKER, f"{iteration}\n")
-    old = _aside(dst)
-    if old.exists():  # a re-save of a committed iteration: its old copy goes once replaced
-        shutil.rmtree(old)
-
-
-def _aside(dst: Path) -> Path:
-    return dst.with_name(dst.name + ".old")
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst`` (an existing ``dst`` moves aside to :func:`_aside`) and fsync
-    their parent."""
-    old = _aside(dst)
-    if dst.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(dst, old)
-    os.rename(src, dst)
-    _fsync(dst.parent)
 
 
 def _nothing_to_write(*args: Any, **kwargs: Any) -> None:
@@ -961,32 +735,3 @@ def _plain_tensor_message(iteration: int, plain: list[tuple[str, Any]], bad_rank
         "for a tensor replicated over data-parallel ranks, or ShardedTensor.from_rank_offsets("
         "key, t, (axis, rank, world_size)) for one split along an axis. Plain Python numbers and "
         "one-element tensors stay common state.")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory (its entries)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _warn_incomplete(root: Path) -> None:
-    if not root.is_dir():
-        return
-    leftovers = sorted(p.name for p in root.glob(f"iter_*{INCOMPLETE}"))
-    if leftovers:
-        warn_once(f"incomplete:{root}",
-                  f"{root}: ignoring uncommitted checkpoint directories {leftovers} "
-                  "(a save was interrupted before its commit)")

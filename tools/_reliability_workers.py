@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
-from megatron_ckpt_ext import checkpointer as ckpt_mod
-from megatron_ckpt_ext.checkpointer import checkpoint_name, read_tracker
+from megatron_ckpt_ext.save import layout
+from megatron_ckpt_ext.save.layout import checkpoint_name, read_tracker
 from megatron_ckpt_ext.errors import CheckpointWriteError
 
 from ._dist import device, sharded
@@ -170,9 +170,9 @@ def install_crash_hook(ck: Checkpointer, phase: str, rank: int, kill_iter: int, 
     elif phase == "before_rename":
         ck._before_commit = lambda record: hold() if record.iteration == kill_iter else None
     elif phase == "after_rename":  # _replace_dir(src, dst=<root>/iter_XXXXXXX)
-        _hold_after(ckpt_mod, "_replace_dir", lambda src, dst: int(dst.name[5:]) == kill_iter, hold)
+        _hold_after(layout, "_replace_dir", lambda src, dst: int(dst.name[5:]) == kill_iter, hold)
     elif phase == "after_tracker":  # _atomic_write(<tracker>, "<iteration>\n")
-        _hold_after(ckpt_mod, "_atomic_write", lambda path, text: int(text) == kill_iter, hold)
+        _hold_after(layout, "_atomic_write", lambda path, text: int(text) == kill_iter, hold)
 
 
 def _hold_after(module: Any, name: str, match: Callable[..., bool], hold: Callable[[], None]) -> None:

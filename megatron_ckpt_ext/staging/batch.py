@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from .shm import ShmStager
 
 __all__ = ["StagedBatch"]
 
@@ -65,7 +62,7 @@ class StagedBatch:
     _started: float = field(default=0.0, repr=False)
     _pending: list[_Copies] = field(default_factory=list, repr=False)
     _sources: list[torch.Tensor] = field(default_factory=list, repr=False)  # alive until copied
-    _owner: ShmStager | None = field(default=None, repr=False)
+    _owner: Any = field(default=None, repr=False)  # the stager that lent the buffers (shm.py)
     _set: _BufferSet | None = field(default=None, repr=False)
 
     def wait(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
-from megatron_ckpt_ext.checkpointer import read_tracker
+from megatron_ckpt_ext.save.layout import read_tracker
 
 from tools._dist import device, sharded
 

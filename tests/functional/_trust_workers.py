@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
-from megatron_ckpt_ext.checkpointer import read_tracker
+from megatron_ckpt_ext.save.layout import read_tracker
 
 from tools._dist import sharded
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ckpt_ext import Checkpointer, CkptOptions, checkpointer
-from megatron_ckpt_ext.checkpointer import TRACKER, read_tracker
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.save import layout
+from megatron_ckpt_ext.save.layout import TRACKER, read_tracker
+from megatron_ckpt_ext.save.report import SaveRecord
 from megatron_ckpt_ext.errors import CheckpointWriteError, CkptOptionsError
 
 
@@ -70,11 +72,11 @@ def _record_disk_ops(monkeypatch, root: Path) -> list[tuple[str, str]]:
         events.append(("rename", f"{rel(src)}->{rel(dst)}"))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(checkpointer.os, "open", fake_open)
-    monkeypatch.setattr(checkpointer.os, "fsync", fake_fsync)
-    monkeypatch.setattr(checkpointer.os, "rename", fake_rename)
-    monkeypatch.setattr(checkpointer.os, "replace", fake_replace)
-    monkeypatch.setattr(checkpointer, "open", fake_builtin_open, raising=False)
+    monkeypatch.setattr(layout.os, "open", fake_open)
+    monkeypatch.setattr(layout.os, "fsync", fake_fsync)
+    monkeypatch.setattr(layout.os, "rename", fake_rename)
+    monkeypatch.setattr(layout.os, "replace", fake_replace)
+    monkeypatch.setattr(layout, "open", fake_builtin_open, raising=False)
     return events
 
 
@@ -90,7 +92,7 @@ def test_commit_order_fsyncs_files_then_renames_then_writes_the_tracker(tmp_path
     temporary file and a rename, fsync the root: a crash at any point keeps the old latest."""
     _incomplete_checkpoint(tmp_path, 5)
     events = _record_disk_ops(monkeypatch, tmp_path)
-    checkpointer.commit_on_disk(tmp_path, 5)
+    layout.commit_on_disk(tmp_path, 5)
 
     work, final = "iter_0000005.incomplete", "iter_0000005"
     files = {("fsync", f"{work}/{n}") for n in ("__0_0.distcp", "common.pt", "metadata.json")}
@@ -111,10 +113,10 @@ def test_commit_order_fsyncs_files_then_renames_then_writes_the_tracker(tmp_path
 
 def test_recommit_of_an_iteration_keeps_the_tracker_valid(tmp_path):
     _incomplete_checkpoint(tmp_path, 5)
-    checkpointer.commit_on_disk(tmp_path, 5)
+    layout.commit_on_disk(tmp_path, 5)
     _incomplete_checkpoint(tmp_path, 5)
     (tmp_path / "iter_0000005.incomplete" / "new").write_bytes(b"y")
-    checkpointer.commit_on_disk(tmp_path, 5)
+    layout.commit_on_disk(tmp_path, 5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", TRACKER]
     assert (tmp_path / "iter_0000005" / "new").exists()
 
@@ -232,10 +234,10 @@ def test_a_save_that_replaces_a_committed_iteration_says_so(tmp_path, caplog):
     import time
 
     _incomplete_checkpoint(tmp_path, 2)
-    checkpointer.commit_on_disk(tmp_path, 2)
+    layout.commit_on_disk(tmp_path, 2)
     with Checkpointer(CkptOptions()) as ck, caplog.at_level(logging.WARNING):
         for it in (3, 2):
-            record = checkpointer._Save(iteration=it, root=tmp_path, started=time.perf_counter())
+            record = SaveRecord(iteration=it, root=tmp_path, started=time.perf_counter())
             ck._prepare_dir(record, new_structure=True)
     assert [r.getMessage() for r in caplog.records if "already committed" in r.getMessage()] == [
         f"checkpoint iteration 2 under {tmp_path} is already committed: this save replaces it "

@@ -47,3 +47,39 @@ def test_only_backend_imports_the_backends_or_inspect(path):
     offenders = [f"line {line}: {name}" for line, name in _imported_names(tree) if _forbidden(name)]
     assert not offenders, (f"{path.relative_to(PACKAGE.parent)} imports {offenders}: move that "
                            "read into megatron_ckpt_ext/backend/ and call it from there")
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Each package module -> the package modules it imports (any level, TYPE_CHECKING too)."""
+    pkg = Path(__file__).resolve().parents[2] / "megatron_ckpt_ext"
+    files = {".".join(p.relative_to(pkg).with_suffix("").parts).removesuffix(".__init__")
+             .removesuffix("__init__"): p for p in pkg.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        here = [h for h in here if h]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = here[:len(here) - (node.level - 1)]
+                names = [node.module] if node.module else [a.name for a in node.names]
+                deps.update(".".join([*base, *n.split(".")]) for n in names)
+        graph[mod] = {d for d in deps if d in files and d != mod}
+    return graph
+
+
+def test_no_import_circle_in_the_package():
+    graph = _package_imports()
+    state: dict[str, int] = {}
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            assert state.get(dep) != 1, f"import circle: {' -> '.join([*path, dep])}"
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])

@@ -1,0 +1,108 @@
+"""What a save plans from: the state's structure key and the save strategy kept while that
+structure holds (``--ckpt-assume-constant-structure``: megatron-core's cached plan and metadata)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .. import backend, strategy
+from .._runtime import rank
+from ..options import CkptOptions
+
+__all__ = ["SavePlanner", "copy_structure", "state_bytes", "structure_key"]
+
+logger = logging.getLogger(__name__)
+
+
+class SavePlanner:
+    """Keeps the save strategy only while no rank's structure changed, and says when the
+    sharding must be validated (the first save included), as Megatron-LM skips validation after
+    its first save; without constant structure, a fresh strategy and a validation every save."""
+
+    def __init__(self, options: CkptOptions, *, dp_group: Any = None) -> None:
+        self.options = options
+        self.dp_group = dp_group
+        self._strategy: Any = None
+        self._structure: tuple | None = None
+
+    @property
+    def constant(self) -> bool:
+        return bool(self.options.ckpt_assume_constant_structure)
+
+    def key(self, state: Any) -> tuple | None:
+        """This rank's structure key of ``state``, when the strategy may be kept (else None)."""
+        return structure_key(state) if self.constant else None
+
+    def is_new(self, key: tuple | None) -> bool:
+        """Whether this rank's structure differs from the one the kept strategy was built for."""
+        return not self.constant or key != self._structure
+
+    def use(self, key: tuple | None, record: Any) -> None:
+        """After every rank agreed on ``record.new_structure``: keep or rebuild the strategy
+        (setting ``record.new_structure`` when the sharding must be validated)."""
+        if not self.constant:
+            record.new_structure = True
+            return
+        if record.new_structure or self._strategy is None:
+            if self._strategy is not None and rank() == 0:
+                logger.info("checkpoint structure changed on some rank (%s here): rebuilding "
+                            "the cached save plan", describe_change(self._structure, key))
+            self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
+            record.new_structure = True
+        self._structure = key
+
+    def strategy(self) -> Any:
+        """The save strategy: the one kept by :meth:`use`, else a fresh one."""
+        if self.constant and self._strategy is not None:
+            return self._strategy
+        return strategy.save_strategy(self.options, dp_group=self.dp_group)
+
+    def reset(self) -> None:
+        self._strategy = self._structure = None
+
+
+def state_bytes(state: Any) -> int:
+    sizes: list[int] = []
+    backend.map_sharded_tensors(state, lambda t: sizes.append(t.data.numel() * t.data.element_size()) or t)
+    return sum(sizes)
+
+
+def copy_structure(node: Any) -> Any:
+    """Copy nested dicts/lists (not their leaves), so the caller's dict is never modified."""
+    if isinstance(node, dict):
+        return {k: copy_structure(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [copy_structure(v) for v in node]
+    return node
+
+
+def structure_key(state: Any) -> tuple:
+    """Keys, shapes, dtypes and placement of every sharded item: what cached metadata assumes."""
+    items: list[tuple] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+        elif hasattr(node, "key"):
+            data = getattr(node, "data", None)
+            items.append((type(node).__name__, node.key, tuple(getattr(node, "global_shape", ()) or ()),
+                          tuple(getattr(node, "global_offset", ()) or ()),
+                          str(getattr(data, "dtype", "")), tuple(getattr(data, "shape", ()) or ())))
+
+    walk(state)
+    return tuple(sorted(items))
+
+
+def describe_change(old: tuple | None, new: tuple) -> str:
+    if old == new:
+        return "unchanged on this rank"
+    old_keys, new_keys = {i[1] for i in old or ()}, {i[1] for i in new}
+    added, removed = sorted(new_keys - old_keys), sorted(old_keys - new_keys)
+    if added or removed:
+        return f"added {added[:3]}, removed {removed[:3]}"
+    return "shapes, dtypes or placement changed"

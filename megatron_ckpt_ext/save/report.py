@@ -1,0 +1,103 @@
+"""One save's record (what must stay alive until its commit, and its timings) and the report
+entry built from it at the commit: appended to ``Checkpointer.reports``, logged and written to
+``<root>/ckpt_report.jsonl`` on rank 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._runtime import rank
+from .layout import REPORT
+
+__all__ = ["PHASES", "SaveRecord", "log_report", "report_entry"]
+
+logger = logging.getLogger(__name__)
+
+# The steps of save() timed in every report (max over ranks), in order: waiting for the previous
+# save's commit, creating the .incomplete directory (a barrier), staging (device-to-host copies),
+# megatron-core's planning (dist_checkpointing.save: metadata exchange, write buckets), and handing
+# the request to the writer (async) or writing and committing it (sync).
+PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s", "copy_wait_s",
+          "write_commit_s")
+
+
+@dataclass
+class SaveRecord:
+    """One save in flight: what must stay alive until it is committed."""
+
+    iteration: int
+    root: Path
+    started: float
+    blocking_s: float = 0.0
+    staged: Any = None  # staging buffers handed to the writer (released at commit)
+    nbytes: int = 0
+    staging_s: float = 0.0
+    mode: str = ""
+    host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
+    snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
+    new_structure: bool = True  # some rank's structure is new: validate sharding, re-plan
+    seq: int = 0  # published in the stager's ready flag when the staged copies are complete
+    copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
+    phases: dict = field(default_factory=dict)  # seconds per step of save(), see PHASES
+    extra: dict = field(default_factory=dict)
+
+    def phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - since
+        return now
+
+    def local_stats(self, now: float) -> list[float]:
+        """This rank's figures in the order :func:`report_entry` reads their max over ranks."""
+        return [now - self.started, self.blocking_s, self.staging_s, float(self.host_bytes),
+                float(self.nbytes), *(self.phases.get(name, 0.0) for name in PHASES)]
+
+
+def report_entry(record: SaveRecord, ranks: dict, *, is_async: bool) -> dict:
+    """The report of ``record``'s committed save from the figures gathered over ranks (``max``:
+    :meth:`SaveRecord.local_stats` maxed, ``bytes_total``, ``world``, ``at``)."""
+    # Every figure is the slowest rank's: durable is the slowest rank's time from its save()
+    # call to the commit's first collective, plus the commit itself (rename, tracker, barrier).
+    elapsed, blocking, staging, host, nbytes_max, *phases = ranks["max"]
+    durable = elapsed + time.perf_counter() - ranks["at"]
+    if not is_async:
+        blocking = durable
+    write_s = max(durable - blocking, 1e-9) if is_async else max(
+        phases[PHASES.index("write_commit_s")], 1e-9)
+    entry = {
+        "iteration": record.iteration, "mode": record.mode, "world": ranks["world"],
+        "bytes": record.nbytes, "bytes_total": ranks["bytes_total"],
+        "blocking_s": round(blocking, 6), "staging_s": round(staging, 6),
+        "staging_gbps": _sig(nbytes_max / staging / 1e9) if staging > 0 else None,
+        "durable_s": round(durable, 6),
+        # the writer's time after save() returned until the commit (async: bounded below by
+        # how often the trainer calls maybe_finalize), as aggregate GB/s of all ranks
+        "write_gbps": _sig(ranks["bytes_total"] / write_s / 1e9),
+        "host_extra_bytes": int(host),
+        "phases": {name: round(v, 6) for name, v in zip(PHASES, phases)},
+    }
+    return entry
+
+
+def log_report(record: SaveRecord, entry: dict, ranks: dict) -> None:
+    """Rank 0: log ``entry`` in one line and append it to the root's report file."""
+    if rank() != 0:
+        return
+    nbytes_max, host = ranks["max"][4], ranks["max"][3]
+    slowest = max(PHASES, key=lambda n: entry["phases"][n])
+    logger.info("checkpoint iter %d committed: %s, %.1f MB/rank, blocking %.3f s (most in "
+                "%s %.3f s), staging %.3f s, durable %.3f s, write %.2f GB/s, host extra "
+                "%.1f MB", record.iteration, record.mode, nbytes_max / 1e6,
+                entry["blocking_s"], slowest[:-2], entry["phases"][slowest],
+                entry["staging_s"], entry["durable_s"], entry["write_gbps"], host / 1e6)
+    with open(record.root / REPORT, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (a tiny test state's GB/s stays non-zero)."""
+    return float(f"{x:.{digits}g}")
