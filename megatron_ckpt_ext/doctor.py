@@ -156,6 +156,9 @@ def verdict(caps: Capabilities) -> str:
         falls.append("with --async-ckpt-use-cpu-shm the writer still initialises CUDA "
                      "(nvidia-resiliency-ext >= 0.7.0 keeps it out)")
     if not falls:
+        if by["cpu_shm_staging"].status != AVAILABLE:  # only reached without CUDA
+            return ("verdict: OK - async saves with a persistent worker available (no CUDA "
+                    "here, so cpu_shm_staging's fallback does not matter on this host)")
         return "verdict: OK - async cpu-shm saves with a persistent worker available"
     return "verdict: OK with fallbacks - " + "; ".join(falls)
 

@@ -150,3 +150,8 @@ def test_no_debug_switch_is_listed_on_the_defaults(monkeypatch, capsys):
     assert "MCX_" not in capsys.readouterr().out
     assert main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["debug_switches"] == {}
+
+
+def test_verdict_on_a_host_without_cuda_does_not_claim_cpu_shm_is_whole():
+    line = doctor.verdict(_full(cuda_available=False, queue_cpu_shm_mode=False))
+    assert "no CUDA here" in line and "cpu_shm_staging" in line, line
