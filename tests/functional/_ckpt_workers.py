@@ -424,13 +424,16 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
     from megatron_ckpt_ext import staging
 
     cuda = device() == "cuda"
-    gate, landed = threading.Event(), []
+    # one gate and one record per save: a save's copies land once its own gate opens (a shared
+    # gate closed again for the next save could hold back a late publisher of the previous one,
+    # and that publisher's landing would count for the next save)
+    gates, landed = [threading.Event()], [[]]
     if not cuda:
         def gated(self, staged, tensors):
             pairs = [(d, s.detach().clone()) for d, s in zip(staged, tensors)]
             for d in staged:
                 d.fill_(-999)
-            return [_GatedCopies(pairs, gate, landed)]
+            return [_GatedCopies(pairs, gates[-1], landed[-1])]
 
         staging.ShmStager._copy = gated
     messages: list[str] = []
@@ -457,17 +460,17 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
         real_wait = ck.wait_for_snapshot
         ck.wait_for_snapshot = lambda **kw: (waits.append(1), real_wait(**kw))[1]
         for step in range(1, saves + 1):
-            gate.clear()
-            landed.clear()
+            gates.append(threading.Event())
+            landed.append([])
             for k, v in expected(step).items():
                 live[k].copy_(v)
             ck.save(sharded(rank, world, live), root, iteration=step)
-            assert cuda or not landed, "save() waited for the copies"
-            gate.set()
+            assert cuda or not landed[-1], "save() waited for the copies"
+            gates[-1].set()
             before = len(waits)
             opt.step()  # the training step that follows the save
             assert len(waits) == before + 1, "the optimizer step did not wait for the snapshot"
-            assert cuda or landed, "the optimizer step went on before the copies landed"
+            assert cuda or landed[-1], "the optimizer step went on before the copies landed"
             for v in live.values():
                 v.fill_(-7)  # the optimizer changes the state
             ck.maybe_finalize()
