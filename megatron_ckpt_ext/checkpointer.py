@@ -66,14 +66,12 @@ class Checkpointer:
     """Save / load megatron-core sharded state dicts with the options' strategies.
 
     ``process_group`` is used for the commit barriers (default: the world), ``dp_group`` for the
-    fully-parallel save/load wrappers. ``save_dir``, when given, is checked for writability now. Construction validates the options against the installed
-    backend (raising on errors, warning once on rank 0) and starts the persistent worker, if any,
-    so the first save does not pay for it.
-
-    Start-up work moved off the first save: the persistent worker is started here, megatron-core's
-    write-results queue (a Manager process) is started here with a fork instead of a spawn inside
-    the first save (:func:`backend.prime_write_results_queue`), and :meth:`prepare` allocates and
-    pins the staging buffers in the background once the trainer has built its state.
+    fully-parallel save/load wrappers; ``save_dir``, when given, is checked for writability here.
+    Construction validates the options against the installed backend (raising on errors, warning
+    once on rank 0) and does the start-up work the first save would otherwise pay for: it starts
+    the persistent worker and the writers' write-results queue
+    (:func:`backend.prime_write_results_queue`); :meth:`prepare` then allocates and pins the
+    staging buffers in the background once the trainer has built its state.
     """
 
     def __init__(self, options: CkptOptions, *, process_group: Any = None, dp_group: Any = None,
