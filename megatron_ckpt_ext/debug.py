@@ -32,18 +32,6 @@ class EnvSwitch:
 
 
 ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
-    EnvSwitch("MCX_PERSISTENT_WORKER_START", "fork",
-              "spawn: start the persistent writer with spawn instead of fork"),
-    EnvSwitch("MCX_PICKLE_SEGMENTS_BY_NAME", "1",
-              "0: hand staged tensors to a spawned writer by fd, as torch does"),
-    EnvSwitch("MCX_PRIME_RESULTS_QUEUE", "1",
-              "0: start the writers' write-results queues (megatron-core's and nvrx's) in the "
-              "first save instead of at start-up"),
-    EnvSwitch("MCX_WRITER_KEEPS_MAPPINGS", "1",
-              "0: a persistent writer maps the staged segments again at every save"),
-    EnvSwitch("MCX_RESULTS_QUEUE", "spool",
-              "manager: the writers' write-results queues in a forked Manager server instead "
-              "of a spool directory"),
     EnvSwitch("MCX_SPAWN_IMPORTS_MAIN", "0", "1: spawned writers re-import __main__"),
     EnvSwitch("MCX_KEEP_WRITER_CLONES", "0",
               "1: let nvrx 0.7's writer clone our staged copies again"),

@@ -2,10 +2,9 @@
 
 megatron-core's and nvrx's writers hand each save's write results back to the trainer through a
 module-global queue (``filesystem_async._results_queue``) that must pickle into the writer
-process, so they make it a ``multiprocessing.Manager().Queue()``: a proxy to a server process.
-That server is one more fork of the trainer, and on the H100 benchmark it held ~190 MB of the
-trainer's pages alive by copy-on-write (``benchmarks/profile_save.py --mem-breakdown``), a third of
-all the host memory our persistent mode used beyond the staging buffers.
+process, so they make it a ``multiprocessing.Manager().Queue()``: a proxy to a server process,
+one more fork of the trainer holding its pages alive copy-on-write (figures:
+docs/notes/benchmarks.md, "How we got here").
 
 :class:`SpoolQueue` does the same job with files: ``put`` writes one pickle into a private
 directory (``/dev/shm`` where there is one) and renames it into place, ``get_nowait`` takes the
@@ -26,8 +25,8 @@ inherits it and a writer that unpickles the queue (spawned, persistent) takes it
 directory stays held while any of them lives, in any pid namespace on the node. The sweep removes a
 directory only when it can take the lock exclusively (non-blocking) and removes it while holding
 it. The creator takes the lock on a temporary name and renames it to ``.lock``, so a lock file is
-never seen unlocked while its creator lives. Directories without a ``.lock`` (left by a version
-before the lock, or caught between ``mkdtemp`` and the rename) are removed only when the pid in
+never seen unlocked while its creator lives. Directories without a ``.lock`` (left by a release
+without the lock, or caught between ``mkdtemp`` and the rename) are removed only when the pid in
 the name is dead here *and* nothing in the directory changed for :data:`LEGACY_MIN_AGE_S` (a day:
 a live job's saves touch it far more often, and a leftover holds only a few KB).
 """
@@ -217,7 +216,7 @@ def _remove_if_unheld(directory: str) -> bool:
 
 
 def _remove_legacy(directory: str) -> bool:
-    """A directory without a lock file: a version before the lock, or a creator between
+    """A directory without a lock file: left by a release without the lock, or a creator between
     ``mkdtemp`` and taking its lock; removed only when clearly abandoned."""
     pid_text = os.path.basename(directory)[len(_PREFIX):].split("-", 1)[0]
     if not pid_text.isdigit() or pid_alive(int(pid_text)):

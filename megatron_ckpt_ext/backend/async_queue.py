@@ -52,20 +52,16 @@ def persistent_worker_forks(queue: Any, *, cpu_shm_mode: bool) -> Any:
     where that is safe: the worker will not use CUDA (nvrx's ``cpu_shm_mode``) or CUDA is not
     initialised in this process. Returns whether it applied (``yield``-ed value).
 
-    A spawned worker starts a fresh interpreter and imports torch, nvrx and megatron-core before
-    it takes a request: 18-19 s on the H100 machine, so a trainer that saves early waits for it
-    inside its first save. A forked one has them all, in milliseconds. This is the method
-    megatron-core's temporal writer and write-results queue already use after CUDA
-    initialisation. Cost: the worker shares the trainer's pages copy-on-write (bounded by the
-    trainer's host memory at start-up). ``MCX_PERSISTENT_WORKER_START=spawn`` keeps spawn."""
+    A spawned worker imports torch, nvrx and megatron-core before it takes a request, inside a
+    trainer's first save; a forked one has them already (docs/notes/benchmarks.md, "How we got
+    here"). Cost: the worker shares the trainer's pages copy-on-write."""
 
     import torch
 
     module = sys.modules.get(type(queue).__module__)  # the module whose mp starts the worker
     mp = getattr(module, "mp", None)
     safe = cpu_shm_mode or not (torch.cuda.is_available() and torch.cuda.is_initialized())
-    if (env_switch("MCX_PERSISTENT_WORKER_START") == "spawn" or mp is None
-            or not hasattr(mp, "get_context") or not safe):
+    if mp is None or not hasattr(mp, "get_context") or not safe:
         yield False
         return
 
@@ -137,12 +133,11 @@ def writer_keeps_snapshots(is_snapshot: Callable[[Any], bool]) -> Any:
     tensors ``is_snapshot`` accepts (this save's staged copies), and clones everything else.
 
     nvrx 0.7's writer clones every CPU tensor of a save request (``_clone_or_dequantize_if_
-    needed``), to snapshot live training tensors. Ours are already snapshots owned by the save
-    until its commit, so that clone is a second full copy on the critical path (0.7-0.9 s for
-    8.5 GB on the H100), into fresh memory that torch then copies again into a new shared
-    segment to pickle it for the persistent worker (3.2-3.9 s). Used only around the request's
-    planning, only where :func:`writer_clones_cpu_tensors`; ``MCX_KEEP_WRITER_CLONES=1`` keeps
-    the clones."""
+    needed``) to snapshot live training tensors. Ours are already snapshots owned by the save
+    until its commit, so that clone is a second full copy on the critical path, copied once more
+    to reach the persistent worker (docs/notes/benchmarks.md, "How we got here"). Used only
+    around the request's planning, only where :func:`writer_clones_cpu_tensors`;
+    ``MCX_KEEP_WRITER_CLONES=1`` keeps the clones."""
 
     import torch
 

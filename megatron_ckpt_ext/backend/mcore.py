@@ -131,12 +131,10 @@ def without_host_preload(request: Any) -> Any:
     megatron-core's own async writer (used with megatron-core 0.16, or 0.19 without nvrx) hands
     the queue ``partial(preload_tensors, write_buckets, True)``: copy each bucket's tensors to
     the host, then a CUDA device synchronize. After our staging every tensor is already in host
-    memory, so the preload does nothing useful, but a persistent worker runs it and the trainer
-    joins on that hand-over: measured on CPU (megatron-core 0.16.1 writer, nvrx 0.7.0 queue,
-    0.1 GB), scheduling took 0.17-0.35 s per save with the preload and under 0.01 s without.
-    Without it no synchronize runs in the writer either. nvrx 0.7's own writer (megatron-core
-    0.19 with nvrx) builds its buckets in its preload: another shape, left alone. Recognised by
-    shape (a ``functools.partial`` of a function named ``preload_tensors`` over a list of write
+    memory, so the preload and its synchronize do nothing useful, yet the trainer joins on a
+    persistent worker running them (figures: docs/notes/staging.md). nvrx 0.7's own writer
+    builds its buckets in its preload: another shape, left alone. Recognised by shape (a
+    ``functools.partial`` of a function named ``preload_tensors`` over a list of write
     buckets), never by version."""
     import functools
 
@@ -257,10 +255,10 @@ def sequential_writer(async_fn: Any) -> tuple[type, tuple] | None:
 
 
 def shutdown_write_results_queues() -> None:
-    """Drop the backends' global write-results queues: a Manager server is stopped (so
-    ``close()`` leaves no child behind), a :class:`~megatron_ckpt_ext.spool.SpoolQueue`'s
-    directory removed, so no stale result is read by a later save. The next save (or
-    :func:`prime_write_results_queue`) puts new ones in place."""
+    """Drop the backends' global write-results queues: a Manager server a backend started
+    itself is stopped (so ``close()`` leaves no child behind), a
+    :class:`~megatron_ckpt_ext.spool.SpoolQueue`'s directory removed, so no stale result is read
+    by a later save. The next save (or :func:`prime_write_results_queue`) puts new ones in place."""
     from ..spool import SpoolQueue
 
     for name in (f"{NVRX_ASYNC}.filesystem_async", f"{MCORE_STRATEGIES}.filesystem_async"):
@@ -282,36 +280,15 @@ def prime_write_results_queue() -> bool:
     """Put the backends' global write-results queues in place now (start-up), not inside the
     first save.
 
-    Left to the writer, each queue is a multiprocessing Manager server started at the first save
-    with the ``spawn`` context, whose child re-imports the training script's ``__main__`` (seconds
-    with Megatron-LM's imports, on the first save's critical path). We set every writer module's
-    module-global queue (megatron-core's ``filesystem_async`` and, where installed, nvrx's: nvrx
-    0.7's writer, used by megatron-core 0.19 with nvrx, has its own) the way its getter would,
-    but to a :class:`~megatron_ckpt_ext.spool.SpoolQueue`: no server process at all. A forked
-    Manager (what Megatron-LM's own start-up uses, ``mp_mode="fork"``) kept ~190 MB of the
-    trainer's pages alive by copy-on-write on the H100 bench (``benchmarks/profile_save.py
-    --mem-breakdown``). ``MCX_RESULTS_QUEUE=manager`` primes one forked Manager for both queues
-    instead. Returns whether megatron-core's queue is in place; False (lazy, as before) on an
-    unknown shape. ``MCX_PRIME_RESULTS_QUEUE=0`` leaves them lazy."""
-    import multiprocessing as mp
+    Left to the writer, each queue is a multiprocessing Manager server started in the first save
+    with ``spawn``, whose child re-imports the training script's ``__main__``. We set every writer
+    module's global queue (megatron-core's ``filesystem_async`` and, where installed, nvrx's) to
+    a :class:`~megatron_ckpt_ext.spool.SpoolQueue`: no server process, so none holding the
+    trainer's pages copy-on-write (docs/notes/benchmarks.md, "How we got here"). Returns whether
+    megatron-core's queue is in place; False (left lazy) on an unknown shape."""
+    from ..spool import SpoolQueue
 
-    if env_switch("MCX_PRIME_RESULTS_QUEUE") == "0":
-        return False
-    use_manager = env_switch("MCX_RESULTS_QUEUE") == "manager"
-    if use_manager and "fork" not in mp.get_all_start_methods():
-        return False
     primed = {}
-    shared: list[Any] = []  # the one Manager, started at the first queue that needs it
-
-    def new_queue() -> Any:
-        if not use_manager:
-            from ..spool import SpoolQueue
-
-            return SpoolQueue()
-        if not shared:
-            shared.append(mp.get_context("fork").Manager())
-        return shared[0].Queue()
-
     for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{NVRX_ASYNC}.filesystem_async"):
         try:
             module = importlib.import_module(name)
@@ -319,7 +296,7 @@ def prime_write_results_queue() -> bool:
             logger.debug("write-results queue of %s not primed: %s", name, e)
             primed[name] = False
             continue
-        primed[name] = _prime_module_queue(module, new_queue)
+        primed[name] = _prime_module_queue(module, SpoolQueue)
     return primed[f"{MCORE_STRATEGIES}.filesystem_async"]
 
 

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from .._runtime import pid_alive, warn_once
-from ..debug import env_switch
 from ..errors import InsufficientSharedMemory
 
 __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "drop_kept_mappings", "sweep_orphans"]
@@ -67,11 +66,10 @@ def _shared_segment(path: str, nbytes: int, *, key: str) -> torch.UntypedStorage
 
 def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int, *,
                       reuse: bool = False) -> None:
+    """Pickle ``storage`` by its segment name while it lives; with ``reuse`` a receiver keeps
+    its mapping across saves."""
     global _reducer_installed
-    if env_switch("MCX_PICKLE_SEGMENTS_BY_NAME") == "0":
-        return
-    keep = reuse and env_switch("MCX_WRITER_KEEPS_MAPPINGS") != "0"  # decided once, not per pickle
-    _SEGMENTS[storage.data_ptr()] = (path, nbytes, keep)
+    _SEGMENTS[storage.data_ptr()] = (path, nbytes, reuse)
     if not _reducer_installed:
         from multiprocessing.reduction import ForkingPickler
 

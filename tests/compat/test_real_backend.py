@@ -330,18 +330,14 @@ def test_host_preload_dropped_only_when_every_tensor_is_already_on_the_host(monk
     assert backend.without_host_preload(other) is other
 
 
-@pytest.mark.parametrize("kind", ["spool", "manager"])
-def test_write_results_queues_primed_for_every_writer_module(kind, monkeypatch):
+def test_write_results_queues_primed_for_every_writer_module():
     # Each writer module (megatron-core's, and nvrx 0.7's own) keeps a global results queue;
     # left lazy it is a Manager server spawned inside the first save. Primed at start-up: a
-    # SpoolQueue (no process) by default, one forked Manager for all with MCX_RESULTS_QUEUE=manager.
+    # SpoolQueue each, no process.
     import multiprocessing as mp
-    import os
-    import sys
 
     from megatron_ckpt_ext.spool import SpoolQueue
 
-    monkeypatch.setenv("MCX_RESULTS_QUEUE", kind)
     backend.shutdown_write_results_queues()
     children = set(mp.active_children())
     assert backend.prime_write_results_queue() is True
@@ -355,15 +351,9 @@ def test_write_results_queues_primed_for_every_writer_module(kind, monkeypatch):
     try:
         assert all(q is not None for q in queues)
         assert len({id(q) for q in queues}) == len(queues)  # each module its own queue
-        if kind == "spool":
-            assert all(isinstance(q, SpoolQueue) for q in queues)
-            assert set(mp.active_children()) == children  # no server process started
-        else:
-            assert all(q._manager._ctx is mp.get_context("fork") for q in queues)
-            # one Manager process serves every module's queue
-            assert len({id(q._manager) for q in queues}) == 1
+        assert all(isinstance(q, SpoolQueue) for q in queues)
+        assert set(mp.active_children()) == children  # no server process started
     finally:
         backend.shutdown_write_results_queues()
     assert all(module._results_queue is None for module in modules)
-    if kind == "spool":
-        assert not any(os.path.exists(q.directory) for q in queues)  # no stale results kept
+    assert not any(os.path.exists(q.directory) for q in queues)  # no stale results kept

@@ -65,10 +65,10 @@ def test_debug_is_a_standard_library_leaf():
 
 
 def test_env_switch_reads_the_environment_with_its_registered_default(monkeypatch):
-    monkeypatch.delenv("MCX_PERSISTENT_WORKER_START", raising=False)
-    assert env_switch("MCX_PERSISTENT_WORKER_START") == "fork"
-    monkeypatch.setenv("MCX_PERSISTENT_WORKER_START", "spawn")
-    assert env_switch("MCX_PERSISTENT_WORKER_START") == "spawn"
+    monkeypatch.delenv("MCX_SPAWN_IMPORTS_MAIN", raising=False)
+    assert env_switch("MCX_SPAWN_IMPORTS_MAIN") == "0"
+    monkeypatch.setenv("MCX_SPAWN_IMPORTS_MAIN", "1")
+    assert env_switch("MCX_SPAWN_IMPORTS_MAIN") == "1"
 
 
 def test_non_default_switches_lists_only_those_set_off_their_default(monkeypatch):
@@ -79,7 +79,7 @@ def test_non_default_switches_lists_only_those_set_off_their_default(monkeypatch
     monkeypatch.setenv("MCX_WRITER_TRACE", "")  # set, to its default (unset)
     monkeypatch.setenv("MCX_TEST_DEVICE", "cuda")  # an MCX_ variable that is no switch
     assert non_default_switches() == {}
-    monkeypatch.setenv("MCX_RESULTS_QUEUE", "manager")
+    monkeypatch.setenv("MCX_KEEP_CRC32", "1")
     monkeypatch.setenv("MCX_WRITER_TRACE", "/tmp/wt")
-    assert debug.non_default_switches() == {"MCX_RESULTS_QUEUE": "manager",
+    assert debug.non_default_switches() == {"MCX_KEEP_CRC32": "1",
                                             "MCX_WRITER_TRACE": "/tmp/wt"}

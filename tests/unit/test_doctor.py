@@ -145,7 +145,7 @@ def test_a_debug_switch_off_its_default_is_listed_before_the_verdict(monkeypatch
 
 def test_no_debug_switch_is_listed_on_the_defaults(monkeypatch, capsys):
     _on_defaults(monkeypatch)
-    monkeypatch.setenv("MCX_PERSISTENT_WORKER_START", "fork")  # set, but to its default
+    monkeypatch.setenv("MCX_KEEP_CRC32", "0")  # set, but to its default
     assert main(["doctor"]) == 0
     assert "MCX_" not in capsys.readouterr().out
     assert main(["doctor", "--json"]) == 0

@@ -262,7 +262,7 @@ def test_spawned_writer_receives_the_staged_buffer_without_a_copy():
 
 def test_a_staged_tensor_is_pickled_by_segment_name_and_any_other_storage_as_torch_does():
     # By name: no file descriptor through the resource sharer (one socket round trip per storage
-    # in the receiver, 0.86 s per save for 252 tensors on the H100). Others: torch's reducer.
+    # in the receiver; docs/notes/benchmarks.md). Others: torch's reducer.
     from multiprocessing.reduction import ForkingPickler
 
     with new_stager() as stager:
@@ -287,8 +287,7 @@ def _receive(tensor: torch.Tensor) -> torch.Tensor:
     return pickle.loads(bytes(ForkingPickler.dumps(tensor)))
 
 
-def test_a_writer_keeps_its_mappings_for_reused_buffers_until_the_owner_frees_one(monkeypatch):
-    monkeypatch.delenv("MCX_WRITER_KEEPS_MAPPINGS", raising=False)
+def test_a_writer_keeps_its_mappings_for_reused_buffers_until_the_owner_frees_one():
     segments.drop_kept_mappings()
     with new_stager() as stager:
         batch = stager.stage([torch.full((256,), 1.0)], keys=["w"])
@@ -308,11 +307,9 @@ def test_a_writer_keeps_its_mappings_for_reused_buffers_until_the_owner_frees_on
     assert segments.drop_kept_mappings() == 1
 
 
-@pytest.mark.parametrize("case", ["no-reuse", "switch-off"])
-def test_a_writer_maps_again_each_time_without_reuse_or_with_the_switch_off(case, monkeypatch):
-    monkeypatch.setenv("MCX_WRITER_KEEPS_MAPPINGS", "0" if case == "switch-off" else "1")
+def test_a_writer_maps_again_each_time_without_reuse():
     segments.drop_kept_mappings()
-    with new_stager(reuse=case != "no-reuse") as stager:
+    with new_stager(reuse=False) as stager:
         staged = stager.stage([torch.full((256,), 1.0)], keys=["w"]).tensors[0]
         a, b = _receive(staged), _receive(staged)
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
