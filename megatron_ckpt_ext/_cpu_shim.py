@@ -2,9 +2,9 @@
 
 The stock save paths synchronise the CUDA device after their device-to-host preload and build
 the cross-rank agreement tensors on ``torch.cuda.current_device()``. On a torch built
-without CUDA both raise. This shim is the smallest honest fix we found (measured on megatron-core
-0.16.1 + nvrx 0.4.1/0.7.0): it is installed **only when** ``torch.cuda.is_available()`` is False,
-and then replaces exactly two functions:
+without CUDA both raise. The shim is kept as small as that allows (checked against megatron-core
+0.16.1 + nvrx 0.4.1/0.7.0, the CPU columns of docs/COMPAT.md): it is installed **only when**
+``torch.cuda.is_available()`` is False, and then replaces exactly two functions:
 
 * ``torch.cuda.synchronize`` -> no-op (there is no device work to wait for);
 * ``torch.cuda.current_device`` -> ``"cpu"``, so agreement tensors are CPU tensors and the

@@ -1,8 +1,8 @@
 """The package's exceptions, under one base class.
 
-Catch :class:`CkptError` for anything the plugin raises on purpose. Each error also keeps the
-builtin base it has always had (``ValueError`` for a bad option, ``ImportError`` for a missing
-backend, ...), so ``except ValueError`` and the like keep working. Every message names the fix.
+Catch :class:`CkptError` for anything the plugin raises on purpose. Each error also derives from
+the matching builtin (``ValueError`` for a bad option, ``ImportError`` for a missing backend,
+...), so ``except ValueError`` and the like catch it too. Every message names the fix.
 A leaf: imports nothing from the package, so any module (and a spawned writer) can import it.
 """
 

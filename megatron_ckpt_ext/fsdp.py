@@ -107,13 +107,13 @@ def register_sharded_buffers(model: nn.Module, *, api: backend.FsdpApi | None = 
 
     Megatron-FSDP 0.19.2 (``use_symm_mem=True``) allocates from PyTorch's NCCL symmetric pool and
     rendezvouses only the all-gather *output* (the unsharded weights) and the reduce-scatter
-    *input* (the unsharded gradients). NCCL 2.28 picks its symmetric kernels (``ncclSymk*``) only
-    when both buffers of a collective lie in registered windows (measured on 2 x H200:
-    ``tools/probe_nccl_symk.py``, docs/FSDP.md), so every collective ran as a ring. This moves
-    the two persistent sharded buffers of each parameter group -- ``model_weight`` (the
-    all-gather input, the compute-dtype shard) and ``main_grad`` (the reduce-scatter output) --
-    into the group's own pool (one copy each, at wrap time) and rendezvouses them once, on every
-    mesh axis they are sharded on (collective: every rank walks the groups in the same order).
+    *input* (the unsharded gradients), but NCCL picks its symmetric kernels (``ncclSymk*``) only
+    when both buffers of a collective lie in registered windows; otherwise every collective runs
+    as a ring (see docs/FSDP.md and ``tools/probe_nccl_symk.py``). This moves the two persistent
+    sharded buffers of each parameter group -- ``model_weight`` (the all-gather input, the
+    compute-dtype shard) and ``main_grad`` (the reduce-scatter output) -- into the group's own
+    pool (one copy each, at wrap time) and rendezvouses them once, on every mesh axis they are
+    sharded on (collective: every rank walks the groups in the same order).
 
     Safe because both are reached only through their DBuffer (``local_buffer``; views are cut per
     use), at wrap time no gradient view exists yet, and the values are copied. Not moved, with

@@ -2,7 +2,7 @@
 
 Each field of :class:`CkptOptions` carries a :class:`Knob` in its metadata: the CLI flag (Megatron's
 spelling), the argparse ``dest`` (Megatron's), the help text, the config key (NeMo-RL
-``megatron_cfg`` spelling) and, where the config path historically used another default, that
+``megatron_cfg`` spelling) and, where the config path uses another default (NeMo-RL's), that
 default. ``arguments.py`` derives the argparse group from these fields and
 :meth:`CkptOptions.from_config` derives the config keys; no default is written twice.
 
@@ -220,7 +220,7 @@ class CkptOptions:
     def from_config(cls, mapping: Mapping[str, Any], *, extra: str = "error") -> CkptOptions:
         """From a NeMo-RL style ``megatron_cfg`` mapping.
 
-        A key that is absent keeps the config path's historical default (fully_parallel_save
+        A key that is absent keeps the config path's default, NeMo-RL's (fully_parallel_save
         True, fully_parallel_load True, load_rng False, async_save False, timeout = torch's
         default). ``extra="ignore"`` skips keys that are clearly the host's (a full megatron_cfg
         holds many model keys) but still rejects one that is a misspelling of ours (another case,
