@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions, _cpu_shim, backend
-from megatron_ckpt_ext import strategy as strategy_mod
+from megatron_ckpt_ext.save import write_path
 from megatron_ckpt_ext.save.layout import TRACKER, checkpoint_name
 
 __all__ = ["GptShape", "HostMemSampler", "MODES", "ModeSpec", "build_state", "gpt_shape",
@@ -458,7 +458,7 @@ class MegatronRunner(Runner):
         if _cpu_shim.installed():
             # CPU-only torch: the stock preload/write functions call torch.cuda.synchronize() in
             # the (spawned) worker too; run them under the CPU shim there. No-op with CUDA.
-            request = strategy_mod.cpu_request(request)
+            request = write_path.under_cpu_shim(request)
         self.queue.schedule_async_request(backend.adapt_async_request(request))
 
     def wait_durable(self, iteration: int, polls: int, poll_s: float) -> dict:
@@ -513,10 +513,9 @@ class OursRunner(Runner):
         self.info["startup_detail"] = dict(self.ck.startup)
 
     def _warmed_up(self) -> bool:
-        # The persistent worker's warm-up request is finalized by maybe_finalize once the worker
-        # ran it; Checkpointer has no public "is idle" (proposed in the report), hence _pending.
+        # The persistent worker's warm-up request is finalized by maybe_finalize once it ran.
         self.ck.maybe_finalize()
-        return not self.ck._pending
+        return self.ck.idle
 
     def _wait_prepared(self, timeout_s: float) -> None:
         # waited for here so the allocation is timed as start-up

@@ -7,7 +7,7 @@ on one thread and the same target directory, for the same tensors:
 * ``raw``: ``file.write(memoryview(tensor))`` per tensor, then fsync (the benchmark's write floor);
 * ``torch_save_crc``: ``torch.save(tensor, file)`` per tensor, then fsync (torch's default);
 * ``torch_save_no_crc``: the same with ``torch.serialization.set_crc32_options(False)`` (what our
-  writer does, ``strategy.crc_free_request``).
+  writer does, ``save.write_path.crc_free``).
 
 ``--streams N`` (N > 1) adds ``raw_xN``: the same tensors split over N threads, each writing and
 fsyncing its own file (does this disk go faster with more writer streams?).
@@ -15,7 +15,7 @@ fsyncing its own file (does this disk go faster with more writer streams?).
 ``--page-cache-probe`` then writes ``--rounds`` raw files twice: ``kept`` keeps every file (as
 checkpoints accumulate, so each round writes into page-cache pages the host never used before),
 ``dropped`` keeps them too but drops each one's pages once fsync'd (what our writer does,
-``strategy.page_cache_free_request``). On a VM that backs guest memory on first touch the first
+``save.write_path.page_cache_free``). On a VM that backs guest memory on first touch the first
 is much slower; deleting each file at once, as the variants above do, hides it.
 
 Variants alternate over ``--rounds`` so drifting disk speed hits all of them; each figure is

@@ -1,5 +1,5 @@
 """Page-cache residency of a file (mincore of a read-only mapping), for the tests of the writer's
-page-cache drop (``strategy.page_cache_free_request``)."""
+page-cache drop (``save.write_path.page_cache_free``)."""
 
 from __future__ import annotations
 

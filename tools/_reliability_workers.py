@@ -24,9 +24,9 @@ from typing import Any, Callable
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
-from megatron_ckpt_ext.save import layout
 from megatron_ckpt_ext.save.layout import checkpoint_name, read_tracker
 from megatron_ckpt_ext.errors import CheckpointWriteError
+from megatron_ckpt_ext.hooks import SaveHooks
 
 from ._dist import device, sharded
 
@@ -139,53 +139,40 @@ def fsize_limited_write(limit: int, write: Callable[..., Any], *args: Any, **kwa
     return write(*args, **kwargs)
 
 
-def wrap_writes(ck: Checkpointer, when: Callable[[], bool], wrap: Callable[[Any], Any]) -> None:
-    """Make ``ck``'s next save requests run ``wrap(async_fn)`` while ``when()`` holds."""
-    make = ck._request
+class Harness(SaveHooks):
+    """Holds or fails saves at chosen points, through the Checkpointer's hook seam: ``holds``
+    maps a point of :data:`megatron_ckpt_ext.hooks.POINTS` to an action on the save's record;
+    ``wraps`` are ``(when(record), wrap(write))`` pairs applied to the writer's function."""
 
-    def request(*args: Any, **kwargs: Any) -> Any:
-        req = make(*args, **kwargs)
-        return req._replace(async_fn=wrap(req.async_fn)) if when() else req
+    def __init__(self) -> None:
+        self.holds: dict[str, Callable[[Any], None]] = {}
+        self.wraps: list[tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
 
-    ck._request = request  # type: ignore[method-assign]
+    def at(self, point: str, record: Any) -> None:
+        action = self.holds.get(point)
+        if action is not None:
+            action(record)
+
+    def wrap_request(self, request: Any, record: Any) -> Any:
+        for when, wrap in self.wraps:
+            if when(record):
+                request = request._replace(async_fn=wrap(request.async_fn))
+        return request
 
 
-def install_crash_hook(ck: Checkpointer, phase: str, rank: int, kill_iter: int, now: dict,
+def install_crash_hook(harness: Harness, phase: str, rank: int, kill_iter: int,
                        marker_dir: str) -> None:
-    """Hold this rank (or its writer) at ``phase`` of the save of ``kill_iter``."""
-    at_kill = lambda: now["it"] == kill_iter  # noqa: E731
+    """Hold this rank (or its writer) at ``phase`` of the save of ``kill_iter``. The commit of
+    iteration N may run inside save(N+1): the record says which save it is."""
+    at_kill = lambda record: record.iteration == kill_iter  # noqa: E731
     hold = partial(_hold, marker_dir, phase, rank)
-    if phase == "staging":
-        stage = ck._stage
-
-        def staged(state: Any, record: Any) -> None:
-            stage(state, record)
-            if at_kill():
-                hold()
-
-        ck._stage = staged  # type: ignore[method-assign]
+    point = {"staging": "staged", "before_rename": "before_commit", "after_rename": "renamed",
+             "after_tracker": "tracker_written"}.get(phase)
+    if point is not None:
+        harness.holds[point] = lambda record: hold() if at_kill(record) else None
     elif phase == "write":
         marker = str(Path(marker_dir, f"hit_write_r{rank}"))
-        wrap_writes(ck, at_kill, lambda fn: partial(hold_in_writer, marker, HOLD_S, fn))
-    elif phase == "before_rename":
-        ck._before_commit = lambda record: hold() if record.iteration == kill_iter else None
-    elif phase == "after_rename":  # _replace_dir(src, dst=<root>/iter_XXXXXXX)
-        _hold_after(layout, "_replace_dir", lambda src, dst: int(dst.name[5:]) == kill_iter, hold)
-    elif phase == "after_tracker":  # _atomic_write(<tracker>, "<iteration>\n")
-        _hold_after(layout, "_atomic_write", lambda path, text: int(text) == kill_iter, hold)
-
-
-def _hold_after(module: Any, name: str, match: Callable[..., bool], hold: Callable[[], None]) -> None:
-    """Wrap ``module.name``: run it, then hold when its arguments are the kill iteration's (the
-    commit of iteration N runs inside save(N+1), so the loop's iteration would be one late)."""
-    real = getattr(module, name)
-
-    def then_hold(*args: Any) -> None:
-        real(*args)
-        if match(*args):
-            hold()
-
-    setattr(module, name, then_hold)
+        harness.wraps.append((at_kill, lambda fn: partial(hold_in_writer, marker, HOLD_S, fn)))
 
 
 # -- crash job ------------------------------------------------------------------------------------
@@ -195,7 +182,9 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
     import torch.distributed as dist
 
     root, out = Path(spec["root"]), Path(spec["out"])
-    with Checkpointer(options_for(spec["mode"]), job_id=spec["job_id"]) as ck:  # sweeps orphans
+    harness = Harness()
+    with Checkpointer(options_for(spec["mode"]), job_id=spec["job_id"],
+                      hooks=harness) as ck:  # sweeps orphans
         verified = verify_committed(ck, rank, world, root)
         verified["shm_dead_owner_after_start"] = len(dead_owner_segments(spec["campaign"]))
         start = verified["tracker"] or 0
@@ -208,7 +197,7 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
         kill_iter = start + spec.get("kill_offset", 2)
         now = {"it": 0}
         if spec.get("phase") in PHASES and rank == spec.get("hook_rank", 0):
-            install_crash_hook(ck, spec["phase"], rank, kill_iter, now, str(out))
+            install_crash_hook(harness, spec["phase"], rank, kill_iter, str(out))
         run_saves(ck, rank, world, root, range(start + 1, start + 1 + spec["saves"]), now,
                   hold_before_save=(spec.get("phase") == "before_save"
                                     and rank == spec.get("hook_rank", 0)),
@@ -240,12 +229,32 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 # -- worker death -------------------------------------------------------------------------------
-def _persistent_process(ck: Checkpointer) -> Any:
-    caller = getattr(ck._queue, "persistent_caller", None)
-    process = getattr(caller, "process", None)
-    if process is None:
-        raise RuntimeError("no persistent writer process to kill")
-    return process
+def _persistent_process() -> Any:
+    """The persistent writer: between saves, the one child of this trainer that is not
+    multiprocessing's resource tracker (a psutil.Process)."""
+    import psutil
+
+    writers = [p for p in psutil.Process().children()
+               if not any("resource_tracker" in part for part in p.cmdline())]
+    if len(writers) != 1:
+        raise RuntimeError(f"expected one persistent writer process to kill, found {writers}")
+    return writers[0]
+
+
+def _wait_until_dead(process: Any, timeout: float) -> None:
+    """Until ``process`` has exited, without reaping it (its multiprocessing parent must see the
+    exit code itself: that is what the checkpointer checks)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"writer {process.pid} still alive {timeout:.0f} s after SIGKILL")
 
 
 def _wait_for(path: Path, timeout: float) -> str:
@@ -272,13 +281,14 @@ def worker_death(rank: int, world: int, root: str, mode: str, how: str, out: str
     rootp, victim = Path(root), rank == world - 1
     ck_timeout = 3 if how == "hang" else timeout_s
     result: dict[str, Any] = {"rank": rank, "mode": mode, "how": how}
-    ck = Checkpointer(options_for(mode, ckpt_timeout=ck_timeout))
+    harness = Harness()
+    ck = Checkpointer(options_for(mode, ckpt_timeout=ck_timeout), hooks=harness)
     live = trial_state(1, rank)
     ck.save(sharded(rank, world, live), rootp, iteration=1)
     ck.maybe_finalize(blocking=True)
     marker = Path(out, f"writer_r{rank}")
     if victim:
-        _inject(ck, how, marker)
+        _inject(ck, harness, how, marker)
     t0 = time.perf_counter()
     try:
         for k, v in trial_state(2, rank).items():
@@ -330,25 +340,18 @@ def _finalize_within(ck: Checkpointer, bound_s: float, poll_s: float = 0.1) -> N
                          "enforced")
 
 
-def _inject(ck: Checkpointer, how: str, marker: Path) -> None:
-    once = {"armed": True}
-
-    def first() -> bool:  # only the save of iteration 2 (the retry must write normally)
-        armed, once["armed"] = once["armed"], False
-        return armed
-
-    if how == "kill":
-        wrap_writes(ck, first, lambda fn: partial(hold_in_writer, str(marker), HOLD_S, fn))
-    elif how == "hang":
-        wrap_writes(ck, first, lambda fn: partial(hold_in_writer, str(marker), 3600.0, fn))
-    elif how == "enospc":
-        wrap_writes(ck, first, lambda fn: partial(failing_write, fn))
-    elif how == "fsize":
-        wrap_writes(ck, first, lambda fn: partial(fsize_limited_write, 1024, fn))
+def _inject(ck: Checkpointer, harness: Harness, how: str, marker: Path) -> None:
+    first = lambda record: record.iteration == 2  # noqa: E731 - the retry must write normally
+    wraps = {"kill": lambda fn: partial(hold_in_writer, str(marker), HOLD_S, fn),
+             "hang": lambda fn: partial(hold_in_writer, str(marker), 3600.0, fn),
+             "enospc": lambda fn: partial(failing_write, fn),
+             "fsize": lambda fn: partial(fsize_limited_write, 1024, fn)}
+    if how in wraps:
+        harness.wraps.append((first, wraps[how]))
     elif how == "kill_idle":  # dead (and reaped) before the next save starts
-        process = _persistent_process(ck)
+        process = _persistent_process()
         os.kill(process.pid, signal.SIGKILL)
-        process.join(timeout=30)
+        _wait_until_dead(process, 30.0)
     else:
         raise ValueError(f"unknown worker-death case {how!r}")
 

@@ -4,14 +4,20 @@ under ``iter_XXXXXXX.incomplete`` until rank 0 commits it, and the tracker
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
-from .._runtime import warn_once
+from .._runtime import rank, warn_once
+from ..collectives import Group
+from ..errors import CheckpointWriteError
 
 __all__ = ["INCOMPLETE", "REPORT", "TRACKER", "checkpoint_name", "commit_on_disk",
-           "incomplete_name", "read_tracker", "tracker_text", "warn_incomplete"]
+           "incomplete_name", "open_workdir", "read_tracker", "tracker_text", "warn_incomplete"]
+
+logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
@@ -55,18 +61,23 @@ def tracker_text(root: Path) -> str:
     return f"; the latest committed checkpoint is still iteration {latest} ({root / TRACKER})"
 
 
-def commit_on_disk(root: Path, iteration: int) -> None:
+def commit_on_disk(root: Path, iteration: int, *,
+                   on_step: Callable[[str], None] | None = None) -> None:
     """Rank 0's part of the commit, in the order that keeps the previous checkpoint loadable
     after a crash at any point: fsync every file of ``iter_N.incomplete`` and the directory,
     rename it to ``iter_N``, fsync ``root``, then rewrite the tracker (temporary file, fsync,
-    rename) and fsync ``root`` again. The tracker never names a directory that is not durable."""
+    rename) and fsync ``root`` again. The tracker never names a directory that is not durable.
+    ``on_step`` is called with ``"renamed"`` and ``"tracker_written"`` (the save's hooks)."""
+    on_step = on_step or (lambda step: None)
     src, dst = incomplete_name(root, iteration), checkpoint_name(root, iteration)
     for path in sorted(src.rglob("*")):  # megatron-core writes metadata and common.pt unsynced
         if path.is_file():
             _fsync(path)
     _fsync(src)
     _replace_dir(src, dst)
+    on_step("renamed")
     _atomic_write(root / TRACKER, f"{iteration}\n")
+    on_step("tracker_written")
     old = _aside(dst)
     if old.exists():  # a re-save of a committed iteration: its old copy goes once replaced
         shutil.rmtree(old)
@@ -116,3 +127,60 @@ def warn_incomplete(root: Path) -> None:
         warn_once(f"incomplete:{root}",
                   f"{root}: ignoring uncommitted checkpoint directories {leftovers} "
                   "(a save was interrupted before its commit)")
+
+
+def open_workdir(record: Any, group: Group, *, new_structure: bool,
+                 plain: list[tuple[str, Any]] = ()) -> Path:
+    """Collective: rank 0 creates ``record``'s ``iter_N.incomplete``; one small all-reduce (in
+    place of a barrier) tells every rank whether it could, whether any rank's structure is new
+    (sets ``record.new_structure``: validating and re-planning are collectives, so all ranks must
+    decide alike) and whether any rank holds a plain tensor (``plain``): each fails the save on
+    every rank before anything is staged."""
+    workdir = incomplete_name(record.root, record.iteration)
+    plain_large = [(k, t) for k, t in plain if t.numel() > 1]
+    error = _make_workdir(record, workdir) if rank() == 0 and not plain_large else None
+    failed, changed, bad_rank = group.all_max(
+        [1.0 if error is not None else 0.0, float(new_structure),
+         float(rank()) if plain_large else -1.0])
+    record.new_structure = bool(changed)
+    if bad_rank >= 0:
+        if rank() == 0 and workdir.exists() and error is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise ValueError(_plain_tensor_message(record.iteration, plain_large, int(bad_rank)))
+    if failed:
+        cause = f" ({type(error).__name__}: {error})" if error is not None else " (see rank 0)"
+        raise CheckpointWriteError(
+            f"checkpoint iteration {record.iteration}: cannot create {workdir} on rank 0"
+            f"{cause}. Nothing was written. Fix: point the checkpoint directory (--save) at a "
+            "writable directory.") from error
+    return workdir
+
+
+def _make_workdir(record: Any, workdir: Path) -> OSError | None:
+    if checkpoint_name(record.root, record.iteration).exists():
+        logger.warning("checkpoint iteration %d under %s is already committed: this save "
+                       "replaces it (atomically, at its commit)", record.iteration, record.root)
+    try:
+        record.root.mkdir(parents=True, exist_ok=True)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir()
+    except OSError as e:
+        return e
+    return None
+
+
+def _plain_tensor_message(iteration: int, plain: list[tuple[str, Any]], bad_rank: int) -> str:
+    if not plain:
+        return (f"checkpoint iteration {iteration}: rank {bad_rank}'s state dict holds plain "
+                "torch tensors (see that rank's error for their keys). Nothing was written.")
+    key, t = plain[0]
+    more = f" (and {len(plain) - 1} more: {[k for k, _ in plain[1:4]]})" if len(plain) > 1 else ""
+    return (
+        f"checkpoint iteration {iteration}: '{key}' is a plain torch.Tensor of shape "
+        f"{tuple(t.shape)}{more}, not a megatron-core ShardedTensor. megatron-core would save "
+        "it as common state from rank 0 alone, dropping every other rank's values. Nothing was "
+        "written. Fix: wrap it, e.g. ShardedTensor.from_rank_offsets(key, t, replica_id=dp_rank) "
+        "for a tensor replicated over data-parallel ranks, or ShardedTensor.from_rank_offsets("
+        "key, t, (axis, rank, world_size)) for one split along an axis. Plain Python numbers and "
+        "one-element tensors stay common state.")

@@ -14,7 +14,7 @@ from typing import Any
 from .._runtime import rank
 from .layout import REPORT
 
-__all__ = ["PHASES", "SaveRecord", "log_report", "report_entry"]
+__all__ = ["PHASES", "SaveRecord", "gather", "log_report", "report_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ class SaveRecord:
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see PHASES
     extra: dict = field(default_factory=dict)
 
+    def release(self) -> None:
+        """Hand the staging buffers back (after the commit, or when the save is abandoned)."""
+        if self.staged is not None and hasattr(self.staged, "release"):
+            self.staged.release()
+        self.staged = None
+
     def phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - since
@@ -55,6 +61,19 @@ class SaveRecord:
         """This rank's figures in the order :func:`report_entry` reads their max over ranks."""
         return [now - self.started, self.blocking_s, self.staging_s, float(self.host_bytes),
                 float(self.nbytes), *(self.phases.get(name, 0.0) for name in PHASES)]
+
+
+def gather(record: SaveRecord, group: Any) -> dict:
+    """Collective: the max over ranks of this save's times and sizes and the sum of its bytes
+    (the commit's first barrier: no extra synchronisation). ``group``: a
+    :class:`~megatron_ckpt_ext.collectives.Group`."""
+    now = time.perf_counter()
+    local = record.local_stats(now)
+    if not group.initialized():
+        return {"max": local, "bytes_total": record.nbytes, "world": 1, "at": now}
+    stats = group.all_max(local)
+    total = group.all_sum([float(record.nbytes)])
+    return {"max": stats, "bytes_total": int(total[0]), "world": group.size(), "at": now}
 
 
 def report_entry(record: SaveRecord, ranks: dict, *, is_async: bool) -> dict:

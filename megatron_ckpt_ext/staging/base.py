@@ -1,8 +1,10 @@
-"""The stager's contract: what Checkpointer asks of a device-to-host stager."""
+"""The stager's contract: what Checkpointer asks of a device-to-host stager. Implementations:
+:class:`~.shm.ShmStager` (shared memory, a gated writer), :class:`~.plain.HostCopyStager`
+(plain CPU copies) and :class:`~.plain.InPlaceStager` (no copy: synchronous saves)."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -19,14 +21,25 @@ class Stager(Protocol):
 
     1. :meth:`prepare` once the state exists (optional; ``background=True`` returns at once),
        and :meth:`wait_prepared` where start-up is timed.
-    2. Per save: :meth:`host_bytes` (0 before the first staging: check free memory then), then
-       :meth:`stage` with ``wait=False``; the batch's tensors replace the state's.
-    3. :meth:`ready_flag` is handed to the writer, which waits on it; once
-       :meth:`StagedBatch.wait` returns, the save's number is written there (its negative if
-       the copies failed).
+    2. Per save: :meth:`admit` with the state's bytes when :meth:`host_bytes` is 0 (the first
+       staging: fail early on too little memory), then :meth:`stage` with ``wait=False``; the
+       batch's tensors replace the state's (``owns_copies``: they are this save's own copies).
+    3. :meth:`gate` wraps the writer's function so that it waits for the copies; once
+       :meth:`StagedBatch.wait` returns, :meth:`publish` releases (or, on failure, cancels) it.
     4. :meth:`StagedBatch.release` after the commit: the buffers may be reused or freed.
     5. :meth:`close` at the end: frees everything; no call may follow.
     """
+
+    owns_copies: bool  # stage() returns copies owned by the save (not the caller's tensors)
+
+    def admit(self, nbytes: int) -> None:
+        """Raise when the host cannot hold ``nbytes`` of staging (before the first staging)."""
+
+    def gate(self, write: Callable[..., Any], *, timeout_s: float) -> tuple[Callable[..., Any], int]:
+        """``write`` made to wait until :meth:`publish` of the returned ticket (0: no gate)."""
+
+    def publish(self, ticket: int, *, ok: bool) -> None:
+        """Release the write gated with ``ticket`` (``ok=False``: it writes nothing)."""
 
     def prepare(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
                 background: bool = False) -> None:
@@ -41,9 +54,6 @@ class Stager(Protocol):
 
     def host_bytes(self) -> int:
         """Host memory currently held for staging."""
-
-    def ready_flag(self) -> torch.Tensor:
-        """A one-element int64 tensor shared with the writer: the published save number."""
 
     def close(self) -> None:
         """Free every buffer. Idempotent."""

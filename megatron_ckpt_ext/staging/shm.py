@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import torch
 
+from ..preflight import check_shm
 from .batch import StagedBatch, _Buffer, _BufferSet, _Copies, _Spec
+from .ready import run_when_staged
 from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _register, _register_segment,
                        _sanitize, _segment_path, _shared_segment, _warn_file_system_strategy,
                        sweep_orphans)
@@ -25,6 +28,8 @@ StagingKey = tuple  # per tensor: (id, shape, dtype, device, storage data_ptr, s
 class ShmStager:
     """Stages tensors (GPU or CPU) into per-tensor CPU shared-memory buffers."""
 
+    owns_copies = True
+
     def __init__(self, *, job_id: str, rank: int, reuse: bool, pin: bool | None = None,
                  shm_dir: str = SHM_DIR, sweep: bool = True) -> None:
         self.job_id, self.rank, self.reuse = _sanitize(job_id), rank, reuse
@@ -38,6 +43,7 @@ class ShmStager:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._flag: _Buffer | None = None
         self._closed = False
+        self._tickets = 0  # gated writes handed out: each waits for its number in the flag
         self.stats = {"bytes_staged": 0, "stages": 0, "allocations": 0, "bytes_allocated": 0,
                       "rebuilds": 0, "last_rebuild_reason": None}
         _warn_file_system_strategy()
@@ -88,6 +94,21 @@ class ShmStager:
         if wait:
             batch.wait()
         return batch
+
+    def admit(self, nbytes: int) -> None:
+        """Fail now, naming the fix, when /dev/shm cannot hold ``nbytes`` (else: SIGBUS later)."""
+        check_shm(nbytes)
+
+    def gate(self, write: Callable[..., Any], *, timeout_s: float) -> tuple[Callable[..., Any], int]:
+        """``write`` that first waits (in the writer) until :meth:`publish` of its ticket."""
+        self._tickets += 1
+        return partial(run_when_staged, self.ready_flag(), self._tickets, float(timeout_s),
+                       write), self._tickets
+
+    def publish(self, ticket: int, *, ok: bool) -> None:
+        """Tell the writer gated with ``ticket`` that its copies are complete (or failed)."""
+        if ticket:
+            self.ready_flag()[0] = ticket if ok else -ticket
 
     def host_bytes(self) -> int:
         """Shared memory currently held by this stager."""

@@ -101,17 +101,18 @@ def count_forks_during_sync_save(rank: int, world: int, root: str, options: dict
 
 
 def crash_before_commit(rank: int, world: int, root: str, options: dict) -> None:
-    """Save 1 commits; save 2 fails just before its commit: the tracker stays at 1 and load
-    returns iteration 1."""
-    with Checkpointer(CkptOptions(**options)) as ck:
-        ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
-        ck.maybe_finalize(blocking=True)
+    """Save 1 commits; save 2 fails just before its commit (a hook raising there): the tracker
+    stays at 1 and load returns iteration 1."""
+    from megatron_ckpt_ext.hooks import SaveHooks
 
-        def boom(record):
-            if record.iteration == 2:
+    class Boom(SaveHooks):
+        def at(self, point, record):
+            if point == "before_commit" and record.iteration == 2:
                 raise RuntimeError("injected failure before commit")
 
-        ck._before_commit = boom
+    with Checkpointer(CkptOptions(**options), hooks=Boom()) as ck:
+        ck.save(sharded(rank, world, step_state(1, rank)), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
         try:
             ck.save(sharded(rank, world, step_state(2, rank)), root, iteration=2)
             ck.maybe_finalize(blocking=True)
@@ -119,7 +120,6 @@ def crash_before_commit(rank: int, world: int, root: str, options: dict) -> None
             assert "injected" in str(e)
         else:
             raise AssertionError("the injected failure did not surface")
-        ck._before_commit = None
     assert read_tracker(root) == 1
     assert Path(root, "iter_0000002.incomplete").exists() and not Path(root, "iter_0000002").exists()
     with Checkpointer(CkptOptions()) as fresh:
@@ -269,20 +269,21 @@ def save_and_verify(ck: Checkpointer, rank: int, world: int, root: str, steps: A
 def copy_wait_order(rank: int, world: int, root: str, options: dict, keep_clones: bool) -> None:
     """Record the order of planning (megatron-core's save), the wait for the staged copies and
     the hand-over to the writer, for two saves; the checkpoints must still load bit-exact."""
-    import megatron.core.dist_checkpointing as dc
-
-    from megatron_ckpt_ext import backend, staging
+    from megatron_ckpt_ext import backend
+    from megatron_ckpt_ext.hooks import SaveHooks
 
     events: list[str] = []
-    real_wait, real_save = staging.StagedBatch.wait, dc.save
-    staging.StagedBatch.wait = lambda self: (events.append("wait"), real_wait(self))[1]
-    dc.save = lambda *a, **k: (events.append("plan"), real_save(*a, **k))[1]
+    names = {"planned": "plan", "copies_landed": "wait", "scheduled": "schedule"}
+
+    class Order(SaveHooks):
+        def at(self, point, record):
+            if point in names:
+                events.append(names[point])
+
     if keep_clones:  # a writer that clones every CPU tensor while planning, clones kept
         os.environ["MCX_KEEP_WRITER_CLONES"] = "1"
         backend.writer_clones_cpu_tensors = lambda *a: True
-    with Checkpointer(CkptOptions(**options)) as ck:
-        schedule = ck._queue.schedule_async_request
-        ck._queue.schedule_async_request = lambda r: (events.append("schedule"), schedule(r))[1]
+    with Checkpointer(CkptOptions(**options), hooks=Order()) as ck:
         save_and_verify(ck, rank, world, root, (1, 2), on_save=lambda s: events.append(f"save{s}"))
         assert all("copy_wait_s" in r["phases"] for r in ck.reports), ck.reports
     for step in (1, 2):

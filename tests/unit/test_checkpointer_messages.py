@@ -30,7 +30,9 @@ def test_a_failed_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
     save's error adds the free space when it is below what a checkpoint there takes."""
     import collections
 
-    from megatron_ckpt_ext import Checkpointer, CkptOptions, preflight
+    from megatron_ckpt_ext import CkptOptions, backend, preflight
+    from megatron_ckpt_ext.collectives import Group
+    from megatron_ckpt_ext.save.writers import WriterPool
 
     usage = collections.namedtuple("usage", "total used free")
     free = {"bytes": 1 << 30}
@@ -42,10 +44,14 @@ def test_a_failed_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
     assert preflight.disk_full_hint(tmp_path, 512 << 20) == ""  # enough space: no claim
     assert preflight.disk_full_hint(tmp_path, 0) == ""          # size unknown: no claim
 
-    with Checkpointer(CkptOptions()) as ck:  # the abandoned save's error carries it
-        ck.reports.append({"bytes": 2 << 30})
-        error = ck._abandon("its write failed: RuntimeError: unexpected pos 704 vs 598",
-                            before=(7, tmp_path))
+    options = CkptOptions()  # the abandoned save's error carries it
+    writers = WriterPool(options, backend.detect(), Group(None, options), is_async=False,
+                         cpu_shm=False, reports=[{"bytes": 2 << 30}])
+    try:
+        error = writers.abandon("its write failed: RuntimeError: unexpected pos 704 vs 598",
+                                before=(7, tmp_path))
         assert "unexpected pos" in str(error) and "disk is likely full" in str(error)
         free["bytes"] = 4 << 30
-        assert "disk is likely full" not in str(ck._abandon("x", before=(8, tmp_path)))
+        assert "disk is likely full" not in str(writers.abandon("x", before=(8, tmp_path)))
+    finally:
+        writers.close(drained=True)

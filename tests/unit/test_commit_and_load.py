@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.collectives import Group
 from megatron_ckpt_ext.save import layout
 from megatron_ckpt_ext.save.layout import TRACKER, read_tracker
 from megatron_ckpt_ext.save.report import SaveRecord
@@ -205,16 +206,15 @@ class _Work:
 
 
 def test_plugin_collectives_wait_at_most_distributed_timeout_minutes():
-    with Checkpointer(CkptOptions(distributed_timeout_minutes=3)) as ck:
-        work = _Work()
-        ck._wait(work)
-        assert work.timeouts == [timedelta(minutes=3)]
-        with pytest.raises(CheckpointWriteError, match="--distributed-timeout-minutes 3"):
-            ck._wait(_Work(fail=True))
-    with Checkpointer(CkptOptions(distributed_timeout_minutes=None)) as ck:
-        work = _Work()
-        ck._wait(work)
-        assert work.timeouts == [None]  # the process group's own timeout
+    group = Group(None, CkptOptions(distributed_timeout_minutes=3))
+    work = _Work()
+    group.wait(work)
+    assert work.timeouts == [timedelta(minutes=3)]
+    with pytest.raises(CheckpointWriteError, match="--distributed-timeout-minutes 3"):
+        group.wait(_Work(fail=True))
+    work = _Work()
+    Group(None, CkptOptions(distributed_timeout_minutes=None)).wait(work)
+    assert work.timeouts == [None]  # the process group's own timeout
 
 
 def test_an_unwritable_save_directory_fails_at_construction(tmp_path):
@@ -235,10 +235,11 @@ def test_a_save_that_replaces_a_committed_iteration_says_so(tmp_path, caplog):
 
     _incomplete_checkpoint(tmp_path, 2)
     layout.commit_on_disk(tmp_path, 2)
-    with Checkpointer(CkptOptions()) as ck, caplog.at_level(logging.WARNING):
+    group = Group(None, CkptOptions())
+    with caplog.at_level(logging.WARNING):
         for it in (3, 2):
             record = SaveRecord(iteration=it, root=tmp_path, started=time.perf_counter())
-            ck._prepare_dir(record, new_structure=True)
+            layout.open_workdir(record, group, new_structure=True)
     assert [r.getMessage() for r in caplog.records if "already committed" in r.getMessage()] == [
         f"checkpoint iteration 2 under {tmp_path} is already committed: this save replaces it "
         "(atomically, at its commit)"]

@@ -1,0 +1,255 @@
+"""The writer pool: the provider's async calls queue (a persistent worker or a fresh process per
+save), the saves handed to it, and the agreement over ranks on their state.
+
+Bounded waits: every poll first agrees on the writers' state over the process group (one small
+all-reduce, which replaces the queue's own "is everyone done" all-reduce while a write runs). If
+any rank's writer died or stayed alive past ``--ckpt-timeout``, every rank abandons the save and
+raises :class:`CheckpointWriteError`; the writers are restarted at the next save and the last
+committed checkpoint stays the latest.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import backend, preflight
+from .._runtime import die_with_parent, forks_die_with_this_process, rank, warn_once
+from ..collectives import Group
+from ..debug import env_switch
+from ..errors import CheckpointWriteError
+from ..options import CkptOptions
+from .layout import tracker_text
+from .report import SaveRecord
+
+__all__ = ["POLL_S", "WriterPool"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a blocking finalize re-checks the writers
+
+
+class WriterPool:
+    """This rank's async writers (none for sync saves: they write in the trainer, and only the
+    write-results queue is kept ready). ``pending`` maps each scheduled call to its save's record
+    (None: the persistent worker's warm-up request)."""
+
+    def __init__(self, options: CkptOptions, caps: backend.Capabilities, group: Group, *,
+                 is_async: bool, cpu_shm: bool, reports: list[dict]) -> None:
+        self.options, self.caps, self.group = options, caps, group
+        self.is_async, self.cpu_shm = is_async, cpu_shm
+        self.reports = reports  # the Checkpointer's: the last save's size, for a disk-full hint
+        self.pending: dict[int, SaveRecord | None] = {}
+        self.persistent = False
+        self.startup: dict[str, float] = {}
+        self.froze_gc = False  # gc.freeze() was ours alone: close() unfreezes
+        self._started = time.perf_counter()
+        self._queue: Any = self._make_queue() if is_async else None
+        t0 = time.perf_counter()
+        self._prime_results_queue()
+        self.startup["write_results_queue_s"] = round(time.perf_counter() - t0, 6)
+
+    @property
+    def idle(self) -> bool:
+        """No save (nor the worker's warm-up) is waiting to be finalized."""
+        return not self.pending
+
+    @property
+    def queue(self) -> Any:
+        """The provider's async calls queue (None after an abandoned save, until the next)."""
+        return self._queue
+
+    # -- start -----------------------------------------------------------------------------------
+    def _make_queue(self) -> Any:
+        self.persistent = self._persistent_runs_here()
+        queue = backend.new_async_calls_queue(
+            persistent=self.persistent, is_daemon=True,
+            cpu_shm_mode=self.cpu_shm and self.persistent,
+            cpu_priority=self.options.async_ckpt_cpu_priority,
+            io_priority=self.options.async_ckpt_io_priority)
+        if self.persistent:
+            self._warm_up(queue)
+        return queue
+
+    def _persistent_runs_here(self) -> bool:
+        if not (self.options.use_persistent_ckpt_worker and self.caps.queue_persistent):
+            return False
+        ok, reason = backend.persistent_worker_runs_here(self.caps, cpu_shm_mode=self.cpu_shm)
+        if not ok:
+            warn_once("persistent-cannot-run", f"--use-persistent-ckpt-worker: {reason}; a fresh "
+                      "writer process is used per save instead.")
+        return ok
+
+    def _warm_up(self, queue: Any) -> None:
+        """Start the persistent worker now and have it import what unpickling a save request
+        needs (else the first save waits for that); finalized by the first poll."""
+        warm = backend.async_request_cls()(async_fn=_warm_up, async_fn_args=(os.getpid(),),
+                                           finalize_fns=[])
+        # The worker needs no CUDA where nvrx honours cpu_shm_mode: then it is forked.
+        no_cuda = self.cpu_shm and self.caps.worker_cpu_shm_skips_cuda
+        with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda) as forks, \
+                backend.spawn_skips_main():
+            if forks:
+                self._freeze_gc()
+            if self.caps.warmup_persistent_caller:
+                backend.call_with_supported(queue.warmup_persistent_caller, rank(),
+                                            is_daemon=True, cpu_shm_mode=self.cpu_shm)
+            self.pending[queue.schedule_async_request(warm)] = None
+
+    def _freeze_gc(self) -> None:
+        """Before the worker is forked: collect, then ``gc.freeze()`` what is left, so the
+        trainer's later full collections do not copy every page the worker shares
+        (docs/notes/save_path.md). Frozen objects are still freed by refcount; :meth:`close`
+        unfreezes unless something else had frozen objects first. ``MCX_FREEZE_GC_AT_FORK=0``
+        turns this off."""
+        if env_switch("MCX_FREEZE_GC_AT_FORK") != "1":
+            return
+        t0 = time.perf_counter()
+        self.froze_gc = gc.get_freeze_count() == 0
+        gc.collect()
+        gc.freeze()
+        self.startup["gc_freeze_s"] = round(time.perf_counter() - t0, 6)
+        logger.debug("gc.freeze() of %d objects before forking the writer, %.3f s",
+                     gc.get_freeze_count(), self.startup["gc_freeze_s"])
+
+    def _prime_results_queue(self) -> None:
+        with forks_die_with_this_process():  # a results-queue server dies with this trainer
+            backend.prime_write_results_queue()
+
+    # -- per save --------------------------------------------------------------------------------
+    def ready(self, iteration: int, root: Path) -> None:
+        """Collective with a persistent worker: before a save, a new queue when the last one was
+        abandoned; else agree that every rank's worker is alive (a dead one would block the
+        hand-over forever)."""
+        if not self.is_async:
+            return
+        if self._queue is None:
+            self._started = time.perf_counter()
+            self._queue = self._make_queue()
+        elif self.persistent:
+            self.agree(before=(iteration, root))
+
+    def schedule(self, request: Any, record: SaveRecord) -> None:
+        """Hand ``request`` to a writer; its finalization (run by :meth:`poll`) commits."""
+        with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=POLL_S), \
+                forks_die_with_this_process():
+            call_idx = self._queue.schedule_async_request(request)
+        self.pending[call_idx] = record
+
+    def poll(self, *, blocking: bool) -> list[SaveRecord]:
+        """Collective: finalize (metadata write and commit) the saves every rank's writer has
+        finished (all of them when ``blocking``); the records finalized."""
+        done: list[SaveRecord] = []
+        while self._queue is not None and self.pending:
+            if self.agree():  # some rank's writer is still writing
+                if not blocking:
+                    break
+                time.sleep(POLL_S)
+                continue
+            done += self._finalize_finished()
+            if not blocking:
+                break
+        return done
+
+    def agree(self, before: tuple[int, Path] | None = None) -> bool:
+        """Collective: True while some rank's writer is still running. Raises on every rank
+        when any rank's writer died or ran past the timeout (``before``: the save about to
+        start, for the message)."""
+        state, detail = backend.async_writer_state(self._queue)
+        timed_out = state == "running" and time.perf_counter() > self._head_deadline()
+        dead = state == "dead"
+        running, any_dead, any_late, which = self.group.all_max(
+            [float(state == "running"), float(dead), float(timed_out),
+             float(rank() if dead or timed_out else -1)])
+        if any_dead or any_late:
+            why = (f"the async writer of rank {int(which)} stopped before finishing its write"
+                   if any_dead else
+                   f"it did not finish within --ckpt-timeout {self.options.ckpt_timeout} s "
+                   "(config key 'ckpt_timeout'; raise it if writes are legitimately this slow)")
+            raise self.abandon(why + (f" ({detail})" if detail else ""), before=before)
+        return bool(running)
+
+    def _finalize_finished(self) -> list[SaveRecord]:
+        """Every rank's head writer has finished: run the queue's finalization (megatron-core's
+        metadata write and our commit, collectives) for what is done."""
+        before = self._queue.get_num_unfinalized_calls()
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        # a write that raised: raised on every rank, as torch's CheckpointException (a
+        # BaseException) from nvrx 0.7's finalize, else as a RuntimeError
+        except BaseException as e:  # noqa: BLE001
+            raise self.abandon(
+                f"its write or commit failed: {backend.checkpoint_failure_text(e)}") from e
+        # Count, do not trust the returned indices: the providers return each request's own
+        # call_idx, which the queue never sets. Calls finalize in schedule order.
+        finished = before - self._queue.get_num_unfinalized_calls()
+        records = [self.pending.pop(idx) for idx in list(self.pending)[:finished]]
+        return [r for r in records if r is not None]
+
+    def _head_deadline(self) -> float:
+        record = next(iter(self.pending.values()), None) if self.pending else None
+        started = record.started if record is not None else self._started
+        return started + self.options.ckpt_timeout
+
+    # -- failure and end -------------------------------------------------------------------------
+    def abandon(self, why: str, *, before: tuple[int, Path] | None = None) -> CheckpointWriteError:
+        """Stop this rank's writers, drop the pending saves, and say what happened."""
+        record = next((r for r in self.pending.values() if r is not None), None)
+        if record is not None:
+            what, root = f"checkpoint iteration {record.iteration} under {record.root}", record.root
+        elif before is not None:
+            what, root = (f"checkpoint iteration {before[0]} under {before[1]} (before it "
+                          "started)", before[1])
+        else:
+            what, root = "the persistent checkpoint writer's start-up", None
+        latest = tracker_text(root) if root is not None else ""
+        needed = max([record.nbytes if record is not None else 0]
+                     + [r.get("bytes", 0) for r in self.reports[-1:]])
+        space = preflight.disk_full_hint(root, needed) if root is not None else ""
+        self.kill()
+        return CheckpointWriteError(
+            f"{what} failed on every rank: {why}.{space} The save is abandoned{latest}; the async "
+            "writers are restarted at the next save()."
+        )
+
+    def kill(self) -> None:
+        """Stop the writers at once and release what the pending saves staged."""
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            backend.stop_async_writers(queue)
+        for record in self.pending.values():
+            if record is not None:
+                record.release()
+        self.pending.clear()
+        # Other ranks' finished writers left their results in the global write-results queue,
+        # where the next save would read them as its own: start a fresh queue.
+        backend.shutdown_write_results_queues()
+        self._prime_results_queue()
+
+    def close(self, *, drained: bool) -> None:
+        """Stop the writers: the queue's own close when drained and alive, else kill them."""
+        if self._queue is not None:
+            if drained and backend.async_writer_state(self._queue)[0] != "dead":
+                self._queue.close()
+                self._queue = None
+            else:  # the queue's own close would wait for a dead or unfinished writer
+                self.kill()
+        backend.shutdown_write_results_queues()
+        self.pending.clear()
+        if self.froze_gc:
+            self.froze_gc = False
+            gc.unfreeze()
+
+
+def _warm_up(trainer_pid: int | None = None) -> None:
+    """The persistent worker's first request: ties the worker's life to its trainer's, then
+    imports what unpickling a save request needs."""
+    if trainer_pid is not None:
+        die_with_parent(trainer_pid)
+    backend.warm_up_writer_imports()
