@@ -1,6 +1,6 @@
 """Rank bodies of the reliability harness (issue 9): crash jobs, worker death, soak.
 
-Used by ``tools/reliability.py`` (the long trials) and ``tests/functional/test_reliability.py``
+Used by ``tools/reliability.py`` (the long trials) and ``tests/multirank/test_reliability.py``
 (the CI subset). A module of its own, importable from the repository root, because the functions
 injected into a save request (a held or failing write) are pickled to spawned writer processes.
 
