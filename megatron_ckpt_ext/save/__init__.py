@@ -1,3 +1,3 @@
-"""The save path's roles, each a module the Checkpointer facade asks: the on-disk layout and
-commit (layout), the structure key and cached strategy (planner), the save record and its report
-(report). Nothing here imports the facade."""
+"""The save path's roles, in the order a save uses them: stage (stager choice, staging step),
+planner (structure key, cached strategy), write_path (the ordered request transforms), writers
+(the writer pool), publish (copies landed), layout (directories, commit, tracker), report."""
