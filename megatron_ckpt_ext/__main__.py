@@ -1,4 +1,4 @@
-"""Command line: ``python -m megatron_ckpt_ext [--version] doctor [--json] [--version]``."""
+"""Command line: ``python -m megatron_ckpt_ext [--version] {doctor [--json], verify DIR}``."""
 
 from __future__ import annotations
 
@@ -21,11 +21,23 @@ def _parser() -> argparse.ArgumentParser:
                             "offer, ending with a one-line verdict")
     doctor.add_argument("--json", action="store_true", help="print a JSON document for machines")
     doctor.add_argument("--version", action="version", version=version)
+    verify = sub.add_parser("verify", help="check a checkpoint's files against its integrity "
+                            "manifest; exit 1 naming each bad file, 2 when there is nothing to "
+                            "check")
+    verify.add_argument("dir", help="a checkpoint directory (iter_XXXXXXX), or a save root: "
+                        "the checkpoint its tracker names")
+    verify.add_argument("--iteration", type=int, default=None,
+                        help="with a save root: this iteration instead of the tracker's")
+    verify.add_argument("--workers", type=int, default=8, help="files checked at once")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "verify":
+        from .verify_cli import run
+
+        return run(args.dir, iteration=args.iteration, workers=args.workers)
     from . import doctor
 
     with warnings.catch_warnings():

@@ -24,10 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from . import _cpu_shim, backend, preflight, strategy
-from ._runtime import rank
+from ._runtime import rank, warn_once
 from .collectives import Group
 from .hooks import SaveHooks, chain, writer_trace
+from .errors import CheckpointIntegrityError
 from .load import locate
+from .load.report import LoadRecord, log_load
+from .load.verify import committed_before, verify_collectively
 from .options import CkptOptions
 from .save.layout import TRACKER, checkpoint_name, commit_on_disk, open_workdir, read_tracker
 from .save.planner import SavePlanner, copy_structure
@@ -71,6 +74,7 @@ class Checkpointer:
             preflight.check_writable(save_dir)
         self.process_group, self.dp_group = process_group, dp_group
         self.reports: list[dict] = []
+        self.load_reports: list[dict] = []
         self._closed = False
         self._group = Group(process_group, options)
         self._hooks = chain(hooks or SaveHooks(), writer_trace(rank()))
@@ -228,18 +232,59 @@ class Checkpointer:
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict | None:
-        """Load the committed checkpoint named by the tracker (or ``iteration``) into
-        ``sharded_state_dict`` and return the loaded state dict.
+        """Collective: load the committed checkpoint named by the tracker (or ``iteration``)
+        into ``sharded_state_dict`` and return the loaded state dict.
 
         Where ``checkpoint_dir`` holds no committed checkpoint (no tracker: a missing or empty
         directory), returns None after a rank-0 warning, as Megatron-LM starts from scratch;
-        with ``--exit-on-missing-checkpoint`` raises FileNotFoundError instead."""
+        with ``--exit-on-missing-checkpoint`` raises FileNotFoundError instead. A checkpoint
+        with an integrity manifest is verified first (``--no-ckpt-verify-load`` skips it): a
+        mismatch raises :class:`CheckpointIntegrityError` naming the files, or with
+        ``--ckpt-load-fallback`` loads the newest older checkpoint that verifies."""
+        record = LoadRecord(root=Path(checkpoint_dir))
         path = locate(checkpoint_dir, iteration=iteration,
                       exit_on_missing=self.options.exit_on_missing_checkpoint)
         if path is None:
             return None
+        t = record.phase("locate_s", record.started)
+        record.path, record.iteration = self._verified(path, record, explicit=iteration is not None)
+        t = record.phase("verify_s", t)
         load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
-        return backend.dist_checkpointing().load(sharded_state_dict, str(path), load_strategy)
+        state = backend.dist_checkpointing().load(sharded_state_dict, str(record.path),
+                                                  load_strategy)
+        record.phase("load_s", t)
+        entry = record.entry(self._group)
+        self.load_reports.append(entry)
+        log_load(entry)
+        return state
+
+    def _verified(self, path: Path, record: LoadRecord, *, explicit: bool) -> tuple[Path, int]:
+        """Collective: ``path`` (or, with the fallback, an older checkpoint) once it matches
+        its manifest."""
+        iteration = int(path.name[len("iter_"):])
+        if not self.options.ckpt_verify_load:
+            return path, iteration
+        has_manifest, problems = verify_collectively(path, self._group, rank=rank())
+        record.verified = has_manifest and not problems
+        if not problems:
+            return path, iteration
+        what = (f"checkpoint iteration {iteration} ({path}) does not match its integrity "
+                f"manifest: {'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}")
+        if explicit or not self.options.ckpt_load_fallback:
+            raise CheckpointIntegrityError(
+                f"{what}. Nothing was loaded. Fix: restore those files, load another iteration "
+                "(load(iteration=N)), or pass --ckpt-load-fallback to load the newest older "
+                "checkpoint that verifies.")
+        for older in committed_before(path.parent, iteration):
+            candidate = path.parent / f"iter_{older:07d}"
+            has_manifest, problems = verify_collectively(candidate, self._group, rank=rank())
+            if not problems:
+                warn_once(f"fallback:{path}", f"{what}; --ckpt-load-fallback: loading "
+                          f"iteration {older} instead ({'verified' if has_manifest else 'no manifest: unverified'}).")
+                record.verified, record.fell_back_from = has_manifest, iteration
+                return candidate, older
+        raise CheckpointIntegrityError(f"{what}, and no older committed checkpoint under "
+                                       f"{path.parent} verifies (--ckpt-load-fallback).")
 
     def close(self) -> None:
         """Drain pending saves, stop the worker, free staging buffers. Idempotent."""

@@ -31,6 +31,20 @@ class Group:
     def size(self) -> int:
         return torch.distributed.get_world_size(self.process_group) if self.initialized() else 1
 
+    def rank(self, global_rank: int) -> int:
+        """This process's rank within the group (``global_rank`` without a process group)."""
+        if not self.initialized():
+            return global_rank
+        return torch.distributed.get_rank(self.process_group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small, picklable), in group rank order (collective)."""
+        if not self.initialized():
+            return [obj]
+        out: list[Any] = [None] * self.size()
+        torch.distributed.all_gather_object(out, obj, group=self.process_group)
+        return out
+
     def all_max(self, values: list[float]) -> list[float]:
         """Element-wise max of ``values`` over the group (collective)."""
         return self._all_reduce(values, torch.distributed.ReduceOp.MAX if self.initialized()

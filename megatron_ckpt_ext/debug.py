@@ -40,6 +40,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "in host memory"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
+    EnvSwitch("MCX_WRITE_CHECKSUMS", "1",
+              "0: writers record no CRC-32 of the files they write (the integrity manifest then "
+              "lists large data files as unverified): to measure what the checksums cost"),
     EnvSwitch("MCX_KEEP_PAGE_CACHE", "0",
               "1: leave a written checkpoint's pages in the page cache (the writer drops them "
               "once fsync'd)"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "BackendMismatch",
     "BackendUnavailable",
+    "CheckpointIntegrityError",
     "CheckpointWriteError",
     "CkptError",
     "CkptOptionsError",
@@ -45,6 +46,11 @@ class InsufficientSharedMemory(CkptError, OSError):
 class CheckpointWriteError(CkptError, RuntimeError):
     """An async save failed on some rank: its writer died, its write raised, or it outlived
     ``--ckpt-timeout``. Raised on every rank; the previous committed checkpoint stays the latest."""
+
+
+class CheckpointIntegrityError(CkptError, ValueError):
+    """A checkpoint's files do not match its integrity manifest (flipped bits, a truncated or
+    missing file); the message names each file. Nothing was loaded."""
 
 
 class StagingFailed(CkptError, RuntimeError):

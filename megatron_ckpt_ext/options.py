@@ -138,6 +138,21 @@ class CkptOptions:
         help="With --load: fail when the directory holds no committed checkpoint (no tracker "
         "file) instead of warning and starting from scratch, as Megatron-LM does.",
     )
+    ckpt_verify_load: bool = _knob(
+        True,
+        flag="--no-ckpt-verify-load",
+        negative=True,
+        help="Do not check a checkpoint's files against its integrity manifest (the CRC-32 of "
+        "every file, written at save) before loading it. Checkpoints without a manifest load "
+        "unverified either way.",
+    )
+    ckpt_load_fallback: bool = _knob(
+        False,
+        flag="--ckpt-load-fallback",
+        help="When the checkpoint the tracker names fails verification, load the newest older "
+        "committed checkpoint that verifies (said on rank 0) instead of raising. A load of an "
+        "explicit iteration still raises.",
+    )
     distributed_timeout_minutes: int | None = _knob(
         10,
         flag="--distributed-timeout-minutes",

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from .._runtime import rank, warn_once
 from ..collectives import Group
 from ..errors import CheckpointWriteError
+from ..manifest import write_manifest
 
 __all__ = ["INCOMPLETE", "REPORT", "TRACKER", "checkpoint_name", "commit_on_disk",
            "incomplete_name", "open_workdir", "read_tracker", "tracker_text", "warn_incomplete"]
@@ -66,10 +67,12 @@ def commit_on_disk(root: Path, iteration: int, *,
     """Rank 0's part of the commit, in the order that keeps the previous checkpoint loadable
     after a crash at any point: fsync every file of ``iter_N.incomplete`` and the directory,
     rename it to ``iter_N``, fsync ``root``, then rewrite the tracker (temporary file, fsync,
-    rename) and fsync ``root`` again. The tracker never names a directory that is not durable.
+    rename) and fsync ``root`` again. The integrity manifest is written first, inside the
+    directory, so it is committed with it. The tracker never names a directory that is not durable.
     ``on_step`` is called with ``"renamed"`` and ``"tracker_written"`` (the save's hooks)."""
     on_step = on_step or (lambda step: None)
     src, dst = incomplete_name(root, iteration), checkpoint_name(root, iteration)
+    write_manifest(src, iteration)
     for path in sorted(src.rglob("*")):  # megatron-core writes metadata and common.pt unsynced
         if path.is_file():
             _fsync(path)

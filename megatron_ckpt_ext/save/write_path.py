@@ -8,15 +8,18 @@ of wrapping, so a later step's wrapper runs first in the writer.
 2. :func:`host_preload_dropped`: no host "preload" when every tensor is already staged on the host.
 3. :func:`sequential`: with ``--dist-ckpt-workers 1`` every bucket is written in the process that
    owns the save, where the installed writer would fork one process per bucket.
-4. :func:`crc_free`: torch.save's per-record CRC-32 off while writing (no reader checks it; it
+4. :func:`checksummed`: every data file's CRC-32 is recorded as its bytes are written, for
+   the checkpoint's integrity manifest (:mod:`megatron_ckpt_ext.manifest`).
+   ``MCX_WRITE_CHECKSUMS=0`` skips it.
+5. :func:`crc_free`: torch.save's per-record CRC-32 off while writing (no reader checks it; it
    halves write bandwidth: docs/notes/save_path.md). ``MCX_KEEP_CRC32=1`` keeps it.
-5. :func:`page_cache_free`: once fsync'd, the written files' pages leave the page cache, so a
+6. :func:`page_cache_free`: once fsync'd, the written files' pages leave the page cache, so a
    checkpoint does not evict the trainer's cache. ``MCX_KEEP_PAGE_CACHE=1`` keeps them.
-6. :func:`cpu_shimmed`: on CPU-only torch, the CPU device shim is active in the writer.
-7. :func:`hooked`: the Checkpointer's :class:`~megatron_ckpt_ext.hooks.SaveHooks` (fault
+7. :func:`cpu_shimmed`: on CPU-only torch, the CPU device shim is active in the writer.
+8. :func:`hooked`: the Checkpointer's :class:`~megatron_ckpt_ext.hooks.SaveHooks` (fault
    injection, and the writer trace of ``MCX_WRITER_TRACE``: docs/DEBUGGING.md).
-8. :func:`gated`: outermost, the stager's gate: the write waits until the staged copies landed.
-9. :func:`provider_shaped`: the request as the async queue's provider expects it.
+9. :func:`gated`: outermost, the stager's gate: the write waits until the staged copies landed.
+10. :func:`provider_shaped`: the request as the async queue's provider expects it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from .. import backend
 from .._cpu_shim import call_with_cpu_shim
 from ..debug import env_switch
 from ..hooks import SaveHooks
+from ..manifest import record_sum
 from ..options import CkptOptions
 from ..staging.base import Stager
 
 __all__ = ["TRANSFORMS", "WriteContext", "build", "bucket_files", "call_then_drop_written_pages",
+           "call_with_checksums",
            "call_without_crc32", "drop_page_cache", "under_cpu_shim", "write_buckets_inline"]
 
 
@@ -79,6 +84,12 @@ def sequential(request: Any, ctx: WriteContext) -> Any:
     writer_cls, (transform_list, use_msc) = found
     return request._replace(async_fn=partial(write_buckets_inline, writer_cls, transform_list,
                                              use_msc))
+
+
+def checksummed(request: Any, ctx: WriteContext | None = None) -> Any:
+    if request.async_fn is None or env_switch("MCX_WRITE_CHECKSUMS") != "1":
+        return request
+    return request._replace(async_fn=partial(call_with_checksums, request.async_fn))
 
 
 def crc_free(request: Any, ctx: WriteContext | None = None) -> Any:
@@ -127,7 +138,7 @@ def provider_shaped(request: Any, ctx: WriteContext) -> Any:
 
 
 TRANSFORMS: tuple[Callable[[Any, WriteContext], Any], ...] = (
-    idle_worker_noop, host_preload_dropped, sequential, crc_free, page_cache_free,
+    idle_worker_noop, host_preload_dropped, sequential, checksummed, crc_free, page_cache_free,
     cpu_shimmed, hooked, gated, provider_shaped)
 
 
@@ -154,6 +165,12 @@ def write_buckets_inline(writer_cls: type, transform_list: Any, use_msc: bool, r
             break
         results[got_index] = got
     global_results_queue.put(results)
+
+
+def call_with_checksums(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` (a checkpoint write) recording each file's CRC-32 as it is written."""
+    with backend.checksummed_writes(record_sum):
+        return fn(*args, **kwargs)
 
 
 def call_without_crc32(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

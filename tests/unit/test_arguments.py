@@ -20,7 +20,8 @@ FROZEN_FLAGS = [
     "--async-save", "--async-ckpt-use-cpu-shm", "--dist-ckpt-workers",
     "--ckpt-assume-constant-structure", "--use-persistent-ckpt-worker", "--ckpt-overlap-snapshot",
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--no-save-rng",
-    "--no-load-rng", "--exit-on-missing-checkpoint", "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
+    "--no-load-rng", "--exit-on-missing-checkpoint", "--no-ckpt-verify-load", "--ckpt-load-fallback",
+    "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
     "--async-ckpt-io-priority", "--ckpt-timeout",
 ]

@@ -3,6 +3,7 @@ Checkpointer itself reads (--logging-level, --distributed-timeout-minutes, the s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from datetime import timedelta
@@ -89,18 +90,21 @@ def _incomplete_checkpoint(root: Path, iteration: int) -> None:
 
 
 def test_commit_order_fsyncs_files_then_renames_then_writes_the_tracker(tmp_path, monkeypatch):
-    """fsync every file and the directory, rename, fsync the root, tracker through a fsync'd
-    temporary file and a rename, fsync the root: a crash at any point keeps the old latest."""
+    """The integrity manifest inside the directory, then fsync every file and the directory,
+    rename, fsync the root, tracker through a fsync'd temporary file and a rename, fsync the
+    root: a crash at any point keeps the old latest, and the manifest commits with the files."""
     _incomplete_checkpoint(tmp_path, 5)
     events = _record_disk_ops(monkeypatch, tmp_path)
     layout.commit_on_disk(tmp_path, 5)
 
     work, final = "iter_0000005.incomplete", "iter_0000005"
-    files = {("fsync", f"{work}/{n}") for n in ("__0_0.distcp", "common.pt", "metadata.json")}
-    assert set(events[:3]) == files, events
+    assert events[0] == ("rename", f"{work}/.mcx_manifest.json.tmp->{work}/mcx_manifest.json")
+    files = {("fsync", f"{work}/{n}")
+             for n in ("__0_0.distcp", "common.pt", "metadata.json", "mcx_manifest.json")}
+    assert set(events[1:5]) == files, events
     tmp = next(path for op, path in events if op == "write")
     assert tmp.startswith(f".{TRACKER}.tmp"), events
-    assert events[3:] == [
+    assert events[5:] == [
         ("fsync", work),
         ("rename", f"{work}->{final}"),
         ("fsync", "."),
@@ -120,6 +124,7 @@ def test_recommit_of_an_iteration_keeps_the_tracker_valid(tmp_path):
     layout.commit_on_disk(tmp_path, 5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", TRACKER]
     assert (tmp_path / "iter_0000005" / "new").exists()
+    assert "new" in json.loads((tmp_path / "iter_0000005" / "mcx_manifest.json").read_text())["files"]
 
 
 # -- load on odd directories ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ BUILTIN_BASE = {
     errors.BackendMismatch: RuntimeError,
     errors.InsufficientSharedMemory: OSError,
     errors.CheckpointWriteError: RuntimeError,
+    errors.CheckpointIntegrityError: ValueError,
     errors.StagingFailed: RuntimeError,
     errors.MegatronAdapterError: RuntimeError,
 }

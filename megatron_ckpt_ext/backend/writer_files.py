@@ -1,0 +1,80 @@
+"""The files megatron-core's (or nvrx's) async writer opens: seen as they are written, so a
+checksum of every byte costs no second read. The writers call the builtin ``open`` by its module
+global name, so a module-level ``open`` in their module takes its place for the write's duration
+(inherited by any process the writer forks)."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import sys
+import zlib
+from typing import Any, Callable, Iterator
+
+from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
+
+__all__ = ["checksummed_writes"]
+
+_WRITER_MODULES = (f"{MCORE_STRATEGIES}.filesystem_async", f"{NVRX_ASYNC}.filesystem_async")
+_UNSET = object()
+
+
+class _SummingFile:
+    """A binary file opened for writing whose bytes are CRC-32'd as they go through ``write``;
+    ``on_close(path, nbytes, crc)`` once it is closed (after the writer's fsync)."""
+
+    def __init__(self, raw: Any, path: str, on_close: Callable[[str, int, int], None]) -> None:
+        self._raw, self._path, self._on_close = raw, path, on_close
+        self.crc, self.nbytes = 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        written = len(view) if written is None else written
+        self.crc = zlib.crc32(view[:written], self.crc)
+        self.nbytes += written
+        return written
+
+    def close(self) -> None:
+        if self._raw.closed:
+            return
+        self._raw.close()
+        self._on_close(self._path, self.nbytes, self.crc)
+
+    def __enter__(self) -> _SummingFile:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None:
+            self._raw.close()  # a failed write records nothing
+            return
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:  # tell, fileno, flush, seek, closed, name, ...
+        return getattr(self._raw, name)
+
+
+@contextlib.contextmanager
+def checksummed_writes(on_close: Callable[[str, int, int], None]) -> Iterator[None]:
+    """While inside: every file the installed writers open with mode ``"wb"`` reports
+    ``(path, bytes, crc32)`` to ``on_close`` when closed. Other opens are untouched."""
+
+    def summing_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        raw = builtins.open(file, mode, *args, **kwargs)
+        if mode != "wb" or isinstance(file, int):
+            return raw
+        return _SummingFile(raw, os.fsdecode(file), on_close)
+
+    modules = [sys.modules[name] for name in _WRITER_MODULES if name in sys.modules]
+    before = [module.__dict__.get("open", _UNSET) for module in modules]
+    for module in modules:
+        module.open = summing_open
+    try:
+        yield
+    finally:
+        for module, previous in zip(modules, before):
+            if previous is _UNSET:
+                module.__dict__.pop("open", None)
+            else:
+                module.open = previous

@@ -1,0 +1,139 @@
+"""The integrity manifest: a CRC-32 of every file of a checkpoint, committed with it.
+
+Writers record each data file's checksum while its bytes pass through them (no second read) as
+one small record under ``<dir>/.mcx_sums/``; at the commit rank 0 folds them, plus the checksums
+of the small files megatron-core's finalize wrote, into ``<dir>/mcx_manifest.json`` before the
+directory is renamed, so the manifest is committed atomically with the checkpoint. Stock
+megatron-core and torch DCP ignore the extra file; a checkpoint without it loads unverified.
+Standard library only: a writer process imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+__all__ = ["ALGORITHM", "MANIFEST", "SUMS_DIR", "Problem", "file_crc32", "read_manifest",
+           "record_sum", "verify_files", "write_manifest"]
+
+MANIFEST = "mcx_manifest.json"
+SUMS_DIR = ".mcx_sums"
+ALGORITHM = "crc32"
+FORMAT = "megatron-ckpt-ext/manifest/1"
+_CHUNK = 16 << 20  # bytes read per call when verifying (zlib releases the GIL on large buffers)
+_SMALL = 256 << 20  # files no writer summed are summed at the commit only up to this size
+
+
+def record_sum(path: str, nbytes: int, crc: int) -> None:
+    """In a writer: the checksum of the data file ``path`` it has just written and closed."""
+    folder = Path(path).parent / SUMS_DIR
+    folder.mkdir(exist_ok=True)
+    record = folder / f"{Path(path).name}.json"
+    tmp = record.with_name(f".{record.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"file": Path(path).name, "bytes": nbytes, "crc32": crc}))
+    os.replace(tmp, record)
+
+
+def write_manifest(workdir: Path, iteration: int) -> dict:
+    """Rank 0, at the commit: fold the writers' records and the checksums of the small files
+    nobody summed into ``workdir/mcx_manifest.json``; the records' folder goes. Files larger
+    than 256 MiB that no writer summed are listed under ``unverified``."""
+    summed = {}
+    sums = workdir / SUMS_DIR
+    for record in sorted(sums.glob("*.json")) if sums.is_dir() else []:
+        entry = json.loads(record.read_text())
+        summed[entry["file"]] = {"bytes": entry["bytes"], "crc32": entry["crc32"]}
+    files, unverified = {}, []
+    for path in sorted(p for p in workdir.iterdir() if p.is_file() and p.name != MANIFEST):
+        if path.name in summed:
+            files[path.name] = summed[path.name]
+        elif path.stat().st_size <= _SMALL:
+            files[path.name] = {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+        else:
+            unverified.append(path.name)
+    data = {"format": FORMAT, "iteration": iteration, "algorithm": ALGORITHM, "files": files,
+            "unverified": unverified}
+    tmp = workdir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, workdir / MANIFEST)
+    shutil.rmtree(sums, ignore_errors=True)
+    return data
+
+
+def read_manifest(checkpoint: Path) -> dict | None:
+    """The manifest of a committed checkpoint directory, or None (a stock checkpoint)."""
+    try:
+        return json.loads((Path(checkpoint) / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def file_crc32(path: Path, progress: Callable[[int], None] | None = None) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            chunk = fh.read(_CHUNK)
+            if not chunk:
+                return crc
+            crc = zlib.crc32(chunk, crc)
+            if progress is not None:
+                progress(len(chunk))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One file of a checkpoint that does not match its manifest."""
+
+    file: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.why}"
+
+
+def verify_files(checkpoint: Path, manifest: dict, names: Iterable[str] | None = None, *,
+                 workers: int = 8, progress_every_s: float | None = None,
+                 log: Callable[[str], None] = print) -> list[Problem]:
+    """Check ``names`` (default: every file of ``manifest``) against the manifest, ``workers``
+    files at a time; a line of progress every ``progress_every_s`` seconds through ``log``."""
+    entries = manifest["files"]
+    names = sorted(entries if names is None else names)
+    total = sum(entries[n]["bytes"] for n in names)
+    done = [0]
+    lock = threading.Lock()
+    started = last = time.monotonic()
+
+    def advance(n: int) -> None:
+        nonlocal last
+        with lock:
+            done[0] += n
+            now = time.monotonic()
+            if progress_every_s is not None and now - last >= progress_every_s:
+                last = now
+                log(f"verified {done[0] / 1e9:.2f} / {total / 1e9:.2f} GB "
+                    f"({done[0] / max(now - started, 1e-9) / 1e9:.2f} GB/s)")
+
+    def check(name: str) -> Problem | None:
+        path, want = Path(checkpoint) / name, entries[name]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return Problem(name, "missing")
+        if size != want["bytes"]:
+            return Problem(name, f"{size} bytes, the manifest says {want['bytes']}")
+        got = file_crc32(path, advance)
+        if got != want["crc32"]:
+            return Problem(name, f"CRC-32 {got:08x}, the manifest says {want['crc32']:08x}")
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        found = list(pool.map(check, names))
+    return [p for p in found if p is not None]

@@ -1,0 +1,62 @@
+"""``python -m megatron_ckpt_ext verify DIR``: check a checkpoint against its manifest, in
+parallel, with progress on stderr; exit 0 when every file matches, 1 naming each bad file, 2 when
+there is nothing to check (no checkpoint, or a checkpoint without a manifest)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from .manifest import MANIFEST, read_manifest, verify_files
+from .save.layout import checkpoint_name, read_tracker
+
+__all__ = ["run"]
+
+
+def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
+    path = _checkpoint(Path(folder), iteration)
+    if path is None:
+        return 2
+    manifest = read_manifest(path)
+    if manifest is None:
+        print(f"{path}: no {MANIFEST} (saved by stock Megatron or an older plugin): nothing to "
+              "verify", file=sys.stderr)
+        return 2
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"verifying {path}: {len(manifest['files'])} files, {total / 1e9:.2f} GB, "
+          f"{workers} at a time", file=sys.stderr)
+    t0 = time.perf_counter()
+    problems = verify_files(path, manifest, workers=workers, progress_every_s=1.0,
+                            log=lambda line: print(line, file=sys.stderr))
+    seconds = time.perf_counter() - t0
+    for name in manifest.get("unverified", []):
+        print(f"{path / name}: not covered by the manifest (no checksum was recorded)",
+              file=sys.stderr)
+    if problems:
+        for p in problems:
+            print(f"BAD {path / p.file}: {p.why}")
+        print(f"{path}: {len(problems)} of {len(manifest['files'])} files do not match "
+              f"(checked in {seconds:.1f} s)", file=sys.stderr)
+        return 1
+    print(f"OK {path}: {len(manifest['files'])} files, {total / 1e9:.2f} GB match their CRC-32 "
+          f"({seconds:.1f} s, {total / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
+    return 0
+
+
+def _checkpoint(folder: Path, iteration: int | None) -> Path | None:
+    if (folder / MANIFEST).exists() or (folder / "metadata.json").exists():
+        return folder
+    try:
+        iteration = iteration if iteration is not None else read_tracker(folder)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return None
+    if iteration is None:
+        print(f"{folder}: not a checkpoint directory and no tracker names one", file=sys.stderr)
+        return None
+    path = checkpoint_name(folder, iteration)
+    if not path.is_dir():
+        print(f"{path}: no such checkpoint", file=sys.stderr)
+        return None
+    return path

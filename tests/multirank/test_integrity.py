@@ -1,0 +1,155 @@
+"""The integrity manifest: writers checksum what they write, the commit folds it into
+mcx_manifest.json, ``verify`` and ``load`` refuse flipped bits. Real saves need a process group:
+a one-rank gloo group in this process, and two spawned ranks for the split verification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions, manifest
+from megatron_ckpt_ext.__main__ import main
+from megatron_ckpt_ext.errors import CheckpointIntegrityError
+from tools._dist import free_port, run_ranks, sharded
+
+from . import _integrity_workers as iw
+
+
+@pytest.fixture(autouse=True)
+def one_rank_group():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+MODES = {
+    "sync": {},
+    "async-persistent-cpu-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
+                                 "async_ckpt_use_cpu_shm": True,
+                                 "ckpt_assume_constant_structure": True},
+    "async-temporal": {"async_save": True},
+}
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(4096, dtype=torch.float32) + step, "b": torch.full((64,), float(step))}
+
+
+def _save(root: Path, steps, **options) -> None:
+    with Checkpointer(CkptOptions(**options)) as ck:
+        for step in steps:
+            ck.save(sharded(0, 1, _state(step)), root, iteration=step)
+            ck.maybe_finalize(blocking=True)
+
+
+def _load(root: Path, iteration=None, **options) -> dict:
+    like = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    with Checkpointer(CkptOptions(**options)) as ck:
+        return ck.load(sharded(0, 1, like), root, iteration=iteration)
+
+
+def _data_file(checkpoint: Path) -> Path:
+    return next(checkpoint.glob("*.distcp"))
+
+
+def _flip_bit(path: Path, offset: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_writer_checksums_each_data_file_as_it_writes(tmp_path, monkeypatch, mode):
+    """The data files' CRC-32 comes from the writer (the commit sums no file here: its size limit
+    is 0), equals the file's, and the manifest is committed inside the checkpoint."""
+    monkeypatch.setattr(manifest, "_SMALL", 0)
+    _save(tmp_path, [1], **MODES[mode])
+    found = json.loads((tmp_path / "iter_0000001" / manifest.MANIFEST).read_text())
+    data = _data_file(tmp_path / "iter_0000001")
+    assert found["files"][data.name] == {"bytes": data.stat().st_size,
+                                         "crc32": manifest.file_crc32(data)}
+    assert not (tmp_path / "iter_0000001" / manifest.SUMS_DIR).exists()
+    assert found["iteration"] == 1 and found["algorithm"] == "crc32"
+
+
+def test_without_writer_checksums_large_files_are_listed_unverified(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "_SMALL", 0)
+    monkeypatch.setenv("MCX_WRITE_CHECKSUMS", "0")
+    _save(tmp_path, [1])
+    found = json.loads((tmp_path / "iter_0000001" / manifest.MANIFEST).read_text())
+    assert _data_file(tmp_path / "iter_0000001").name in found["unverified"]
+
+
+def test_verify_command_names_each_bad_file(tmp_path, capsys):
+    _save(tmp_path, [1, 2])
+    assert main(["verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith(f"OK {tmp_path / 'iter_0000002'}")
+    bad = _data_file(tmp_path / "iter_0000002")
+    _flip_bit(bad)
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {bad}: CRC-32" in out
+    assert main(["verify", str(tmp_path), "--iteration", "1"]) == 0
+    (tmp_path / "iter_0000001" / manifest.MANIFEST).unlink()
+    assert main(["verify", str(tmp_path / "iter_0000001")]) == 2  # stock: nothing to check
+    assert main(["verify", str(tmp_path / "nothing")]) == 2
+
+
+def test_load_refuses_flipped_bits_naming_file_and_iteration(tmp_path):
+    _save(tmp_path, [1, 2])
+    assert torch.equal(_load(tmp_path)["w"], _state(2)["w"])
+    bad = _data_file(tmp_path / "iter_0000002")
+    payload = _state(2)["w"].numpy().tobytes()[:256]  # inside w's bytes: a silent wrong value
+    _flip_bit(bad, offset=bad.read_bytes().index(payload) + 130)
+    with pytest.raises(CheckpointIntegrityError) as e:
+        _load(tmp_path)
+    assert "iteration 2" in str(e.value) and bad.name in str(e.value)
+    assert "--ckpt-load-fallback" in str(e.value)
+    loaded = _load(tmp_path, ckpt_verify_load=False)  # what stock megatron-core would load
+    assert not torch.equal(loaded["w"], _state(2)["w"])
+
+
+def test_fallback_loads_the_newest_older_checkpoint_that_verifies(tmp_path, caplog):
+    _save(tmp_path, [1, 2, 3])
+    _flip_bit(_data_file(tmp_path / "iter_0000003"))
+    (tmp_path / "iter_0000002" / "common.pt").write_bytes(b"damaged")
+    with caplog.at_level("WARNING"):
+        got = _load(tmp_path, ckpt_load_fallback=True)
+    assert torch.equal(got["w"], _state(1)["w"])
+    assert any("loading iteration 1 instead" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointIntegrityError):  # an explicit iteration never falls back
+        _load(tmp_path, iteration=3, ckpt_load_fallback=True)
+
+
+def test_a_truncated_file_is_named_and_a_stock_checkpoint_loads(tmp_path):
+    _save(tmp_path, [1])
+    path = tmp_path / "iter_0000001"
+    data = _data_file(path)
+    raw = data.read_bytes()
+    data.write_bytes(raw[:-10])
+    with pytest.raises(CheckpointIntegrityError, match="bytes, the manifest says"):
+        _load(tmp_path)
+    data.write_bytes(raw)
+    (path / manifest.MANIFEST).unlink()  # as stock megatron-core writes it
+    with Checkpointer(CkptOptions()) as ck:
+        like = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        assert torch.equal(ck.load(sharded(0, 1, like), tmp_path)["w"], _state(1)["w"])
+        assert ck.load_reports[-1]["verified"] is False
+        assert set(ck.load_reports[-1]["phases"]) == {"locate_s", "verify_s", "load_s"}
+
+
+def test_two_ranks_split_the_verification_and_both_name_the_bad_file(tmp_path):
+    """Each rank checks half of the files; a flipped bit in a file only rank 1 checks still
+    fails the load on both ranks, naming the file."""
+    run_ranks(iw.save_two_ranks, world_size=2, timeout=120, args=(str(tmp_path),))
+    names = sorted(json.loads((tmp_path / "iter_0000001" / manifest.MANIFEST).read_text())["files"])
+    bad = tmp_path / "iter_0000001" / names[1]  # rank 1's share: names[1::2]
+    _flip_bit(bad, offset=-1)
+    run_ranks(iw.load_fails_naming, world_size=2, timeout=120, args=(str(tmp_path), bad.name))
