@@ -8,7 +8,9 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import queue
 import sys
+import threading
 import zlib
 from typing import Any, Callable, Iterator
 
@@ -22,24 +24,47 @@ _UNSET = object()
 
 class _SummingFile:
     """A binary file opened for writing whose bytes are CRC-32'd as they go through ``write``;
-    ``on_close(path, nbytes, crc)`` once it is closed (after the writer's fsync)."""
+    ``on_close(path, nbytes, crc)`` once it is closed (after the writer's fsync).
+
+    The CRC runs on a thread of its own, in write order, so it overlaps the writer's next writes
+    and its fsync instead of adding to them (zlib releases the GIL). Large buffers are summed in
+    place (they are the save's staged tensors, alive until the commit); small ones, which the
+    serializer may reuse once ``write`` returns, are copied first."""
+
+    _COPY_BELOW = 1 << 20
 
     def __init__(self, raw: Any, path: str, on_close: Callable[[str, int, int], None]) -> None:
         self._raw, self._path, self._on_close = raw, path, on_close
         self.crc, self.nbytes = 0, 0
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._sum, name="mcx-crc32", daemon=True)
+        self._thread.start()
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
         written = len(view) if written is None else written
-        self.crc = zlib.crc32(view[:written], self.crc)
+        part = view[:written]
+        self._pending.put(bytes(part) if written < self._COPY_BELOW else part)
         self.nbytes += written
         return written
+
+    def _sum(self) -> None:
+        while True:
+            part = self._pending.get()
+            if part is None:
+                return
+            self.crc = zlib.crc32(part, self.crc)
+
+    def _join(self) -> None:
+        self._pending.put(None)
+        self._thread.join()
 
     def close(self) -> None:
         if self._raw.closed:
             return
         self._raw.close()
+        self._join()
         self._on_close(self._path, self.nbytes, self.crc)
 
     def __enter__(self) -> _SummingFile:
@@ -48,6 +73,7 @@ class _SummingFile:
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         if exc_type is not None:
             self._raw.close()  # a failed write records nothing
+            self._join()
             return
         self.close()
 
