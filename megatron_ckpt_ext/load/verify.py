@@ -1,32 +1,67 @@
-"""Verifying a checkpoint against its integrity manifest before it is loaded: every rank checks
-its share of the files (collective), so the whole checkpoint is read once across the group."""
+"""Verifying a checkpoint against its integrity manifest: every rank checks its share of the
+files, so the whole checkpoint is read once across the group. The check runs on threads while
+megatron-core loads (:func:`start`; its parallel reads warm the page cache ahead of the loader's
+single-threaded ones), and the ranks agree on the verdict once both are done (:func:`agree`)."""
 
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 from ..collectives import Group
 from ..manifest import read_manifest, verify_files
 
-__all__ = ["committed_before", "verify_collectively"]
+__all__ = ["Pending", "agree", "committed_before", "start", "verify_collectively"]
 
 _ITER = re.compile(r"iter_(\d{7})")
+
+
+class Pending:
+    """A check of this rank's share of a checkpoint's files, running on threads."""
+
+    def __init__(self, path: Path, manifest: dict | None, names: list[str], workers: int) -> None:
+        self.path, self.manifest = path, manifest
+        self._problems: list[str] = []
+        self._thread = None
+        if manifest is not None:
+            self._thread = threading.Thread(target=self._run, args=(names, workers),
+                                            name="mcx-verify", daemon=True)
+            self._thread.start()
+
+    def _run(self, names: list[str], workers: int) -> None:
+        try:
+            found = verify_files(self.path, self.manifest, names, workers=workers)
+            self._problems = [str(p) for p in found]
+        except OSError as e:  # unreadable: as bad as a mismatch
+            self._problems = [f"{self.path}: {type(e).__name__}: {e}"]
+
+    def problems(self) -> list[str]:
+        if self._thread is not None:
+            self._thread.join()
+        return self._problems
+
+
+def start(path: Path, group: Group, *, rank: int, workers: int = 8) -> Pending:
+    """Start checking this rank's share of ``path``'s files (none without a manifest)."""
+    manifest = read_manifest(path)
+    names = sorted(manifest["files"]) if manifest is not None else []
+    return Pending(path, manifest, names[group.rank(rank)::group.size()], workers)
+
+
+def agree(pending: Pending, group: Group) -> tuple[bool, list[str]]:
+    """Collective: (whether there is a manifest, every problem any rank found)."""
+    problems = pending.problems()
+    if group.all_max([float(len(problems))])[0] == 0:
+        return pending.manifest is not None, []
+    return True, sorted(p for found in group.all_gather(problems) for p in found)
 
 
 def verify_collectively(path: Path, group: Group, *, rank: int,
                         workers: int = 8) -> tuple[bool, list[str]]:
     """Collective: (whether ``path`` has a manifest, every problem found on any rank). Rank
     ``r`` of ``n`` checks every n-th file of the manifest."""
-    manifest = read_manifest(path)
-    if manifest is None:
-        return False, []
-    names = sorted(manifest["files"])
-    index, size = group.rank(rank), group.size()
-    problems = [str(p) for p in verify_files(path, manifest, names[index::size], workers=workers)]
-    if group.all_max([float(len(problems))])[0] == 0:
-        return True, []
-    return True, sorted(p for found in group.all_gather(problems) for p in found)
+    return agree(start(path, group, rank=rank, workers=workers), group)
 
 
 def committed_before(root: Path, iteration: int) -> list[int]:

@@ -1,0 +1,33 @@
+"""The load benchmark's CPU smoke run (benchmarks/bench_load.py --cpu-smoke): the JSON has the
+documented fields, every source loads the saved state bit-exact, ours verifies. No timing is
+asserted (shared CI cores)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.functional
+def test_load_benchmark_smoke(tmp_path):
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "1", str(ROOT / "benchmarks" / "bench_load.py"),
+                    "--cpu-smoke", "--repeats", "1", "--out", str(tmp_path / "ckpt"),
+                    "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+    data = json.loads(out.read_text())
+    assert {"device", "versions", "floors", "runs"} <= set(data)
+    assert set(data["floors"]) == {"h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps"}
+    assert data["floors"]["read_warm_gbps"] > 0 and data["floors"]["read_cold_gbps"] > 0
+    runs = data["runs"]
+    assert {(r["source"], r["cache"]) for r in runs} == {
+        (s, c) for s in ("ours", "megatron", "torch_dcp") for c in ("warm", "cold")}
+    assert all(r["bit_exact"] and r["state_bytes"] > 0 and r["load_s"] > 0 for r in runs), runs
+    assert all(r["verified"] for r in runs if r["variant"] == "ours")
+    assert not any(r["verified"] for r in runs if r["source"] != "ours")
