@@ -267,8 +267,12 @@ class Checkpointer:
         load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
         failure: BaseException | None = None
         try:
-            state = backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
-                                                      str(path), load_strategy)
+            with backend.parallel_reads(self.options.ckpt_load_threads) as why_not:
+                if why_not is not None and self.options.ckpt_load_threads > 1 and rank() == 0:
+                    logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
+                                "reader", why_not)
+                state = backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
+                                                          str(path), load_strategy)
         except (KeyboardInterrupt, SystemExit):
             raise
         # a damaged file can fail the load itself (torch raises CheckpointException, a

@@ -146,6 +146,14 @@ class CkptOptions:
         "every file, written at save) before loading it. Checkpoints without a manifest load "
         "unverified either way.",
     )
+    ckpt_load_threads: int = _knob(
+        8,
+        flag="--ckpt-load-threads",
+        minimum=1,
+        help="Threads per rank that read a checkpoint's items in parallel at load (each item in "
+        "its own file stream; reads and copies overlap). 1: megatron-core's own one-at-a-time "
+        "loop.",
+    )
     ckpt_load_fallback: bool = _knob(
         False,
         flag="--ckpt-load-fallback",

@@ -56,6 +56,7 @@ from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cl
 from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coordinates,
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)
+from .load_reader import parallel_reads
 from .writer_files import checksummed_writes
 from .megatron_training import (MLM_MODULES, MegatronSeams, megatron_training_module,
                                 megatron_training_seams)
@@ -94,6 +95,7 @@ __all__ = [
     "megatron_fsdp_api",
     "megatron_training_module",
     "megatron_training_seams",
+    "parallel_reads",
     "new_async_calls_queue",
     "persistent_caller",
     "persistent_worker_forks",

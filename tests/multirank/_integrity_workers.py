@@ -28,3 +28,20 @@ def load_fails_naming(rank: int, world: int, root: str, bad: str) -> None:
             assert bad in str(e) and "iteration 1" in str(e), str(e)
         else:
             raise AssertionError(f"rank {rank}: a flipped bit in {bad} loaded")
+
+
+def load_halves(rank: int, world: int, root: str) -> None:
+    """Each rank loads its half of tensors saved whole by one rank (narrowed reads), with the
+    parallel reader; both halves must be the saved bytes."""
+    from pathlib import Path
+
+    from megatron_ckpt_ext.backend import load_reader
+
+    expected = torch.load(Path(root) / "expected.pt")
+    like = {k: torch.zeros(v.numel() // world) for k, v in expected.items()}
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        got = ck.load(sharded(rank, world, like), root, iteration=1)
+    assert load_reader._CLASSES, "the parallel reader was not used"
+    for k, v in expected.items():
+        n = v.numel() // world
+        assert torch.equal(got[k], v[rank * n:(rank + 1) * n]), k

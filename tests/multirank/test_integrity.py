@@ -153,3 +153,26 @@ def test_two_ranks_split_the_verification_and_both_name_the_bad_file(tmp_path):
     bad = tmp_path / "iter_0000001" / names[1]  # rank 1's share: names[1::2]
     _flip_bit(bad, offset=-1)
     run_ranks(iw.load_fails_naming, world_size=2, timeout=120, args=(str(tmp_path), bad.name))
+
+
+# -- parallel reads (--ckpt-load-threads) ----------------------------------------------------------
+def test_parallel_reads_load_bit_exact_and_reshard(tmp_path):
+    """The items are read by the parallel reader (its class is built and used), the values are
+    bit-exact, and a load of half of a saved tensor (narrowed items) reads the right half."""
+    from megatron_ckpt_ext.backend import load_reader
+
+    big = {f"t{i}": torch.randn(3000 + 2 * i) for i in range(12)}
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, big), tmp_path, iteration=1)
+    load_reader._CLASSES.clear()
+    like = {k: torch.zeros_like(v) for k, v in big.items()}
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        got = ck.load(sharded(0, 1, like), tmp_path)
+    assert load_reader._CLASSES, "the parallel reader was not used"
+    assert all(torch.equal(got[k], v) for k, v in big.items())
+    torch.save(big, tmp_path / "expected.pt")  # two ranks each load half (a new layout)
+    run_ranks(iw.load_halves, world_size=2, timeout=120, args=(str(tmp_path),))
+    load_reader._CLASSES.clear()
+    with Checkpointer(CkptOptions(ckpt_load_threads=1)) as ck:  # megatron-core's own loop
+        got = ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in big.items()}), tmp_path)
+    assert not load_reader._CLASSES and all(torch.equal(got[k], v) for k, v in big.items())
