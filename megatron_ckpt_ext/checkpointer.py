@@ -243,7 +243,9 @@ class Checkpointer:
         with an integrity manifest is verified while it loads (``--no-ckpt-verify-load`` skips
         it): a mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors
         may hold the bad values then), or with ``--ckpt-load-fallback`` loads the newest older
-        checkpoint that verifies."""
+        checkpoint that verifies. With cpu-shm staging, the buffers for the loaded structure are
+        then allocated in the background (:meth:`prepare`), so the first save after a resume
+        stages like a steady one."""
         record = LoadRecord(root=Path(checkpoint_dir))
         path = locate(checkpoint_dir, iteration=iteration,
                       exit_on_missing=self.options.exit_on_missing_checkpoint)
@@ -251,6 +253,8 @@ class Checkpointer:
             return None
         record.phase("locate_s", record.started)
         state = self._load_verified(sharded_state_dict, path, record, explicit=iteration is not None)
+        if self._stager.host_bytes() == 0:  # the first save after a resume stages into
+            self.prepare(sharded_state_dict)  # buffers allocated meanwhile, as a steady one does
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)

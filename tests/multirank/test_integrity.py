@@ -176,3 +176,21 @@ def test_parallel_reads_load_bit_exact_and_reshard(tmp_path):
     with Checkpointer(CkptOptions(ckpt_load_threads=1)) as ck:  # megatron-core's own loop
         got = ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in big.items()}), tmp_path)
     assert not load_reader._CLASSES and all(torch.equal(got[k], v) for k, v in big.items())
+
+
+def test_a_resume_allocates_the_staging_buffers_for_the_first_save(tmp_path):
+    """With cpu-shm staging, load() leaves the staging segments of the loaded structure
+    allocated (in the background), before any save; without a load nothing is allocated."""
+    import glob
+    import uuid
+
+    _save(tmp_path, [1])
+    options = CkptOptions(**MODES["async-persistent-cpu-shm"])
+    job = f"resume{uuid.uuid4().hex[:8]}"
+    with Checkpointer(options, job_id=job) as ck:
+        assert not glob.glob(f"/dev/shm/mcx_{job}_*")
+        like = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        ck.load(sharded(0, 1, like), tmp_path)
+        assert ck.wait_prepared(30)
+        assert len(glob.glob(f"/dev/shm/mcx_{job}_*")) >= len(like)
+    assert not glob.glob(f"/dev/shm/mcx_{job}_*")  # close() frees them
