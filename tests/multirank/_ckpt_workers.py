@@ -48,6 +48,7 @@ def roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> No
         ck.maybe_finalize(blocking=True)
         assert read_tracker(root) == saves
         assert_written_pages_dropped(root)
+        torch.distributed.barrier()  # no rank loads (reading pages back) before all have checked
         for step in range(1, saves + 1):
             assert_equal(load_back(ck, rank, world, root, step), step_state(step, rank), f"iteration {step}")
         assert_equal(load_back(ck, rank, world, root, None), step_state(saves, rank), "tracker load")
