@@ -24,15 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from . import _cpu_shim, backend, preflight, strategy
-from ._runtime import rank, warn_once
+from ._runtime import rank
 from .collectives import Group
 from .hooks import SaveHooks, chain, writer_trace
-from .errors import CheckpointIntegrityError
 from .load import locate
+from .load.loader import Loader
 from .load.report import LoadRecord, log_load
-from .load.verify import agree as verify_agree
-from .load.verify import committed_before, verify_collectively
-from .load.verify import start as verify_start
 from .options import CkptOptions
 from .save.layout import TRACKER, checkpoint_name, commit_on_disk, open_workdir, read_tracker
 from .save.planner import SavePlanner, copy_structure
@@ -252,70 +249,15 @@ class Checkpointer:
         if path is None:
             return None
         record.phase("locate_s", record.started)
-        state = self._load_verified(sharded_state_dict, path, record, explicit=iteration is not None)
+        loader = Loader(self.options, self._group, load_strategy=lambda: strategy.load_strategy(
+            self.options, dp_group=self.dp_group, caps=self.caps))
+        state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None)
         if self._stager.host_bytes() == 0:  # the first save after a resume stages into
             self.prepare(sharded_state_dict)  # buffers allocated meanwhile, as a steady one does
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)
         return state
-
-    def _load_verified(self, sharded_state_dict: Any, path: Path, record: LoadRecord, *,
-                       explicit: bool) -> dict:
-        """Collective: megatron-core's load of ``path`` with its manifest check running beside
-        it; on a mismatch, raise, or with the fallback load the newest older that verifies."""
-        record.path, record.iteration = path, int(path.name[len("iter_"):])
-        t = time.perf_counter()
-        verify = self.options.ckpt_verify_load
-        pending = verify_start(path, self._group, rank=rank()) if verify else None
-        load_strategy = strategy.load_strategy(self.options, dp_group=self.dp_group, caps=self.caps)
-        failure: BaseException | None = None
-        try:
-            with backend.parallel_reads(self.options.ckpt_load_threads) as why_not:
-                if why_not is not None and self.options.ckpt_load_threads > 1 and rank() == 0:
-                    logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
-                                "reader", why_not)
-                state = backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
-                                                          str(path), load_strategy)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        # a damaged file can fail the load itself (torch raises CheckpointException, a
-        # BaseException): say which file, when the check finds it
-        except BaseException as e:  # noqa: BLE001
-            if pending is None:
-                raise
-            failure, state = e, None
-        t = record.phase("load_s", t)
-        has_manifest, problems = verify_agree(pending, self._group) if pending else (False, [])
-        record.phase("verify_s", t)  # the part of the check the load did not hide
-        record.verified = has_manifest and not problems
-        if failure is not None and not problems:
-            raise failure
-        if not problems:
-            return state
-        return self._fall_back(sharded_state_dict, path, record, problems, explicit=explicit)
-
-    def _fall_back(self, sharded_state_dict: Any, path: Path, record: LoadRecord,
-                   problems: list[str], *, explicit: bool) -> dict:
-        what = (f"checkpoint iteration {record.iteration} ({path}) does not match its integrity "
-                f"manifest: {'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}")
-        if explicit or not self.options.ckpt_load_fallback:
-            raise CheckpointIntegrityError(
-                f"{what}. The loaded values are not to be trusted. Fix: restore those files, "
-                "load another iteration (load(iteration=N)), or pass --ckpt-load-fallback to "
-                "load the newest older checkpoint that verifies.")
-        for older in committed_before(path.parent, record.iteration):
-            candidate = path.parent / f"iter_{older:07d}"
-            has_manifest, bad = verify_collectively(candidate, self._group, rank=rank())
-            if not bad:
-                warn_once(f"fallback:{path}", f"{what}; --ckpt-load-fallback: loading iteration "
-                          f"{older} instead ({'verified' if has_manifest else 'no manifest'}).")
-                fell_back_from = record.iteration
-                state = self._load_verified(sharded_state_dict, candidate, record, explicit=True)
-                record.fell_back_from = fell_back_from
-                return state
-        raise CheckpointIntegrityError(f"{what}, and no older committed checkpoint under "
-                                       f"{path.parent} verifies (--ckpt-load-fallback).")
 
     def close(self) -> None:
         """Drain pending saves, stop the worker, free staging buffers. Idempotent."""

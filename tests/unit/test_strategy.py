@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import os
-import queue
-from functools import partial
-
-import pytest
 
 from megatron_ckpt_ext import backend, strategy
 from megatron_ckpt_ext.options import CkptOptions

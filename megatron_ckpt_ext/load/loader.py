@@ -1,0 +1,91 @@
+"""A load, step by step: megatron-core's load of the located checkpoint, read in parallel
+(``--ckpt-load-threads``), with its manifest check running beside it on every rank's share of
+the files; on a mismatch raise naming the files, or with ``--ckpt-load-fallback`` load the newest
+older checkpoint that verifies. Every step is collective."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import backend
+from .._runtime import rank, warn_once
+from ..collectives import Group
+from ..errors import CheckpointIntegrityError
+from ..options import CkptOptions
+from ..save.planner import copy_structure
+from .report import LoadRecord
+from .verify import agree as verify_agree
+from .verify import committed_before, verify_collectively
+from .verify import start as verify_start
+
+__all__ = ["Loader"]
+
+logger = logging.getLogger(__name__)
+
+
+class Loader:
+    """Loads one checkpoint for a Checkpointer (``load_strategy``: megatron-core's, built late)."""
+
+    def __init__(self, options: CkptOptions, group: Group, *,
+                 load_strategy: Callable[[], Any]) -> None:
+        self.options, self._group, self._load_strategy = options, group, load_strategy
+
+    def load(self, sharded_state_dict: Any, path: Path, record: LoadRecord, *,
+             explicit: bool) -> dict:
+        """Collective: megatron-core's load of ``path`` with its manifest check running beside
+        it; on a mismatch, raise, or with the fallback load the newest older that verifies."""
+        record.path, record.iteration = path, int(path.name[len("iter_"):])
+        t = time.perf_counter()
+        verify = self.options.ckpt_verify_load
+        pending = verify_start(path, self._group, rank=rank()) if verify else None
+        load_strategy = self._load_strategy()
+        failure: BaseException | None = None
+        try:
+            with backend.parallel_reads(self.options.ckpt_load_threads) as why_not:
+                if why_not is not None and self.options.ckpt_load_threads > 1 and rank() == 0:
+                    logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
+                                "reader", why_not)
+                state = backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
+                                                          str(path), load_strategy)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        # a damaged file can fail the load itself (torch raises CheckpointException, a
+        # BaseException): say which file, when the check finds it
+        except BaseException as e:  # noqa: BLE001
+            if pending is None:
+                raise
+            failure, state = e, None
+        t = record.phase("load_s", t)
+        has_manifest, problems = verify_agree(pending, self._group) if pending else (False, [])
+        record.phase("verify_s", t)  # the part of the check the load did not hide
+        record.verified = has_manifest and not problems
+        if failure is not None and not problems:
+            raise failure
+        if not problems:
+            return state
+        return self._fall_back(sharded_state_dict, path, record, problems, explicit=explicit)
+
+    def _fall_back(self, sharded_state_dict: Any, path: Path, record: LoadRecord,
+                   problems: list[str], *, explicit: bool) -> dict:
+        what = (f"checkpoint iteration {record.iteration} ({path}) does not match its integrity "
+                f"manifest: {'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}")
+        if explicit or not self.options.ckpt_load_fallback:
+            raise CheckpointIntegrityError(
+                f"{what}. The loaded values are not to be trusted. Fix: restore those files, "
+                "load another iteration (load(iteration=N)), or pass --ckpt-load-fallback to "
+                "load the newest older checkpoint that verifies.")
+        for older in committed_before(path.parent, record.iteration):
+            candidate = path.parent / f"iter_{older:07d}"
+            has_manifest, bad = verify_collectively(candidate, self._group, rank=rank())
+            if not bad:
+                warn_once(f"fallback:{path}", f"{what}; --ckpt-load-fallback: loading iteration "
+                          f"{older} instead ({'verified' if has_manifest else 'no manifest'}).")
+                fell_back_from = record.iteration
+                state = self.load(sharded_state_dict, candidate, record, explicit=True)
+                record.fell_back_from = fell_back_from
+                return state
+        raise CheckpointIntegrityError(f"{what}, and no older committed checkpoint under "
+                                       f"{path.parent} verifies (--ckpt-load-fallback).")
