@@ -118,6 +118,29 @@ def _sync(state: dict) -> None:
         torch.cuda.synchronize()
 
 
+def targets(runs: list[dict], floors: dict) -> dict:
+    """Issue 22's ratios from this run: the median over repeats of each (variant, cache)."""
+    import statistics
+
+    def med(variant: str, cache: str) -> float | None:
+        xs = [r["load_s"] for r in runs if r["variant"] == variant and r["cache"] == cache]
+        return statistics.median(xs) if xs else None
+
+    on_disk = runs[0]["bytes_on_disk"]
+    ours_w, ours_c = med("ours", "warm"), med("ours", "cold")
+    bound = min(g for g in (floors["h2d_pinned_gbps"], floors["read_warm_gbps"]) if g)
+    out = {"warm_gbps_over_floor": round(on_disk / ours_w / 1e9 / bound, 3),
+           "warm_floor_gbps": bound,
+           "warm_speedup_over_megatron": round(med("megatron", "warm") / ours_w, 2),
+           "cold_gbps_over_floor": round(on_disk / ours_c / 1e9 / floors["read_cold_gbps"], 3),
+           "verify_cost_warm": round(ours_w / med("ours_no_verify", "warm") - 1, 3)}
+    out["met"] = {"warm >= 0.8 x floor": out["warm_gbps_over_floor"] >= 0.8,
+                  "warm >= 4x megatron": out["warm_speedup_over_megatron"] >= 4,
+                  "cold >= 0.8 x floor": out["cold_gbps_over_floor"] >= 0.8,
+                  "verify <= 10% of warm": out["verify_cost_warm"] <= 0.10}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=4.0)
@@ -172,6 +195,8 @@ def main() -> int:
                          "verified": bool(out[2]["verified"]) if len(out) > 2 else False}
                 if len(out) > 2:
                     entry["phases"] = out[2]["phases"]
+                    entry["direct_items"] = out[2]["direct_items"]
+                    entry["stock_items"] = out[2]["stock_items"]
                 runs.append(entry)
                 print(f"[bench_load] {source:15s} {cache}: {out[0]:.3f} s "
                       f"({on_disk / out[0] / 1e9:.2f} GB/s) bit_exact={out[1]}", flush=True)
@@ -186,8 +211,9 @@ def main() -> int:
                    for k in measured[0]},
         "floor_samples": measured, "runs": runs,
     }
+    result["targets"] = targets(runs, result["floors"])
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["floors"]))
+    print(json.dumps({"floors": result["floors"], "targets": result["targets"]}))
     shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
     return 0

@@ -14,4 +14,4 @@ python3 -m megatron_ckpt_ext doctor --json > "$OUT/doctor.json"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -m pytest -v -s -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
   tests/multirank/test_checkpointer.py tests/multirank/test_cuda_ordering.py \
-  tests/multirank/test_trust.py tests/e2e/test_train_loop.py "$@" 2>&1 | tee "$OUT/tests.log"
+  tests/multirank/test_trust.py tests/multirank/test_cuda_load.py tests/e2e/test_train_loop.py "$@" 2>&1 | tee "$OUT/tests.log"

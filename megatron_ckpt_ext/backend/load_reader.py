@@ -10,10 +10,14 @@ import contextlib
 import importlib
 import io
 import logging
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Iterator
 
+from . import direct_read
 from ._imports import MCORE_STRATEGIES
 
 __all__ = ["parallel_reads"]
@@ -24,9 +28,14 @@ _NEEDED = ("storage_data", "fs", "path", "_slice_file")
 
 
 @contextlib.contextmanager
-def parallel_reads(threads: int) -> Iterator[str | None]:
-    """While inside, megatron-core's torch_dist loads read with ``threads`` threads. Yields None
-    when applied, else why not (the load then runs as megatron-core's own)."""
+def parallel_reads(threads: int, stats: dict | None = None,
+                   chunk: int | None = None) -> Iterator[str | None]:
+    """While inside, megatron-core's torch_dist loads read with ``threads`` threads, ``chunk``
+    bytes at a time. Yields None when applied, else why not (the load then runs as
+    megatron-core's own). ``stats`` gets the seconds of the metadata and read steps, and how many
+    items (and bytes) were read directly and how many the stock way (with the first reason)."""
+    stats = {} if stats is None else stats
+    chunk = chunk or direct_read.DEFAULT_CHUNK
     try:
         module = importlib.import_module(f"{MCORE_STRATEGIES}.torch")
     except ImportError as e:
@@ -39,7 +48,7 @@ def parallel_reads(threads: int) -> Iterator[str | None]:
         return
 
     def parallel_reader(*args: Any, **kwargs: Any) -> Any:
-        return _make_parallel(original(*args, **kwargs), threads)
+        return _make_parallel(original(*args, **kwargs), threads, stats, chunk)
 
     module._get_filesystem_reader = parallel_reader
     try:
@@ -48,7 +57,7 @@ def parallel_reads(threads: int) -> Iterator[str | None]:
         module._get_filesystem_reader = original
 
 
-def _make_parallel(reader: Any, threads: int) -> Any:
+def _make_parallel(reader: Any, threads: int, stats: dict, chunk: int) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     if not isinstance(reader, FileSystemReader) or not all(hasattr(reader, a) for a in _NEEDED):
@@ -56,7 +65,8 @@ def _make_parallel(reader: Any, threads: int) -> Any:
                     type(reader).__name__)
         return reader
     reader.__class__ = _parallel_class(type(reader))
-    reader._mcx_threads = threads
+    reader._mcx_threads, reader._mcx_stats, reader._mcx_chunk = threads, stats, chunk
+    stats["_threads"] = threads
     return reader
 
 
@@ -74,18 +84,168 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     from torch.futures import Future
 
     lock = threading.Lock()
+    stats = self._mcx_stats
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
+    t = time.perf_counter()
     for req in (r for r in plan.items if r.type == LoadItemType.BYTE_IO):
         with _item_stream(self, req) as data:
             planner.load_bytes(req, io.BytesIO(data.read(-1)))
     # largest first, so the pool does not end waiting on one big item
     tensors.sort(key=lambda r: -self.storage_data[r.storage_index].length)
-    with ThreadPoolExecutor(max_workers=self._mcx_threads, thread_name_prefix="mcx-read") as pool:
-        for done in [pool.submit(_read_tensor, self, planner, req, lock) for req in tensors]:
-            done.result()
+    with _Files(self) as files, ThreadPoolExecutor(
+            max_workers=self._mcx_threads, thread_name_prefix="mcx-read") as pool:
+        # 1. where each item's bytes are, and its target (small reads, in parallel)
+        plans = list(pool.map(lambda req: _plan_item(self, files, planner, req, lock), tensors))
+        t = _add(stats, "metadata_s", t)
+        # 2. the bytes: every direct item in chunks over all threads; the rest the stock way
+        direct = [p for p in plans if p.span is not None]
+        jobs = [pool.submit(_read_chunk, files, p, a, b, stats) for p in direct
+                for a, b in _chunks(p.span[1], self._mcx_chunk)]
+        jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
+                 for p in plans if p.span is None]
+        for job in jobs:
+            job.result()
+        _sync_devices(direct)
+        t = _add(stats, "read_s", t)
+    for p in direct:
+        planner.commit_tensor(p.req, p.target)
+    stats["direct_items"] = stats.get("direct_items", 0) + len(direct)
+    stats["stock_items"] = stats.get("stock_items", 0) + len(plans) - len(direct)
+    stats["direct_bytes"] = stats.get("direct_bytes", 0) + sum(p.span[1] for p in direct)
+    why = [p.why for p in plans if p.span is None]
+    if why:
+        stats.setdefault("why_stock", why[0])
     fut: Future = Future()
     fut.set_result(None)
     return fut
+
+
+def _add(stats: dict, name: str, since: float) -> float:
+    now = time.perf_counter()
+    stats[name] = stats.get(name, 0.0) + now - since
+    return now
+
+
+class _Files:
+    """One read-only descriptor per checkpoint file, shared by the reading threads (pread)."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader, self._fds, self._lock = reader, {}, threading.Lock()
+
+    def __enter__(self) -> "_Files":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+    def fd(self, relative_path: str) -> int:
+        with self._lock:
+            if relative_path not in self._fds:
+                path = os.path.join(str(self._reader.path), relative_path)
+                self._fds[relative_path] = os.open(path, os.O_RDONLY)
+            return self._fds[relative_path]
+
+
+@dataclass
+class _ItemPlan:
+    req: Any
+    target: Any = None
+    span: tuple[int, int] | None = None  # (file offset, bytes) read directly into target
+    fd: int = -1
+    what: str = ""
+    why: str = ""
+
+
+def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
+               lock: threading.Lock) -> _ItemPlan:
+    import torch
+
+    item_md = reader.storage_data[req.storage_index]
+    plan = _ItemPlan(req, what=str(item_md.relative_path))
+    if getattr(item_md, "transform_descriptors", None):
+        plan.why = "the item is stored through a transform"
+        return plan
+    plan.fd = files.fd(item_md.relative_path)
+    layout, plan.why = direct_read.item_layout(plan.fd, item_md.offset, item_md.length)
+    if layout is None:
+        return plan
+    with lock:  # the planner's bookkeeping is not ours to make thread-safe
+        target = planner.resolve_tensor(req).detach()
+        # megatron-core's planner keeps an FP8 stand-in until commit_tensor: such items are
+        # read the stock way (resolve, copy, commit in one go)
+        intermediate = getattr(planner, "_intermediate_read_item_and_target", None) is not None
+        if intermediate:
+            planner._intermediate_read_item_and_target = None
+    span = layout.span(tuple(req.storage_offsets), tuple(req.lengths))
+    if intermediate or type(target) is not torch.Tensor:
+        plan.why = f"the target is a {type(target).__name__}"
+    elif span is None:
+        plan.why = "the read is not one contiguous range of the saved tensor"
+    elif target.dtype != layout.dtype or tuple(target.size()) != tuple(req.lengths):
+        plan.why = "the target's dtype or size differs from the saved tensor's"
+    elif not target.is_contiguous() or target.device.type not in ("cpu", "cuda"):
+        plan.why = "the target is not a contiguous CPU or CUDA tensor"
+    else:
+        plan.target, plan.span = target, span
+    return plan
+
+
+def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(nbytes, a + chunk)) for a in range(0, max(nbytes, 1), chunk)] if nbytes \
+        else []
+
+
+def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict) -> None:
+    """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
+    a device target (copied on this thread's stream, waited before the chunk is lent again)."""
+    import torch
+
+    target = plan.target
+    flat = target.reshape(-1).view(torch.uint8) if target.numel() else target
+    offset = plan.span[0] + a
+    if target.device.type == "cpu":
+        view = direct_read.tensor_bytes(flat[a:b])
+        direct_read.pread_into(plan.fd, view, offset, plan.what)
+        return
+    chunks = _host_chunks(stats)
+    buf = chunks.take()
+    try:
+        n = b - a
+        direct_read.pread_into(plan.fd, direct_read.tensor_bytes(buf[:n]), offset, plan.what)
+        stream = _thread_stream(target.device)
+        with torch.cuda.stream(stream):
+            flat[a:b].copy_(buf[:n], non_blocking=True)
+        stream.synchronize()
+    finally:
+        chunks.give(buf)
+
+
+_local = threading.local()
+
+
+def _thread_stream(device: Any) -> Any:
+    import torch
+
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device=device)
+    stream = streams[device]
+    stream.wait_stream(torch.cuda.default_stream(device))  # the targets' allocation and fills
+    return stream
+
+
+def _host_chunks(stats: dict) -> Any:
+    return direct_read.PinnedChunks.shared(stats.get("_threads", 8) * 2, pin=True)
+
+
+def _sync_devices(plans: list) -> None:
+    import torch
+
+    for device in {p.target.device for p in plans if p.target.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager

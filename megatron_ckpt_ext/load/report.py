@@ -15,9 +15,11 @@ __all__ = ["LOAD_PHASES", "LoadRecord", "log_load"]
 
 logger = logging.getLogger(__name__)
 
-# locate: tracker and completeness checks; verify: the manifest check of this rank's share of
-# the files; load: megatron-core's load (read and host-to-device).
-LOAD_PHASES = ("locate_s", "verify_s", "load_s")
+# locate: tracker and completeness checks; metadata: where each item's bytes are (the items'
+# headers); read: the items' bytes into their targets (file reads and host-to-device copies,
+# overlapped chunk by chunk); verify: the part of the manifest check the load did not hide;
+# other: the rest of megatron-core's load (its metadata file, planning, collectives).
+LOAD_PHASES = ("locate_s", "metadata_s", "read_s", "verify_s", "other_s")
 
 
 @dataclass
@@ -29,6 +31,7 @@ class LoadRecord:
     verified: bool = False
     fell_back_from: int | None = None
     phases: dict = field(default_factory=dict)
+    reads: dict = field(default_factory=dict)  # how items were read (load_reader's stats)
 
     def phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -44,16 +47,18 @@ class LoadRecord:
         return {"iteration": self.iteration, "path": str(self.path), "bytes": nbytes,
                 "load_s": round(total, 6), "gbps": round(nbytes / max(total, 1e-9) / 1e9, 4),
                 "verified": self.verified, "fell_back_from": self.fell_back_from,
-                "world": group.size(),
+                "world": group.size(), "direct_items": self.reads.get("direct_items", 0),
+                "stock_items": self.reads.get("stock_items", 0),
                 "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}
 
 
 def log_load(entry: dict) -> None:
     if rank() != 0:
         return
-    logger.info("checkpoint iter %s loaded from %s: %.1f MB in %.3f s (%.2f GB/s; verify %.3f s, "
-                "megatron-core load %.3f s)%s", entry["iteration"], entry["path"],
-                entry["bytes"] / 1e6, entry["load_s"], entry["gbps"],
-                entry["phases"]["verify_s"], entry["phases"]["load_s"],
+    ph = entry["phases"]
+    logger.info("checkpoint iter %s loaded from %s: %.1f MB in %.3f s (%.2f GB/s; metadata %.3f s, "
+                "read %.3f s, verify %.3f s, other %.3f s)%s", entry["iteration"], entry["path"],
+                entry["bytes"] / 1e6, entry["load_s"], entry["gbps"], ph["metadata_s"],
+                ph["read_s"], ph["verify_s"], ph["other_s"],
                 "" if entry["verified"] else ", not verified (no manifest, or verification off)")
     logger.info("checkpoint load report: %s", json.dumps(entry))

@@ -31,3 +31,12 @@ def test_load_benchmark_smoke(tmp_path):
     assert all(r["bit_exact"] and r["state_bytes"] > 0 and r["load_s"] > 0 for r in runs), runs
     assert all(r["verified"] for r in runs if r["variant"] == "ours")
     assert not any(r["verified"] for r in runs if r["source"] != "ours")
+    # ours reads every item directly (no item fell back to the stock unpickling)
+    assert all(r["direct_items"] > 0 and r["stock_items"] == 0 for r in runs
+               if r["source"] == "ours"), runs
+    assert set(data["targets"]["met"]) == {"warm >= 0.8 x floor", "warm >= 4x megatron",
+                                           "cold >= 0.8 x floor", "verify <= 10% of warm"}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_load import throughputs
+
+    assert set(throughputs(data)) == {(r["variant"], r["cache"]) for r in runs}

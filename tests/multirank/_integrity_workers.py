@@ -42,6 +42,8 @@ def load_halves(rank: int, world: int, root: str) -> None:
     with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
         got = ck.load(sharded(rank, world, like), root, iteration=1)
     assert load_reader._CLASSES, "the parallel reader was not used"
+    report = ck.load_reports[-1]
+    assert (report["direct_items"], report["stock_items"]) == (len(expected), 0), report
     for k, v in expected.items():
         n = v.numel() // world
         assert torch.equal(got[k], v[rank * n:(rank + 1) * n]), k

@@ -13,6 +13,7 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions, manifest
 from megatron_ckpt_ext.__main__ import main
 from megatron_ckpt_ext.errors import CheckpointIntegrityError
+from megatron_ckpt_ext.load.report import LOAD_PHASES
 from tools._dist import free_port, run_ranks, sharded
 
 from . import _integrity_workers as iw
@@ -142,7 +143,7 @@ def test_a_truncated_file_is_named_and_a_stock_checkpoint_loads(tmp_path):
         like = {k: torch.zeros_like(v) for k, v in _state(0).items()}
         assert torch.equal(ck.load(sharded(0, 1, like), tmp_path)["w"], _state(1)["w"])
         assert ck.load_reports[-1]["verified"] is False
-        assert set(ck.load_reports[-1]["phases"]) == {"locate_s", "verify_s", "load_s"}
+        assert set(ck.load_reports[-1]["phases"]) == set(LOAD_PHASES)
 
 
 def test_two_ranks_split_the_verification_and_both_name_the_bad_file(tmp_path):
@@ -169,6 +170,7 @@ def test_parallel_reads_load_bit_exact_and_reshard(tmp_path):
     with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
         got = ck.load(sharded(0, 1, like), tmp_path)
     assert load_reader._CLASSES, "the parallel reader was not used"
+    assert (ck.load_reports[-1]["direct_items"], ck.load_reports[-1]["stock_items"]) == (12, 0)
     assert all(torch.equal(got[k], v) for k, v in big.items())
     torch.save(big, tmp_path / "expected.pt")  # two ranks each load half (a new layout)
     run_ranks(iw.load_halves, world_size=2, timeout=120, args=(str(tmp_path),))
@@ -194,3 +196,22 @@ def test_a_resume_allocates_the_staging_buffers_for_the_first_save(tmp_path):
         assert ck.wait_prepared(30)
         assert len(glob.glob(f"/dev/shm/mcx_{job}_*")) >= len(like)
     assert not glob.glob(f"/dev/shm/mcx_{job}_*")  # close() frees them
+
+
+def test_items_the_direct_reader_refuses_load_the_stock_way_and_say_why(tmp_path, monkeypatch,
+                                                                        caplog):
+    from megatron_ckpt_ext.backend import direct_read
+
+    state = {f"t{i}": torch.randn(500 + i) for i in range(4)}
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, state), tmp_path, iteration=1)
+    monkeypatch.setattr(direct_read, "item_layout", lambda *a: (None, "a reason to refuse"))
+    caplog.set_level("INFO", logger="megatron_ckpt_ext")
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        got = ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in state.items()}),
+                      tmp_path)
+        report = ck.load_reports[-1]
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert (report["direct_items"], report["stock_items"]) == (0, 4)
+    assert "4 of 4 checkpoint items were read the stock way" in caplog.text
+    assert "a reason to refuse" in caplog.text

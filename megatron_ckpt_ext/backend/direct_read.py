@@ -1,0 +1,247 @@
+"""Direct reads of torch DCP tensor items: where an item is one ``torch.save``'d tensor (a zip of
+stored, uncompressed records), find where its bytes lie in the checkpoint file and read them
+straight into the target tensor's memory (a CPU target), or through a pinned chunk into a device
+target (then copied at the pinned rate), with no unpickled intermediate tensor and no pageable
+copy. Anything this module does not recognise is reported (``None`` and why) so the caller loads
+that item the stock way."""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import pickle
+import queue
+import struct
+import sys
+import threading
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
+           "DEFAULT_CHUNK"]
+
+DEFAULT_CHUNK = 32 << 20
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_MAGIC = 0x04034B50
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """Where one saved tensor's bytes are: ``start`` (absolute file offset of element 0) and its
+    dtype, size and stride as saved."""
+    dtype: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    start: int
+
+    def contiguous(self) -> bool:
+        expected, step = [], 1
+        for n in reversed(self.size):
+            expected.append(step)
+            step *= n
+        return all(n == 1 or s == e
+                   for n, s, e in zip(self.size, self.stride, reversed(expected)))
+
+    def span(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
+        """(file offset, bytes) of the block ``offsets``/``lengths`` of this tensor when those
+        bytes are one contiguous range (the whole tensor, or whole rows of dim 0), else None."""
+        import torch
+
+        if len(offsets) != len(self.size) or not self.contiguous():
+            return None
+        if any(o != 0 or n != s for o, n, s in zip(offsets[1:], lengths[1:], self.size[1:])):
+            return None
+        item = torch.empty((), dtype=self.dtype).element_size()
+        row = item
+        for n in self.size[1:]:
+            row *= n
+        first, rows = (offsets[0], lengths[0]) if self.size else (0, 1)
+        return self.start + first * row, rows * row
+
+
+class _Window(io.RawIOBase):
+    """A read-only file object over ``[offset, offset + length)`` of ``fd`` (for zipfile)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self._fd, self._base, self._len, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._len - self._pos if n is None or n < 0 else min(n, self._len - self._pos)
+        data = os.pread(self._fd, n, self._base + self._pos)
+        self._pos += len(data)
+        return data
+
+
+class _Tensor(tuple):
+    """What the restricted unpickler rebuilds: (storage key, dtype, offset, size, stride)."""
+
+
+class _Unpickler(pickle.Unpickler):
+    """Only the classes torch.save writes for one dense tensor; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+            return collections.OrderedDict
+        if module == "torch" and name in _storage_dtypes():
+            return _StorageType(_storage_dtypes()[name])
+        raise pickle.UnpicklingError(f"{module}.{name} is not a plain tensor's")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType)):
+            raise pickle.UnpicklingError(f"unexpected storage record {pid!r}")
+        return (str(pid[2]), pid[1].dtype)
+
+
+class _StorageType:
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+
+
+_DTYPES: dict = {}
+
+
+def _storage_dtypes() -> dict:
+    """torch.save's legacy storage class names ('FloatStorage', ...) -> dtype."""
+    if not _DTYPES:
+        import torch
+        import warnings
+
+        with warnings.catch_warnings():  # TypedStorage's deprecation, on reading .dtype
+            warnings.simplefilter("ignore")
+            for name in dir(torch):
+                if name.endswith("Storage") and name != "UntypedStorage":
+                    dtype = getattr(getattr(torch, name), "dtype", None)
+                    if isinstance(dtype, torch.dtype):
+                        _DTYPES[name] = dtype
+    return _DTYPES
+
+
+def _rebuild(storage: tuple, storage_offset: int, size: tuple, stride: tuple,
+             *_rest: Any) -> _Tensor:
+    key, dtype = storage
+    return _Tensor((key, dtype, int(storage_offset), tuple(size), tuple(stride)))
+
+
+def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, str]:
+    """The layout of the tensor saved at ``[offset, offset + length)`` of ``fd``, or (None, why
+    the item is not one this module reads directly)."""
+    import torch
+
+    try:
+        with zipfile.ZipFile(_Window(fd, offset, length)) as archive:
+            infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
+            if "data.pkl" not in infos:
+                return None, "no data.pkl record"
+            infos = {k: v for k, v in infos.items() if v.compress_type == zipfile.ZIP_STORED}
+            if "data.pkl" not in infos:
+                return None, "data.pkl is compressed"
+            # the records are read by their local headers: zipfile would check CRC-32s, which a
+            # writer with torch's CRC off leaves as 0 (the manifest's checksums cover the bytes)
+            byteorder = (_record(fd, offset, infos["byteorder"]).decode()
+                         if "byteorder" in infos else "little")
+            rebuilt = _Unpickler(io.BytesIO(_record(fd, offset, infos["data.pkl"]))).load()
+            if not isinstance(rebuilt, _Tensor):
+                return None, "the item is not one tensor"
+            key, dtype, storage_offset, size, stride = rebuilt
+            record = infos.get(f"data/{key}")
+            if record is None:
+                return None, "the storage record is missing or compressed"
+            if byteorder != sys.byteorder:
+                return None, f"saved {byteorder}-endian"
+            data = _data_start(fd, offset, record)
+            item = torch.empty((), dtype=dtype).element_size()
+            layout = ItemLayout(dtype, size, stride, offset + data + storage_offset * item)
+            numel = 1
+            for n in size:
+                numel *= n
+            if data + (storage_offset + numel) * item > length:
+                return None, "the tensor's bytes run past the item"
+            return layout, ""
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, KeyError,
+            struct.error, AttributeError, TypeError) as e:
+        return None, f"unreadable as a plain tensor ({type(e).__name__}: {e})"
+
+
+def _data_start(fd: int, offset: int, info: zipfile.ZipInfo) -> int:
+    """Where a stored record's bytes begin, relative to the item (after its local header)."""
+    fields = _LOCAL_HEADER.unpack(os.pread(fd, _LOCAL_HEADER.size, offset + info.header_offset))
+    if fields[0] != _LOCAL_MAGIC:
+        raise zipfile.BadZipFile(f"no local header for {info.filename}")
+    return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+
+
+def _record(fd: int, offset: int, info: zipfile.ZipInfo) -> bytes:
+    data = os.pread(fd, info.file_size, offset + _data_start(fd, offset, info))
+    if len(data) != info.file_size:
+        raise zipfile.BadZipFile(f"{info.filename} is cut short")
+    return data
+
+
+def tensor_bytes(tensor: Any) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def pread_into(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset`` (the GIL is released while reading)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{what}: the file ends {len(view) - done} bytes before the tensor "
+                          f"does (truncated?)")
+        done += n
+
+
+class PinnedChunks:
+    """A bounded set of host chunks (pinned when a device is there) lent to reading threads; kept
+    for the process so later loads do not pay the pinning again."""
+
+    _cache: dict[tuple[int, int, bool], "PinnedChunks"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, count: int, chunk: int, pin: bool) -> None:
+        import torch
+
+        self.chunk = chunk
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self._free.put(torch.empty(chunk, dtype=torch.uint8, pin_memory=pin))
+
+    @classmethod
+    def shared(cls, count: int, chunk: int = DEFAULT_CHUNK, *, pin: bool) -> "PinnedChunks":
+        with cls._lock:
+            key = (count, chunk, pin)
+            if key not in cls._cache:
+                cls._cache.clear()  # one set at a time
+                cls._cache[key] = cls(count, chunk, pin)
+            return cls._cache[key]
+
+    def take(self) -> Any:
+        return self._free.get()
+
+    def give(self, buf: Any) -> None:
+        self._free.put(buf)

@@ -1,0 +1,99 @@
+"""Direct reads (backend/direct_read.py): where a torch.save'd tensor's bytes lie, found without
+unpickling the tensor, for every dtype and shape the reader takes, and refusals (with a reason)
+for what it does not take."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+from megatron_ckpt_ext.backend import direct_read
+
+
+def _item(tmp_path, tensor, pad=123):
+    """One file: ``pad`` junk bytes, then the tensor as torch DCP writes an item."""
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    path = tmp_path / "f.distcp"
+    path.write_bytes(b"x" * pad + buf.getvalue() + b"tail")
+    return os.open(path, os.O_RDONLY), pad, len(buf.getvalue())
+
+
+def _read(fd, layout, offsets, lengths):
+    start, nbytes = layout.span(offsets, lengths)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    direct_read.pread_into(fd, direct_read.tensor_bytes(out), start, "f.distcp")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.int8, torch.bool, torch.float64])
+def test_the_bytes_found_are_the_tensor_bytes(tmp_path, dtype):
+    t = (torch.randn(6, 5) * 10).to(dtype)
+    fd, off, n = _item(tmp_path, t)
+    try:
+        layout, why = direct_read.item_layout(fd, off, n)
+        assert layout is not None, why
+        assert (layout.dtype, layout.size) == (dtype, (6, 5))
+        got = _read(fd, layout, (0, 0), (6, 5)).view(dtype).view(6, 5)
+        assert torch.equal(got, t)
+        rows = _read(fd, layout, (2, 0), (3, 5)).view(dtype).view(3, 5)  # whole rows of dim 0
+        assert torch.equal(rows, t[2:5])
+        assert layout.span((0, 1), (6, 2)) is None  # columns are not one range
+    finally:
+        os.close(fd)
+
+
+def test_a_view_with_a_storage_offset_and_a_scalar(tmp_path):
+    base = torch.arange(20, dtype=torch.float32)
+    fd, off, n = _item(tmp_path, base[7:])  # torch.save keeps the whole storage
+    try:
+        layout, why = direct_read.item_layout(fd, off, n)
+        assert torch.equal(_read(fd, layout, (0,), (13,)).view(torch.float32), base[7:])
+    finally:
+        os.close(fd)
+    fd, off, n = _item(tmp_path, torch.tensor(3.5))
+    try:
+        layout, why = direct_read.item_layout(fd, off, n)
+        assert torch.equal(_read(fd, layout, (), ()).view(torch.float32), torch.tensor([3.5]))
+    finally:
+        os.close(fd)
+
+
+def test_what_it_does_not_read_directly_is_refused_with_a_reason(tmp_path):
+    fd, off, n = _item(tmp_path, torch.randn(4, 3).t())  # saved with transposed strides
+    try:
+        layout, _ = direct_read.item_layout(fd, off, n)
+        assert layout is not None and layout.span((0, 0), (3, 4)) is None
+    finally:
+        os.close(fd)
+    for obj, reason in [({"not": "a tensor"}, "not one tensor"),
+                        (torch.nn.Parameter(torch.randn(3)), "plain tensor")]:
+        fd, off, n = _item(tmp_path, obj)
+        try:
+            layout, why = direct_read.item_layout(fd, off, n)
+            assert layout is None and reason in why, why
+        finally:
+            os.close(fd)
+    fd, off, n = _item(tmp_path, torch.randn(4))
+    try:  # a window cut short (a wrong length in the metadata, a truncated file)
+        layout, why = direct_read.item_layout(fd, off, n - 30)
+        assert layout is None and why
+    finally:
+        os.close(fd)
+
+
+def test_a_short_file_is_an_error_naming_it(tmp_path):
+    t = torch.randn(1000)
+    fd, off, n = _item(tmp_path, t)
+    try:
+        layout, _ = direct_read.item_layout(fd, off, n)
+        start, nbytes = layout.span((0,), (1000,))
+        out = torch.empty(nbytes + (1 << 20), dtype=torch.uint8)  # past the end of the file
+        with pytest.raises(OSError, match="f.distcp: the file ends"):
+            direct_read.pread_into(fd, direct_read.tensor_bytes(out), start, "f.distcp")
+    finally:
+        os.close(fd)
