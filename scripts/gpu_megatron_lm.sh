@@ -20,6 +20,11 @@
 #   --ckpt-overlap-snapshot, and the same loop without checkpointing: the iteration-time
 #   increase around each save (the two step gaps after it, whose optimizer step waits for the
 #   copies) against that loop's median step.
+# RESUME_PERF=1 adds the resume timing (issue 22): the 134M recipe without the distributed
+#   optimizer (megatron-core 0.19.2 without Apex/TE cannot resume one, stock too) saves at
+#   iteration 3, adapter on and stock; each is then resumed to iteration 5 twice, the
+#   checkpoint's pages dropped from the page cache (cold) and read into it (warm): Megatron's
+#   load-checkpoint timer and the wall time from launch to the first iteration.
 # Writes $OUT/mlm_results.json (+ logs) and prints a table. Budget: < 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,9 +70,10 @@ run() {
     timeout "$RUN_TIMEOUT" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 1000)) \
     scripts/pretrain_gpt_megatron.py "${extra[@]}" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
-  echo "{\"run\": \"$name\", \"rc\": $rc, \"wall_s\": $(python3 -c "import time;print(round(time.time()-$t0,1))")}" >> "$WORK/runs.jsonl"
+  echo "{\"run\": \"$name\", \"rc\": $rc, \"t0\": $t0, \"wall_s\": $(python3 -c "import time;print(round(time.time()-$t0,1))")}" >> "$WORK/runs.jsonl"
   cp -f "$WORK/$name.jsonl" "$OUT/logs/" 2>/dev/null
-  echo "[$(( $(date +%s) - START ))s] $name rc=$rc"; [ $rc = 0 ] || tail -25 "$OUT/logs/$name.log"
+  echo "[$(( $(date +%s) - START ))s] $name rc=$rc"; LAST_RC=$rc
+  [ $rc = 0 ] || { grep -m2 -A12 "^Traceback" "$OUT/logs/$name.log" | head -40; grep -m5 -E "^[A-Za-z.]*(Error|Exception)" "$OUT/logs/$name.log"; }
 }
 
 # resume_dir SRC DST ITER: DST holds SRC's iter_ITER and a tracker naming it (resume via tracker).
@@ -122,6 +128,44 @@ if [ "${PERF_OVERLAP:-0}" != 0 ]; then
   run perf_novl on -- "${COMMON[@]}" "${BIG[@]}" "${PI[@]}" --save-interval "$N" "${OURS[@]}" --save "$WORK/perf_novl"
   rm -rf "$WORK/perf_novl"
   run perf_nosave on -- "${COMMON[@]}" "${BIG[@]}" "${PI[@]}"
+fi
+
+# pages DIR cold|warm: drop the checkpoint files' pages from the page cache, or read them in.
+pages() {
+  python3 - "$1" "$2" <<'PY'
+import os, sys
+from pathlib import Path
+for p in (p for p in Path(sys.argv[1]).rglob("*") if p.is_file()):
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        if sys.argv[2] == "cold":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        else:
+            while os.read(fd, 64 << 20):
+                pass
+    finally:
+        os.close(fd)
+PY
+}
+if [ "${RESUME_PERF:-0}" = 1 ]; then
+  RB=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+    --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 4 --global-batch-size 4)
+  run rp_save_on on -- "${COMMON[@]}" "${RB[@]}" --train-iters 3 --save-interval 3 "${OURS[@]}" --save "$WORK/rp_on"
+  [ "${RP_PROBE:-0}" = 1 ] || run rp_save_stock stock -- "${COMMON[@]}" "${RB[@]}" --train-iters 3 --save-interval 3 "${STOCK_ASYNC[@]}" --save "$WORK/rp_stock"
+  # RP_PROBE=1: the cold-read order probe on the saved checkpoint instead of the resumes
+  if [ "${RP_PROBE:-0}" = 1 ]; then
+    for th in 8 16; do python3 benchmarks/read_order_probe.py "$WORK/rp_on/iter_0000003" --threads $th --json "$OUT/read_order_$th.json"; done
+  fi
+  for cache in cold warm; do
+    [ "${RP_PROBE:-0}" = 1 ] && break
+    pages "$WORK/rp_on" $cache
+    run rp_on_$cache on -- "${COMMON[@]}" "${RB[@]}" --train-iters 5 --save-interval 100 "${OURS[@]}" --load "$WORK/rp_on" --save "$WORK/rp_scratch_on_$cache" --override-opt_param-scheduler "${RESUME[@]}"
+    [ "$LAST_RC" = 0 ] || break
+    pages "$WORK/rp_stock" $cache
+    run rp_stock_$cache stock -- "${COMMON[@]}" "${RB[@]}" --train-iters 5 --save-interval 100 "${STOCK_ASYNC[@]}" --load "$WORK/rp_stock" --save "$WORK/rp_scratch_stock_$cache" --override-opt_param-scheduler "${RESUME[@]}"
+  done
+  du -sb "$WORK/rp_on" "$WORK/rp_stock" > "$OUT/logs/rp_sizes.txt"
+  rm -rf "$WORK"/rp_on "$WORK"/rp_stock "$WORK"/rp_scratch_*
 fi
 
 WORK="$WORK" OUT="$OUT" python3 - <<'PY'
@@ -183,7 +227,27 @@ if n_ovl:
     for key, name in (("overlap", "perf_ovl"), ("no_overlap", "perf_novl")):
         res[f"stall_134m_{key}_same_run"] = stalls(name, n_ovl, span=2)
         res[f"stall_134m_{key}_vs_nosave"] = stalls(name, n_ovl, span=2, base=base) if base else None
-for name in ("on", "perf_on", "perf_spaced", "on_ovl", "perf_ovl", "perf_novl"):
+def resume_times(name):
+    """Megatron's load-checkpoint timer (max over ranks, s) and launch -> first iteration (s)."""
+    import re
+    log = out / "logs" / f"{name}.log"
+    run = next((r for r in runs if r["run"] == name), None)
+    if not log.exists() or run is None:
+        return None
+    timer = re.findall(r"load-checkpoint \.*: \(?([\d.]+)(?:, ([\d.]+))?", log.read_text())
+    first = min(losses(name).values(), key=lambda r: r["iteration"], default=None)
+    return {"rc": run["rc"], "load_checkpoint_timer_s": round(float(timer[-1][1] or timer[-1][0]) / 1e3, 3) if timer else None,
+            "launch_to_first_iteration_s": round(first["t"] - run["t0"], 2) if first else None,
+            "first_iteration": first["iteration"] if first else None}
+
+if any(r["run"].startswith("rp_") for r in runs):
+    res["resume_134m"] = {f"{who}_{cache}": resume_times(f"rp_{who}_{cache}")
+                          for who in ("on", "stock") for cache in ("cold", "warm")}
+    sizes = out / "logs" / "rp_sizes.txt"
+    if sizes.exists():
+        res["resume_134m"]["checkpoint_bytes"] = {Path(p).name: int(n) for n, p in
+                                                  (l.split() for l in sizes.read_text().splitlines())}
+for name in ("on", "perf_on", "perf_spaced", "on_ovl", "perf_ovl", "perf_novl", "rp_on_cold"):
     p = out / f"reports_{name}.json"
     if p.exists():
         res[f"adapter_reports_{name}"] = json.loads(p.read_text())
@@ -195,6 +259,8 @@ for key in ("resume_vs_on_11_20", "stock_vs_on_1_20", "stock_to_on_11_20", "on_t
             "overlap_vs_on_1_20", "resume_ovl_vs_on_ovl_11_20"):
     print(f"{key:22} bitwise_equal={res[key]['equal_bitwise']} missing={res[key]['missing']} differ={res[key]['differ']}")
 print("step_134m_nosave_s", res.get("step_134m_nosave_s"))
+for key, v in (res.get("resume_134m") or {}).items():
+    print(f"resume_134m {key:12} {v}")
 for key in ("stall_tiny_on", "stall_tiny_stock", "stall_134m_on", "stall_134m_stock", "stall_134m_spaced",
             "stall_134m_overlap_same_run", "stall_134m_overlap_vs_nosave",
             "stall_134m_no_overlap_same_run", "stall_134m_no_overlap_vs_nosave"):

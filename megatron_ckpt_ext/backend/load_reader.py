@@ -90,17 +90,22 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     for req in (r for r in plan.items if r.type == LoadItemType.BYTE_IO):
         with _item_stream(self, req) as data:
             planner.load_bytes(req, io.BytesIO(data.read(-1)))
-    # largest first, so the pool does not end waiting on one big item
-    tensors.sort(key=lambda r: -self.storage_data[r.storage_index].length)
+    # in file order: a cold read of the headers then runs along each file
+    tensors.sort(key=lambda r: (self.storage_data[r.storage_index].relative_path,
+                                self.storage_data[r.storage_index].offset))
     with _Files(self) as files, ThreadPoolExecutor(
             max_workers=self._mcx_threads, thread_name_prefix="mcx-read") as pool:
         # 1. where each item's bytes are, and its target (small reads, in parallel)
         plans = list(pool.map(lambda req: _plan_item(self, files, planner, req, lock), tensors))
         t = _add(stats, "metadata_s", t)
-        # 2. the bytes: every direct item in chunks over all threads; the rest the stock way
+        # 2. the bytes: the direct items' chunks in file order, cut into one contiguous stripe
+        # per thread (each thread reads along its stripe: a cold disk streams it); the rest
+        # of the items the stock way
         direct = [p for p in plans if p.span is not None]
-        jobs = [pool.submit(_read_chunk, files, p, a, b, stats) for p in direct
-                for a, b in _chunks(p.span[1], self._mcx_chunk)]
+        chunks = sorted(((p, a, b) for p in direct for a, b in _chunks(p.span[1], self._mcx_chunk)),
+                        key=lambda c: (c[0].what, c[0].span[0] + c[1]))
+        jobs = [pool.submit(_read_stripe, files, stripe, stats)
+                for stripe in _stripes(chunks, self._mcx_threads)]
         jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
                  for p in plans if p.span is None]
         for job in jobs:
@@ -194,6 +199,24 @@ def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
 def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(nbytes, a + chunk)) for a in range(0, max(nbytes, 1), chunk)] if nbytes \
         else []
+
+
+def _stripes(chunks: list, n: int) -> list[list]:
+    """``chunks`` cut into at most ``n`` runs of consecutive chunks of about equal bytes."""
+    total = sum(b - a for _, a, b in chunks)
+    out: list[list] = [[]]
+    done = 0
+    for chunk in chunks:
+        if out[-1] and done >= total * len(out) / n:
+            out.append([])
+        out[-1].append(chunk)
+        done += chunk[2] - chunk[1]
+    return [s for s in out if s]
+
+
+def _read_stripe(files: _Files, stripe: list, stats: dict) -> None:
+    for plan, a, b in stripe:
+        _read_chunk(files, plan, a, b, stats)
 
 
 def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict) -> None:

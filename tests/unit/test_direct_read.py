@@ -97,3 +97,17 @@ def test_a_short_file_is_an_error_naming_it(tmp_path):
             direct_read.pread_into(fd, direct_read.tensor_bytes(out), start, "f.distcp")
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8, 64])
+def test_stripes_cover_every_chunk_once_in_file_order(threads):
+    """Each reading thread gets one run of consecutive chunks (a cold disk streams it); together
+    they are every chunk, once, in order, and no more runs than threads."""
+    from megatron_ckpt_ext.backend.load_reader import _stripes
+
+    chunks = [("f", a, a + n) for a, n in zip(range(0, 10_000, 100), [7, 100, 33] * 34)]
+    stripes = _stripes(chunks, threads)
+    assert [c for s in stripes for c in s] == chunks
+    assert 1 <= len(stripes) <= threads
+    if threads > 1:
+        assert len(stripes) > 1

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Cold-read probe: how the order of a load's reads moves the cold read rate of one checkpoint.
+Reads every tensor item of a torch_dist checkpoint (offsets from its .metadata) with the page
+cache dropped first, in three orders: per file in offset order on one thread each (stock's
+pattern), largest item first over N threads (32 MiB chunks), and file/offset order over N threads.
+
+    python benchmarks/read_order_probe.py CHECKPOINT_DIR [--threads 8] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CHUNK = 32 << 20
+
+
+def _items(ckpt: Path) -> list[tuple[str, int, int]]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    return [(s.relative_path, s.offset, s.length) for s in md.storage_data.values()]
+
+
+def _drop(ckpt: Path) -> None:
+    for p in ckpt.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _run(ckpt: Path, jobs: list[tuple[str, int, int]], threads: int) -> float:
+    fds = {name: os.open(ckpt / name, os.O_RDONLY) for name in {j[0] for j in jobs}}
+    bufs: dict[int, bytearray] = {}
+
+    def read(job: tuple[str, int, int]) -> None:
+        import threading
+
+        buf = bufs.setdefault(threading.get_ident(), bytearray(CHUNK))
+        os.preadv(fds[job[0]], [memoryview(buf)[:job[2]]], job[1])
+
+    _drop(ckpt)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, jobs))
+    seconds = time.perf_counter() - t
+    for fd in fds.values():
+        os.close(fd)
+    return seconds
+
+
+def _chunked(items: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    return [(n, o + a, min(CHUNK, ln - a)) for n, o, ln in items for a in range(0, ln, CHUNK)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ckpt", type=Path)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    items = _items(args.ckpt)
+    total = sum(i[2] for i in items)
+    files = sorted({i[0] for i in items})
+    by_offset = sorted(items, key=lambda i: (i[0], i[1]))
+    orders = {
+        "per_file_sequential": None,
+        "largest_first": _chunked(sorted(items, key=lambda i: -i[2])),
+        "file_offset": _chunked(by_offset),
+        "stripes": "stripes",
+    }
+    out = {"bytes": total, "items": len(items), "files": len(files), "threads": args.threads,
+           "gbps": {}}
+    for name, jobs in orders.items():
+        if jobs is None or jobs == "stripes":
+            # one thread per file, its chunks in order; or each file's chunks cut into
+            # ``threads`` contiguous stripes (of about equal bytes), one thread per stripe
+            per_file = [[j for j in _chunked(by_offset) if j[0] == f] for f in files]
+            if jobs == "stripes":
+                per_file = [s for f in per_file for s in _stripes(f, args.threads)]
+            _drop(args.ckpt)
+            t = time.perf_counter()
+            with ThreadPoolExecutor(len(per_file)) as pool:
+                list(pool.map(lambda js: _run_serial(args.ckpt, js), per_file))
+            seconds = time.perf_counter() - t
+        else:
+            seconds = _run(args.ckpt, jobs, args.threads)
+        out["gbps"][name] = round(total / seconds / 1e9, 3)
+        print(f"[read_order_probe] {name:22s} {total / seconds / 1e9:.3f} GB/s", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _stripes(jobs: list, n: int) -> list[list]:
+    total, out, cur, acc = sum(j[2] for j in jobs), [], [], 0
+    for j in jobs:
+        cur.append(j)
+        acc += j[2]
+        if acc >= total * (len(out) + 1) / n:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def _run_serial(ckpt: Path, jobs: list[tuple[str, int, int]]) -> None:
+    buf = bytearray(CHUNK)
+    fd = os.open(ckpt / jobs[0][0], os.O_RDONLY)
+    try:
+        for _, off, n in jobs:
+            os.preadv(fd, [memoryview(buf)[:n]], off)
+    finally:
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
