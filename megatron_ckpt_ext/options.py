@@ -150,9 +150,9 @@ class CkptOptions:
         8,
         flag="--ckpt-load-threads",
         minimum=1,
-        help="Threads per rank that read a checkpoint's items in parallel at load (each item in "
-        "its own file stream; reads and copies overlap). 1: megatron-core's own one-at-a-time "
-        "loop.",
+        help="Threads per rank that read a checkpoint's bytes at load, each along its own stripe "
+        "of the files, straight into the target tensors (through pinned chunks for GPU tensors). "
+        "1: megatron-core's own one-at-a-time loop.",
     )
     ckpt_load_fallback: bool = _knob(
         False,
