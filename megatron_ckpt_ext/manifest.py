@@ -21,13 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["ALGORITHM", "MANIFEST", "SUMS_DIR", "Problem", "file_crc32", "read_manifest",
-           "record_sum", "verify_files", "write_manifest"]
+__all__ = ["ALGORITHM", "MANIFEST", "SUMS_DIR", "ManifestError", "Problem", "file_crc32",
+           "read_manifest", "record_sum", "verify_files", "write_manifest"]
 
 MANIFEST = "mcx_manifest.json"
 SUMS_DIR = ".mcx_sums"
 ALGORITHM = "crc32"
-FORMAT = "megatron-ckpt-ext/manifest/1"
+FORMAT = "megatron-ckpt-ext/manifest/2"  # /2: the manifest carries its own CRC-32
+_FORMATS = ("megatron-ckpt-ext/manifest/1", FORMAT)
+_SELF = "manifest_crc32"
+_UNSET = "00000000"
 _CHUNK = 16 << 20  # bytes read per call when verifying (zlib releases the GIL on large buffers)
 _SMALL = 256 << 20  # files no writer summed are summed at the commit only up to this size
 
@@ -62,18 +65,51 @@ def write_manifest(workdir: Path, iteration: int) -> dict:
     data = {"format": FORMAT, "iteration": iteration, "algorithm": ALGORITHM, "files": files,
             "unverified": unverified}
     tmp = workdir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.write_text(_sealed(data))
     os.replace(tmp, workdir / MANIFEST)
     shutil.rmtree(sums, ignore_errors=True)
     return data
 
 
+class ManifestError(ValueError):
+    """The manifest itself is damaged (unreadable, or its bytes do not match its own CRC-32)."""
+
+
+def _sealed(data: dict) -> str:
+    """``data`` as JSON with ``manifest_crc32``: the CRC-32 of that very text with the field's
+    value written as eight zeros, so a change of any byte of the file is detected."""
+    text = json.dumps({**data, _SELF: _UNSET}, indent=1, sort_keys=True)
+    field = f'"{_SELF}": "{_UNSET}"'
+    return text.replace(field, f'"{_SELF}": "{zlib.crc32(text.encode()):08x}"', 1)
+
+
 def read_manifest(checkpoint: Path) -> dict | None:
-    """The manifest of a committed checkpoint directory, or None (a stock checkpoint)."""
+    """The manifest of a committed checkpoint directory, or None (a stock checkpoint). Raises
+    ManifestError when the manifest is damaged."""
     try:
-        return json.loads((Path(checkpoint) / MANIFEST).read_text())
+        raw = (Path(checkpoint) / MANIFEST).read_bytes()
     except FileNotFoundError:
         return None
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text)
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ManifestError(f"{MANIFEST} is not readable JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") not in _FORMATS:
+        raise ManifestError(f"{MANIFEST} has no known format")
+    stored = data.get(_SELF)
+    if stored is None and data["format"] != _FORMATS[0]:
+        raise ManifestError(f"{MANIFEST} has lost its own checksum ({_SELF})")
+    if stored is not None:
+        unset = text.replace(f'"{_SELF}": "{stored}"', f'"{_SELF}": "{_UNSET}"', 1)
+        if f"{zlib.crc32(unset.encode()):08x}" != stored:
+            raise ManifestError(f"{MANIFEST} does not match its own CRC-32 ({_SELF})")
+    files = data.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int)
+            and isinstance(v.get("crc32"), int) for v in files.values()):
+        raise ManifestError(f"{MANIFEST} lists its files in an unknown shape")
+    return data
 
 
 def file_crc32(path: Path, progress: Callable[[int], None] | None = None) -> int:

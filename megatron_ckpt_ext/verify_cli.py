@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .manifest import MANIFEST, read_manifest, verify_files
+from .manifest import MANIFEST, ManifestError, read_manifest, verify_files
 from .save.layout import checkpoint_name, read_tracker
 
 __all__ = ["run"]
@@ -18,11 +18,21 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
     path = _checkpoint(Path(folder), iteration)
     if path is None:
         return 2
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        print(f"BAD {path / MANIFEST}: {e}")
+        print(f"{path}: the manifest is damaged: nothing in the checkpoint can be trusted to "
+              "match it", file=sys.stderr)
+        return 1
     if manifest is None:
         print(f"{path}: no {MANIFEST} (saved by stock Megatron or an older plugin): nothing to "
               "verify", file=sys.stderr)
         return 2
+    if path.name.startswith("iter_") and manifest.get("iteration") != int(path.name[5:]):
+        print(f"BAD {path / MANIFEST}: written for iteration {manifest.get('iteration')}, not "
+              f"{int(path.name[5:])}")
+        return 1
     total = sum(f["bytes"] for f in manifest["files"].values())
     print(f"verifying {path}: {len(manifest['files'])} files, {total / 1e9:.2f} GB, "
           f"{workers} at a time", file=sys.stderr)

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from ..collectives import Group
-from ..manifest import read_manifest, verify_files
+from ..manifest import MANIFEST, ManifestError, read_manifest, verify_files
 
 __all__ = ["Pending", "agree", "committed_before", "start", "verify_collectively"]
 
@@ -20,11 +20,12 @@ _ITER = re.compile(r"iter_(\d{7})")
 class Pending:
     """A check of this rank's share of a checkpoint's files, running on threads."""
 
-    def __init__(self, path: Path, manifest: dict | None, names: list[str], workers: int) -> None:
+    def __init__(self, path: Path, manifest: dict | None, names: list[str], workers: int,
+                 problems: list[str] | None = None) -> None:
         self.path, self.manifest = path, manifest
-        self._problems: list[str] = []
+        self._problems: list[str] = list(problems or [])
         self._thread = None
-        if manifest is not None:
+        if manifest is not None and not self._problems:
             self._thread = threading.Thread(target=self._run, args=(names, workers),
                                             name="mcx-verify", daemon=True)
             self._thread.start()
@@ -44,8 +45,16 @@ class Pending:
 
 def start(path: Path, group: Group, *, rank: int, workers: int = 8) -> Pending:
     """Start checking this rank's share of ``path``'s files (none without a manifest)."""
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:  # every rank reads it: every rank reports it
+        return Pending(path, {"files": {}}, [], workers, problems=[str(e)])
     names = sorted(manifest["files"]) if manifest is not None else []
+    match = _ITER.fullmatch(Path(path).name)
+    if manifest is not None and match and manifest.get("iteration") != int(match.group(1)):
+        return Pending(path, manifest, [], workers, problems=[
+            f"{MANIFEST}: written for iteration {manifest.get('iteration')}, not "
+            f"{int(match.group(1))}"])
     return Pending(path, manifest, names[group.rank(rank)::group.size()], workers)
 
 
