@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# GPU check of the zero-edit launcher (one GPU, megatron-core 0.19.2 + nvrx):
+# Megatron-LM core_r0.19.0's pretrain_gpt.py runs UNMODIFIED through
+#   torchrun --nproc_per_node 1 -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py <args>
+# with gpu_megatron_lm.sh's tiny GPT recipe (COMMON + TINY, copied), 20 iterations saving every 5
+# with our flags (on), then a fresh run resumed from on's iteration 10 (through the tracker file)
+# to 20 (resume). Megatron's "lm loss: X" log lines (--log-interval 1) of iterations 11-20 must be
+# identical: as printed, %.6E (the launcher adds no exact-loss recorder: the script is unmodified).
+#
+# Run from the repository root after the lead's install line (PYTHONPATH=$PWD:$PWD/.site), with
+# .mlm/ carried (pretrain_gpt.py, gpt_builders.py, model_provider.py of Megatron-LM core_r0.19.0):
+#   OUT=$OUT bash scripts/gpu_launch_check.sh
+# Writes $OUT/launch_check.json {"resume_bit_identical", "losses", "rc", ...} and the logs.
+# The comparison alone, on two existing logs (tests/e2e/test_launch.py runs it on fake logs):
+#   bash scripts/gpu_launch_check.sh --compare ON.log RESUME.log OUT.json RC_ON RC_RESUME SAVE_DIR
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# compare ON_LOG RESUME_LOG OUT_JSON RC_ON RC_RESUME SAVE_DIR: parse both logs, write the verdict.
+compare() {
+  python3 - "$@" <<'PY'
+import json, re, sys
+from pathlib import Path
+
+on_log, resume_log, out, rc_on, rc_resume, save_dir = sys.argv[1:7]
+# Megatron's training_log: "iteration       11/      20 | ... | lm loss: 1.012345E+01 | ..."
+LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|.*?\blm loss: ([^ |]+)")
+
+
+def losses(path):
+    found = {}
+    text = Path(path).read_text(errors="replace") if Path(path).exists() else ""
+    for match in LINE.finditer(text):
+        found[int(match.group(1))] = match.group(2)
+    return found
+
+
+on, resume = losses(on_log), losses(resume_log)
+wanted = list(range(11, 21))
+mismatches = [i for i in wanted if i not in on or i not in resume or on[i] != resume[i]]
+rc = {"on": int(rc_on), "resume": int(rc_resume)}
+installed = all("megatron-ckpt-ext adapter installed" in Path(p).read_text(errors="replace")
+                for p in (on_log, resume_log) if Path(p).exists())
+manifest = Path(save_dir, "iter_0000010", "mcx_manifest.json").exists()
+result = {
+    "resume_bit_identical": not mismatches and rc == {"on": 0, "resume": 0},
+    "losses": {"on": {str(k): v for k, v in sorted(on.items())},
+               "resume": {str(k): v for k, v in sorted(resume.items())}},
+    "compared_iterations": wanted,
+    "mismatches": mismatches,
+    "resume_started_at_11": min(resume, default=None) == 11,
+    "rc": rc,
+    "adapter_installed_logged": installed,
+    "saved_by_adapter": manifest,  # our Checkpointer's integrity manifest, stock writes none
+    "precision": "Megatron's log line, %.6E",
+}
+Path(out).write_text(json.dumps(result, indent=1))
+print(json.dumps({k: result[k] for k in ("resume_bit_identical", "mismatches", "rc",
+                                          "resume_started_at_11", "saved_by_adapter")}))
+PY
+}
+
+if [ "${1:-}" = --compare ]; then
+  shift
+  compare "$@"
+  exit $?
+fi
+
+OUT=${OUT:?set OUT to the results folder}
+WORK=${WORK:-/tmp/launch_check_work}
+RUN_TIMEOUT=${RUN_TIMEOUT:-150}
+mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
+
+# megatron.training runs `make` in megatron/core/datasets at start-up; the wheel ships the helper.
+DS_DIR=$(python3 -c "import importlib.util as u, os; s=u.find_spec('megatron'); print(os.path.join(list(s.submodule_search_locations)[0], 'core', 'datasets'))")
+if [ -d "$DS_DIR" ] && [ ! -f "$DS_DIR/Makefile" ]; then printf 'all:\n\t@true\n' > "$DS_DIR/Makefile"; fi
+for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
+  [ -f ".mlm/$f" ] || { echo "missing .mlm/$f: carry .mlm (see docs/MEGATRON_LM.md)"; exit 2; }
+done
+
+# the tiny recipe of scripts/gpu_megatron_lm.sh (COMMON, TINY, OURS, RESUME), copied
+COMMON=(--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion
+  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
+  --attention-backend unfused --mock-data --tokenizer-type NullTokenizer
+  --bf16
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1
+  --clip-grad 1.0 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 100000
+  --split 100,0,0 --ckpt-format torch_dist)
+TINY=(--num-layers 2 --hidden-size 256 --num-attention-heads 4
+  --seq-length 256 --max-position-embeddings 256 --vocab-size 1024
+  --micro-batch-size 4 --global-batch-size 4)
+OURS=(--async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm
+  --ckpt-assume-constant-structure --dist-ckpt-workers 1)
+RESUME=(--exit-on-missing-checkpoint)
+T=(--train-iters 20 --save-interval 5)
+
+# launch NAME -- args...: the unmodified script through the launcher; sets LAST_RC
+launch() {
+  local name=$1; shift 2
+  timeout "$RUN_TIMEOUT" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 1000)) \
+    -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" > "$OUT/logs/launch_$name.log" 2>&1
+  LAST_RC=$?
+  echo "launch $name rc=$LAST_RC"
+  [ $LAST_RC = 0 ] || grep -m2 -A12 "^Traceback" "$OUT/logs/launch_$name.log" | head -40
+}
+
+launch on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/on"
+RC_ON=$LAST_RC
+mkdir -p "$WORK/resume"
+cp -r "$WORK/on/iter_0000010" "$WORK/resume/" 2>/dev/null && echo 10 > "$WORK/resume/latest_checkpointed_iteration.txt"
+launch resume -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume" --load "$WORK/resume" "${RESUME[@]}"
+RC_RESUME=$LAST_RC
+compare "$OUT/logs/launch_on.log" "$OUT/logs/launch_resume.log" "$OUT/launch_check.json" \
+  "$RC_ON" "$RC_RESUME" "$WORK/on"
