@@ -33,6 +33,35 @@ def _dist_version_near(module_dir: Path, dist: str) -> str | None:
     return None
 
 
+# A source tree (a git checkout, no dist-info next to it) states its version in this file; the
+# metadata of another installed copy would name the wrong one.
+_SOURCE_VERSION_FILES = {"megatron": "core/package_info.py"}
+_SOURCE_VERSION_PART = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*['\"]?([\w.]*)['\"]?\s*$",
+                                  re.M)
+
+
+def _copies(locations: list[str], top: str) -> list[str]:
+    """The locations of a (namespace) package that hold the copy imported first: ``megatron`` is
+    a namespace package, and ``megatron.core`` comes from the first of its folders that has it."""
+    rel = _SOURCE_VERSION_FILES.get(top)
+    anchor = rel.split("/")[0] if rel else None
+    return [loc for loc in locations if anchor is None or (Path(loc) / anchor).is_dir()]
+
+
+def _source_version(module_dir: Path, top: str) -> str | None:
+    """``MAJOR.MINOR.PATCH[PRE_RELEASE]+src`` read (not imported) from a source tree's
+    package_info; None where there is none."""
+    rel = _SOURCE_VERSION_FILES.get(top)
+    try:
+        text = (module_dir / rel).read_text() if rel else ""
+    except OSError:
+        return None
+    parts = dict(_SOURCE_VERSION_PART.findall(text))
+    if not all(k in parts for k in ("MAJOR", "MINOR", "PATCH")):
+        return None
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}+src"
+
+
 def _installed_version(top: str, dist: str) -> str | None:
     try:
         spec = importlib.util.find_spec(top)
@@ -40,8 +69,8 @@ def _installed_version(top: str, dist: str) -> str | None:
         return None
     if spec is None:
         return None
-    for location in spec.submodule_search_locations or []:
-        version = _dist_version_near(Path(location), dist)
+    for location in _copies(spec.submodule_search_locations or [], top)[:1]:
+        version = _dist_version_near(Path(location), dist) or _source_version(Path(location), top)
         if version:
             return version
     try:

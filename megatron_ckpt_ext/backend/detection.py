@@ -15,7 +15,7 @@ from types import ModuleType
 from ._imports import (MCORE_019_NVRX_MIN, MCORE_DC, MCORE_DIST, MCORE_STRATEGIES, NVRX,
                        NVRX_ASYNC, NVRX_DIST, _attr, _installed_version, _module_present,
                        _try_import, _version_tuple)
-from .introspect import _source_has, _takes
+from .introspect import _names_param, _source_has, _takes
 from .megatron_fsdp import fsdp_symm_mem_support
 
 logger = logging.getLogger("megatron_ckpt_ext.backend")
@@ -42,9 +42,21 @@ class Capabilities:
     writer_multiproc_io: bool
     writer_use_msc: bool
     write_results_queue_mp_mode: bool
+    # The provider's warmup_persistent_caller takes otel_bootstrap (worker-side telemetry).
+    warmup_otel_bootstrap: bool
     strategy_thread_count: bool
     strategy_cached_metadata: bool
     strategy_cpu_shm_mode: bool
+    # Load side of megatron-core, by signature: the load strategy dequantizes quantized (FP8)
+    # targets per tensor inside its planner (stream_ckpt_dequant) ...
+    load_strategy_stream_dequant: bool
+    # ... or its planner keeps at most one stand-in between resolve_tensor and commit_tensor
+    # (_intermediate_read_item_and_target), so only that item may be in flight at a time.
+    load_planner_single_stash: bool
+    # FullyParallelLoadStrategyWrapper(per_rank_object_load=): each rank reads its own objects.
+    load_wrapper_per_rank_objects: bool
+    # Both fully-parallel wrappers take pg_cache_path/pg_cache_create (the distribution on disk).
+    fully_parallel_pg_cache: bool
     mcore_async_utils: bool
     megatron_training: bool
     fsdp_symm_mem: bool
@@ -70,6 +82,7 @@ class _Modules:
     mcore_async: ModuleType | None
     mcore_fs: ModuleType | None
     mcore_torch: ModuleType | None
+    mcore_fully_parallel: ModuleType | None
 
 
 def _load_modules(nvrx_version: str | None, mcore_version: str | None) -> _Modules:
@@ -84,8 +97,10 @@ def _load_modules(nvrx_version: str | None, mcore_version: str | None) -> _Modul
     mcore_async = _try_import(f"{MCORE_STRATEGIES}.async_utils")[0] if mcore_dc else None
     mcore_fs = _try_import(f"{MCORE_STRATEGIES}.filesystem_async")[0] if mcore_dc else None
     mcore_torch = _try_import(f"{MCORE_STRATEGIES}.torch")[0] if mcore_dc else None
+    fully_parallel = _try_import(f"{MCORE_STRATEGIES}.fully_parallel")[0] if mcore_dc else None
     return _Modules(nvrx_core if not nvrx_error else None, nvrx_fs if not nvrx_error else None,
-                    nvrx_error, mcore_dc, mcore_error, mcore_async, mcore_fs, mcore_torch)
+                    nvrx_error, mcore_dc, mcore_error, mcore_async, mcore_fs, mcore_torch,
+                    fully_parallel)
 
 
 def _explain_mcore_error(error: str, mcore_version: str | None, nvrx_version: str | None) -> str:
@@ -150,6 +165,7 @@ def _queue_probes(core: ModuleType | None) -> dict[str, bool]:
         "queue_priorities": _takes(queue, "cpu_priority") and _takes(queue, "io_priority"),
         "warmup_persistent_caller": warmup is not None,
         "warmup_cpu_shm_mode": _takes(warmup, "cpu_shm_mode"),
+        "warmup_otel_bootstrap": _names_param(warmup, "otel_bootstrap"),
     }
 
 
@@ -171,6 +187,22 @@ def _strategy_probes(torch_strategies: ModuleType | None) -> dict[str, bool]:
         "strategy_thread_count": _takes(strategy, "thread_count"),
         "strategy_cached_metadata": _takes(strategy, "cached_metadata"),
         "strategy_cpu_shm_mode": _takes(strategy, "cpu_shm_mode"),
+    }
+
+
+def _load_probes(torch_strategies: ModuleType | None, fully_parallel: ModuleType | None
+                 ) -> dict[str, bool]:
+    load_wrapper = _attr(fully_parallel, "FullyParallelLoadStrategyWrapper")
+    wrappers = (_attr(fully_parallel, "FullyParallelSaveStrategyWrapper"), load_wrapper)
+    return {
+        "load_strategy_stream_dequant": _names_param(
+            _attr(torch_strategies, "TorchDistLoadShardedStrategy"), "stream_ckpt_dequant"),
+        "load_planner_single_stash": _source_has(_attr(torch_strategies, "MCoreLoadPlanner"),
+                                                 "_intermediate_read_item_and_target",
+                                                 default=False),
+        "load_wrapper_per_rank_objects": _names_param(load_wrapper, "per_rank_object_load"),
+        "fully_parallel_pg_cache": all(_names_param(w, "pg_cache_path")
+                                       and _names_param(w, "pg_cache_create") for w in wrappers),
     }
 
 
@@ -209,6 +241,7 @@ def _detect() -> Capabilities:
         **_queue_probes(core),
         **_writer_probes(fs),
         **_strategy_probes(modules.mcore_torch),
+        **_load_probes(modules.mcore_torch, modules.mcore_fully_parallel),
         mcore_async_utils=modules.mcore_async is not None,
         megatron_training=_module_present("megatron.training"),
         fsdp_symm_mem=_fsdp_symm_mem(),

@@ -40,6 +40,10 @@ class MegatronSeams:
     pretrain_extra_args_provider: bool  # pretrain(..., extra_args_provider=...) is accepted
     parse_args_fn: str | None  # "arguments.<fn>" taking extra_args_provider (parse-then-pretrain)
     persistent_worker_init: bool  # initialize.init_persistent_async_worker is looked up there
+    # Megatron's own async_utils.init_persistent_async_worker builds a telemetry bootstrap for the
+    # worker (build_otel_worker_bootstrap -> warmup_persistent_caller(otel_bootstrap=...)): where
+    # the adapter replaces that function, the worker it starts gets none.
+    worker_otel_bootstrap: bool = False
 
     @property
     def ok(self) -> bool:
@@ -104,6 +108,8 @@ def _probe_mlm(modules: Mapping[str, Any], version: str | None) -> MegatronSeams
         persistent_worker_init=(_attr(modules.get("initialize"), "init_persistent_async_worker")
                                 is not None
                                 and "init_persistent_async_worker" in _code_names(init_worker)),
+        worker_otel_bootstrap="build_otel_worker_bootstrap" in _code_names(
+            _attr(modules.get("async_utils"), "init_persistent_async_worker")),
     )
 
 

@@ -2,6 +2,7 @@
 
 ``MCE_EXPECT_NVRX`` (``0.4.1`` | ``0.7.0`` | ``none``) names the nvrx the matrix pass installed; when
 unset, the detected version picks the expectation (and an unknown one skips: no table for it).
+``MCE_EXPECT_MCORE`` likewise names the megatron-core (the "mcore main" pass: ``0.20.0+src``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ckpt_ext import backend, doctor
+from megatron_ckpt_ext import backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +42,7 @@ EXPECTED: dict[str, dict[str, object]] = {
         writer_use_cpu_shm=False, writer_cached_structure=False, writer_multiproc_io=False,
         writer_use_msc=True,
         write_results_queue_mp_mode=False,  # _get_write_results_queue() takes no argument
+        warmup_otel_bootstrap=False,  # no warmup_persistent_caller at all
         # PersistentAsyncCaller.async_loop never calls torch.cuda.set_device (no CUDA at start) ...
         worker_needs_cuda=False,
         # ... and neither it nor the queue takes a cpu_shm_mode: nothing to skip. This decides
@@ -60,6 +62,9 @@ EXPECTED: dict[str, dict[str, object]] = {
         writer_use_cpu_shm=True, writer_cached_structure=True, writer_multiproc_io=True,
         writer_use_msc=True,
         write_results_queue_mp_mode=True,  # get_write_results_queue(mp_mode='spawn')
+        # warmup_persistent_caller(cls, rank, ..., cpu_shm_mode=False): no otel_bootstrap (which
+        # Megatron-LM main's async_utils.init_persistent_async_worker passes where accepted)
+        warmup_otel_bootstrap=False,
         # PersistentAsyncCaller.async_process_target: `if not cpu_shm_mode:` ...
         # torch.cuda.set_device(rank % torch.cuda.device_count()); torch.empty(1, device=cuda)
         worker_needs_cuda=True,
@@ -79,6 +84,9 @@ EXPECTED: dict[str, dict[str, object]] = {
         # _get_write_results_queue() takes no argument
         writer_use_cpu_shm=False, writer_cached_structure=False, writer_multiproc_io=False,
         writer_use_msc=True, write_results_queue_mp_mode=False,
+        # AsyncCallsQueue.warmup_persistent_caller absent (and megatron-core main's own has no
+        # otel_bootstrap either: strategies/async_utils.py)
+        warmup_otel_bootstrap=False,
         # PersistentAsyncCaller.async_loop: torch.cuda.set_device(rank % device_count()), always
         worker_needs_cuda=True,
         # no cpu_shm_mode anywhere in async_utils: never skipped, never forked after CUDA init
@@ -86,19 +94,59 @@ EXPECTED: dict[str, dict[str, object]] = {
         queue_sync_needs_cuda=True,  # AsyncCaller.sync_all_async_calls on current_device()
     ),
 }
-# Per megatron-core release (the same in every nvrx pass; constraints/ci-py311.txt pins 0.16.1).
+# Per megatron-core release (the same in every nvrx pass; constraints/ci-py311.txt pins 0.16.1),
+# and megatron-core main as its source tree reports itself (backend._imports._source_version).
+MCORE_MAIN_VERSION = "0.20.0+src"
 MCORE_EXPECTED: dict[str, dict[str, object]] = {
     "0.16.1": dict(
         mcore_dist_ckpt_importable=True, mcore_async_utils=True,
         # strategies/torch.py TorchDistSaveShardedStrategy.__init__(..., thread_count=2,
         # cached_metadata=False, ...): no cpu_shm_mode
         strategy_thread_count=True, strategy_cached_metadata=True, strategy_cpu_shm_mode=False,
+        # strategies/torch.py TorchDistLoadShardedStrategy.__init__(self): no stream_ckpt_dequant;
+        # MCoreLoadPlanner.__init__ sets self._intermediate_read_item_and_target = None
+        load_strategy_stream_dequant=False, load_planner_single_stash=True,
+        # strategies/fully_parallel.py FullyParallelLoadStrategyWrapper.__init__(strategy,
+        # parallelization_group, do_cache_distribution, exchange_algo); the save wrapper's ends
+        # at do_cache_distribution: no per_rank_object_load, no pg_cache_path/pg_cache_create
+        load_wrapper_per_rank_objects=False, fully_parallel_pg_cache=False,
         # strategies/torch.py: `from .async_utils import AsyncRequest`: megatron-core's own class,
         # so with nvrx as the provider every request is converted (backend.adapt_async_request)
         strategy_request_provider="mcore",
         # the wheel ships no megatron/training and its megatron_fsdp has no experimental
         # fully_shard (distributed/fsdp/src/megatron_fsdp/fully_shard.py only)
         megatron_training=False, fsdp_symm_mem=False,
+    ),
+    # megatron-core main: Megatron-LM commit d98e8a6 (scripts/unpack_mcore_main.sh), a source
+    # tree whose core/package_info.py says 0.20.0 ("+src": no dist-info, version read from that
+    # file). Its package __init__ needs triton, absent here: the "mcore main" pass of
+    # .ci/compat_matrix.sh imports megatron.core's subpackages through tests/compat/_mcore_source.
+    # Files are megatron/core/dist_checkpointing/... of that commit.
+    MCORE_MAIN_VERSION: dict(
+        mcore_dist_ckpt_importable=True, mcore_async_utils=True,
+        # strategies/torch.py TorchDistSaveShardedStrategy.__init__(backend, version,
+        # keep_only_main_replica, thread_count=1, cached_metadata=False, separation_hint,
+        # cpu_shm_mode=False)
+        strategy_thread_count=True, strategy_cached_metadata=True, strategy_cpu_shm_mode=True,
+        # strategies/torch.py TorchDistLoadShardedStrategy.__init__(self, cache_metadata=False,
+        # checkpoint_name=None): stream_ckpt_dequant (core_r0.19.0) removed; MCoreLoadPlanner
+        # is back to one self._intermediate_read_item_and_target (core_r0.19.0: a dict
+        # _intermediate_read_items keyed by id(read_item))
+        load_strategy_stream_dequant=False, load_planner_single_stash=True,
+        # strategies/fully_parallel.py FullyParallelLoadStrategyWrapper.__init__(...,
+        # per_rank_object_load=False, pg_cache_path=None, pg_cache_create=False);
+        # FullyParallelSaveStrategyWrapper.__init__(..., validate_access_integrity=True,
+        # pg_cache_path=None, pg_cache_create=False)
+        load_wrapper_per_rank_objects=True, fully_parallel_pg_cache=True,
+        # strategies/torch.py: `from .async_utils import AsyncRequest` (unchanged)
+        strategy_request_provider="mcore",
+        # megatron/training/ is in the tree (found, not importable here: it needs the whole
+        # megatron.core, tests/compat/test_mcore_main.py reads its seams from the sources) ...
+        megatron_training=True,
+        # ... and distributed/fsdp/src/megatron_fsdp/experimental/fully_shard.py's fully_shard(
+        # module, mesh, placements, mixed_precision_policy, grad_divisor) has no use_symm_mem
+        # (here it does not import either: megatron.core.distributed needs triton)
+        fsdp_symm_mem=False,
     ),
 }
 
@@ -122,6 +170,9 @@ def _env(*prepend: Path) -> dict[str, str]:
 
 def _mcore_expected() -> dict[str, object]:
     version = backend.detect().mcore_version
+    wanted = os.environ.get("MCE_EXPECT_MCORE")  # the megatron-core the matrix pass put first
+    if wanted:
+        assert version == wanted, f"matrix pass expects megatron-core {wanted}, detected {version}"
     if version not in MCORE_EXPECTED:
         if os.environ.get("MCE_EXPECT_NVRX"):  # the matrix runs the pinned megatron-core
             pytest.fail(f"megatron-core {version} here; the matrix expects one of "
