@@ -10,6 +10,8 @@ CPU (gloo) or one GPU per rank (NCCL), launched with torchrun; our flags plus Me
         --save-interval 5 --train-iters 20 --load ckpt
 
 The second run resumes from the latest committed checkpoint (iteration 10) and trains 11..20.
+With ``--exit-signal-handler``, SIGTERM (or ``--exit-signal``) to any rank makes the loop save the
+iteration it is at, wait until that checkpoint is durable, and exit 0.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def main() -> None:
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     data = torch.Generator().manual_seed(1000 + rank)  # a different data stream per rank
 
-    loss = float("nan")
+    loss, iteration = float("nan"), 0
     # [readme] start
     # Checks the options and that --save is writable; starts the async writer now, not in save 1.
     with mcx.Checkpointer(options, save_dir=args.save) as ckpt:
@@ -115,13 +117,16 @@ def main() -> None:
         for iteration in range(start + 1, args.train_iters + 1):  # `start` is already committed
             loss = train_step(model, optimizer, data, device)
             ckpt.maybe_finalize()  # every rank calls it: commits the async saves that are done
-            if args.save and iteration % args.save_interval == 0:
+            stop = ckpt.preempted()  # --exit-signal-handler: a rank got SIGTERM (collective)
+            if args.save and (iteration % args.save_interval == 0 or stop):
                 state = sharded_state_dict(model, optimizer, data)
                 ckpt.save(dict(state, iteration=iteration), args.save, iteration=iteration)
+            if stop:
+                break
     # Leaving the block (close()) waits until every pending save is committed.
     # [readme] end
     if rank == 0:
-        print(f"done at iteration {args.train_iters}: loss {loss!r}")
+        print(f"done at iteration {iteration}: loss {loss!r}")
     dist.destroy_process_group()
 
 

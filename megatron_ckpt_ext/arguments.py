@@ -52,6 +52,9 @@ def _add(group: Any, knob: Knob) -> None:
         group.add_argument(knob.flag, action="store_false", dest=knob.arg_dest, help=knob.help)
     elif isinstance(default, bool):
         group.add_argument(knob.flag, action="store_true", dest=knob.arg_dest, help=knob.help)
+    elif knob.choices is not None:
+        group.add_argument(knob.flag, choices=knob.choices, default=default, dest=knob.arg_dest,
+                           help=f"{knob.help} (default: {default})")
     else:
         group.add_argument(
             knob.flag,

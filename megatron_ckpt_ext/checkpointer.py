@@ -26,6 +26,7 @@ from typing import Any
 from . import _cpu_shim, backend, preflight, strategy
 from ._runtime import rank
 from .collectives import Group
+from .errors import CheckpointWriteError
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
 from .load.loader import Loader
@@ -35,6 +36,8 @@ from .save.layout import TRACKER, checkpoint_name, commit_on_disk, open_workdir,
 from .save.planner import SavePlanner, copy_structure
 from .save.publish import Publisher
 from .save.report import SaveRecord, gather, log_report, report_entry
+from .save.retention import Retention, finish_interrupted
+from .preempt import Preemption
 from .save.stage import choose_stager, stage
 from .save.write_path import WriteContext, build
 from .save.writers import WriterPool
@@ -91,6 +94,12 @@ class Checkpointer:
         self._publisher = Publisher(self._stager, self._hooks, overlap=overlap,
                                     on_step=lambda: self.wait_for_snapshot())
         self._mode = _mode(self._async, self._writers.persistent, cpu_shm, overlap)
+        self._retention = Retention(options.most_recent_k, options.save_retain_interval)
+        if save_dir is not None and self._retention.active and rank() == 0:
+            finish_interrupted(Path(save_dir))  # deletions a crash interrupted
+        self.failed_saves: list[dict] = []  # --ckpt-failure-policy warn: what was abandoned
+        self._failures_in_a_row = 0
+        self._preemption = Preemption(options) if options.exit_signal_handler else None
 
     def prepare(self, sharded_state_dict: Any) -> None:
         """Optional, once the model and optimizer exist: allocate (and pin, on CUDA) the staging
@@ -154,7 +163,11 @@ class Checkpointer:
             # One save in flight at a time, as Megatron-LM does: the backends' write-results
             # queue is global, so a second request's results could be taken for the first's.
             self.maybe_finalize(blocking=True)
-        self._writers.ready(record.iteration, record.root)
+        try:
+            self._writers.ready(record.iteration, record.root)
+        except CheckpointWriteError as e:  # a dead worker: under 'warn', a new one for this save
+            self._failed(e)
+            self._writers.ready(record.iteration, record.root)
 
     def _open(self, sharded_state_dict: Any, record: SaveRecord) -> tuple[Any, Path]:
         structure = self._planner.key(sharded_state_dict)
@@ -208,6 +221,11 @@ class Checkpointer:
                            on_step=lambda step: self._hooks.at(step, record))
         self._group.barrier()
         self._hooks.at("committed", record)
+        self._failures_in_a_row = 0
+        if rank() == 0:  # the tracker is durable: old checkpoints may go (in the background)
+            self._retention.after_commit(record.root)
+        if self._preemption is not None:
+            self._preemption.committed(record.iteration)
         record.release()
         entry = report_entry(record, ranks, is_async=self._async)
         self.reports.append(entry)
@@ -226,8 +244,42 @@ class Checkpointer:
         ones when ``blocking``). Returns the iterations committed by this call.
 
         Raises :class:`CheckpointWriteError` on every rank when any rank's writer died, its
-        write failed, or the save is older than ``--ckpt-timeout`` seconds."""
-        return [r.iteration for r in self._writers.poll(blocking=blocking)]
+        write failed, or the save is older than ``--ckpt-timeout`` seconds; with
+        ``--ckpt-failure-policy warn`` that save is abandoned with a rank-0 error instead, until
+        ``--ckpt-max-consecutive-failures`` saves in a row have failed."""
+        try:
+            return [r.iteration for r in self._writers.poll(blocking=blocking)]
+        except CheckpointWriteError as e:
+            self._failed(e)
+            return []
+
+    def _failed(self, error: CheckpointWriteError) -> None:
+        """A save failed on every rank (the writers already abandoned it): raise, or under
+        ``--ckpt-failure-policy warn`` log it on rank 0 and go on."""
+        self._failures_in_a_row += 1
+        limit = self.options.ckpt_max_consecutive_failures
+        if self.options.ckpt_failure_policy == "raise":
+            raise error
+        if self._failures_in_a_row >= limit:
+            raise CheckpointWriteError(
+                f"{error} This is the {self._failures_in_a_row}th failed save in a row "
+                f"(--ckpt-max-consecutive-failures {limit}, config key "
+                "'ckpt_max_consecutive_failures'): stopping.") from error
+        self.failed_saves.append({"error": str(error), "in_a_row": self._failures_in_a_row})
+        if rank() == 0:
+            logger.error("%s --ckpt-failure-policy warn: training goes on and the next save is "
+                         "tried (%d of %d failures in a row allowed).", error,
+                         self._failures_in_a_row, limit - 1)
+
+    def preempted(self) -> bool:
+        """Collective at an iteration boundary, with ``--exit-signal-handler``: True once any
+        rank has received ``--exit-signal``. Then save this iteration (if not saved yet) and
+        leave the loop; :meth:`close` waits until the save is durable and reports the time from
+        the signal. False (and no collective) without the handler."""
+        if self._preemption is None:
+            return False
+        estimate = self.reports[-1].get("durable_s") if self.reports else None
+        return self._preemption.agree(self._group, estimate_s=estimate)
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict | None:
@@ -269,10 +321,15 @@ class Checkpointer:
             self._publisher.close()  # its copies land before the buffers can be freed
             self.maybe_finalize(blocking=True)
             drained = True
+            if self._preemption is not None:
+                self._preemption.report_durable()
         finally:
             self._writers.close(drained=drained)
             self._stager.close()
             self._planner.reset()
+            self._retention.wait()
+            if self._preemption is not None:
+                self._preemption.uninstall()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -42,6 +42,7 @@ class Knob:
     minimum: int | None = None
     maximum: int | None = None
     optional: bool = False  # None is a valid value ("backend/torch default")
+    choices: tuple[str, ...] | None = None  # a text knob's valid values
 
     @property
     def arg_dest(self) -> str:
@@ -218,9 +219,70 @@ class CkptOptions:
         "it above your longest healthy write.",
     )
 
+    # -- operations (issue 23) -----------------------------------------------------------------
+    most_recent_k: int = _knob(
+        -1,
+        flag="--most-recent-k",
+        minimum=-1,
+        help="Keep only the K most recent committed checkpoints under --save (-1: keep all; "
+        "Megatron's CheckpointConfig name). Older ones are deleted in the background once the "
+        "new checkpoint and its tracker are durable; never the tracker's target, a newer "
+        "directory, a symlink or an unrelated directory.",
+    )
+    save_retain_interval: int | None = _knob(
+        None,
+        flag="--save-retain-interval",
+        minimum=1,
+        optional=True,
+        help="Also keep every checkpoint whose iteration is a multiple of N when deleting old "
+        "ones (Megatron-LM's flag). Given without --most-recent-k, keeps the latest plus those.",
+    )
+    ckpt_failure_policy: str = _knob(
+        "raise",
+        flag="--ckpt-failure-policy",
+        choices=("raise", "warn"),
+        help="What a failed async save does: 'raise' on every rank, or 'warn': the save is "
+        "abandoned (the previous checkpoint stays the latest), rank 0 logs the reason and "
+        "training goes on; the next save is tried. See --ckpt-max-consecutive-failures.",
+    )
+    ckpt_max_consecutive_failures: int = _knob(
+        3,
+        flag="--ckpt-max-consecutive-failures",
+        minimum=1,
+        help="With --ckpt-failure-policy warn: this many failed saves in a row raise.",
+    )
+    exit_signal_handler: bool = _knob(
+        False,
+        flag="--exit-signal-handler",
+        help="On --exit-signal (SIGTERM by default: SLURM, Kubernetes), take a checkpoint at the "
+        "next iteration boundary, wait until it is durable and exit cleanly (Megatron-LM's "
+        "flag). One rank seeing the signal is enough: the ranks agree at each boundary.",
+    )
+    exit_signal: str = _knob(
+        "SIGTERM",
+        flag="--exit-signal",
+        choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT"),
+        help="The signal --exit-signal-handler acts on.",
+    )
+    ckpt_preempt_grace_s: int | None = _knob(
+        None,
+        flag="--ckpt-preempt-grace-s",
+        minimum=1,
+        optional=True,
+        help="Seconds the scheduler grants between its signal and the kill (SLURM's --signal "
+        "lead, Kubernetes' terminationGracePeriodSeconds): rank 0 says, when the exit checkpoint "
+        "starts, whether it is expected to be durable in time, and reports the time it took.",
+    )
+
     def __post_init__(self) -> None:
+        if not isinstance(self.exit_signal, str) and hasattr(self.exit_signal, "name"):
+            object.__setattr__(self, "exit_signal", self.exit_signal.name)  # Megatron's Signals
         for knob in knobs():
             _check_value(knob, getattr(self, knob.name))
+        if self.most_recent_k == 0:
+            raise CkptOptionsError("--most-recent-k (config key 'most_recent_k') must be -1 (keep "
+                                   "all) or at least 1, got 0: it would delete the newest "
+                                   "checkpoint")
 
     # -- constructors -----------------------------------------------------------------------
     @classmethod
@@ -281,6 +343,11 @@ def knobs() -> Iterator[Knob]:
 def _check_value(knob: Knob, value: Any) -> None:
     default = _field_default(knob.name)
     if value is None and knob.optional:
+        return
+    if knob.choices is not None:
+        if value not in knob.choices:
+            raise CkptOptionsError(f"{knob.describe()} must be one of "
+                                   f"{', '.join(knob.choices)}, got {value!r}")
         return
     if isinstance(default, bool):
         if not isinstance(value, bool):

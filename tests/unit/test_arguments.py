@@ -25,7 +25,26 @@ FROZEN_FLAGS = [
     "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
     "--async-ckpt-io-priority", "--ckpt-timeout",
+    "--most-recent-k", "--save-retain-interval", "--ckpt-failure-policy",
+    "--ckpt-max-consecutive-failures", "--exit-signal-handler", "--exit-signal",
+    "--ckpt-preempt-grace-s",
 ]
+
+
+def test_text_knobs_take_only_their_choices_from_every_source():
+    import signal
+
+    from megatron_ckpt_ext.errors import CkptOptionsError
+
+    assert parse(["--ckpt-failure-policy", "warn"]).ckpt_failure_policy == "warn"
+    with pytest.raises(SystemExit):
+        parse(["--ckpt-failure-policy", "ignore"])
+    with pytest.raises(CkptOptionsError, match="ckpt_failure_policy.*raise, warn"):
+        CkptOptions.from_config({"ckpt_failure_policy": "ignore"})
+    # Megatron-LM main declares --exit-signal as signal.Signals
+    assert CkptOptions(exit_signal=signal.SIGUSR1).exit_signal == "SIGUSR1"
+    with pytest.raises(CkptOptionsError, match="most_recent_k"):
+        CkptOptions(most_recent_k=0)
 
 
 def parse(argv, parser=None):

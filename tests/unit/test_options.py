@@ -17,7 +17,9 @@ CLI_DEFAULTS = dict(
     ckpt_load_fallback=False,
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
-    ckpt_timeout=1800,
+    ckpt_timeout=1800, most_recent_k=-1, save_retain_interval=None, ckpt_failure_policy="raise",
+    ckpt_max_consecutive_failures=3, exit_signal_handler=False, exit_signal="SIGTERM",
+    ckpt_preempt_grace_s=None,
 )
 # The config path's historical defaults (NeMo-RL megatron_cfg): these four differ from the CLI.
 CONFIG_DEFAULTS = {**CLI_DEFAULTS, "ckpt_fully_parallel_load": True, "load_rng": False,
@@ -64,7 +66,8 @@ def test_from_config_overrides_every_nemo_rl_key():
 def test_from_config_reads_every_knob_by_its_key():
     for knob in knobs():
         default = getattr(CkptOptions(), knob.name)
-        value = (not default) if isinstance(default, bool) else 3
+        value = ((not default) if isinstance(default, bool)
+                 else knob.choices[-1] if knob.choices else 3)
         assert getattr(CkptOptions.from_config({knob.key: value}), knob.name) == value, knob.key
 
 
