@@ -78,20 +78,7 @@ for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
   [ -f ".mlm/$f" ] || { echo "missing .mlm/$f: carry .mlm (see docs/MEGATRON_LM.md)"; exit 2; }
 done
 
-# the tiny recipe of scripts/gpu_megatron_lm.sh (COMMON, TINY, OURS, RESUME), copied
-COMMON=(--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion
-  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
-  --attention-backend unfused --mock-data --tokenizer-type NullTokenizer
-  --bf16
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1
-  --clip-grad 1.0 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 100000
-  --split 100,0,0 --ckpt-format torch_dist)
-TINY=(--num-layers 2 --hidden-size 256 --num-attention-heads 4
-  --seq-length 256 --max-position-embeddings 256 --vocab-size 1024
-  --micro-batch-size 4 --global-batch-size 4)
-OURS=(--async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm
-  --ckpt-assume-constant-structure --dist-ckpt-workers 1)
-RESUME=(--exit-on-missing-checkpoint)
+source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME (as gpu_megatron_lm.sh)
 T=(--train-iters 20 --save-interval 5)
 
 # launch NAME -- args...: the unmodified script through the launcher; sets LAST_RC

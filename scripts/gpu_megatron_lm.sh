@@ -44,21 +44,10 @@ for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
 done
 python3 -m megatron_ckpt_ext doctor --json > "$OUT/doctor.json" 2> "$OUT/logs/doctor.err" || true
 
-COMMON=(--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion
-  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
-  --attention-backend unfused --mock-data --tokenizer-type NullTokenizer
-  --bf16
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1
-  --clip-grad 1.0 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 100000
-  --split 100,0,0 --ckpt-format torch_dist)
-RESUME=(--exit-on-missing-checkpoint)
-TINY=(--num-layers 2 --hidden-size 256 --num-attention-heads 4
-  --seq-length 256 --max-position-embeddings 256 --vocab-size 1024
-  --micro-batch-size 4 --global-batch-size 4)
+source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME
 BIG=(--use-distributed-optimizer --num-layers 8 --hidden-size 1024 --num-attention-heads 16
   --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000
   --micro-batch-size 4 --global-batch-size 4)
-OURS=(--async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm --ckpt-assume-constant-structure --dist-ckpt-workers 1)
 STOCK_ASYNC=(--async-save --use-persistent-ckpt-worker --ckpt-assume-constant-structure --dist-ckpt-workers 1)
 
 # run NAME MODE(on|stock) -- megatron args...
