@@ -110,7 +110,6 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
                  for p in plans if p.span is None]
         for job in jobs:
             job.result()
-        _sync_devices(direct)
         t = _add(stats, "read_s", t)
     for p in direct:
         planner.commit_tensor(p.req, p.target)
@@ -262,13 +261,6 @@ def _thread_stream(device: Any) -> Any:
 
 def _host_chunks(stats: dict) -> Any:
     return direct_read.PinnedChunks.shared(stats.get("_threads", 8) * 2, pin=True)
-
-
-def _sync_devices(plans: list) -> None:
-    import torch
-
-    for device in {p.target.device for p in plans if p.target.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
