@@ -5,9 +5,11 @@ Shared by tests/ and tools/reliability.py, so it lives here: nothing outside tes
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -43,6 +45,13 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
+    import faulthandler
+    import signal
+
+    # On a timeout, run_ranks sends SIGUSR1 first: every thread's Python stack goes to stderr (the
+    # test's captured output), in this rank and in any writer it forked (inherited), so a hang in
+    # CI names where it stood.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
 
     torch.set_num_threads(1)
@@ -68,6 +77,28 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
     os._exit(0)
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc), parents first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
 def run_ranks(fn: Callable[..., Any], *, world_size: int | None = None, timeout: float = 120.0,
               args: tuple = ()) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; raise if any rank
@@ -78,7 +109,8 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int | None = None, timeout:
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+            stuck = [pid for p in ctx.processes if p.is_alive() for pid in _tree(p.pid)]
+            _signal_all(stuck, signal.SIGUSR1)  # stacks to stderr (see _entry)
+            time.sleep(2.0)
+            _signal_all(stuck, signal.SIGKILL)
             raise TimeoutError(f"ranks did not finish within {timeout:.0f} s (hang?)")

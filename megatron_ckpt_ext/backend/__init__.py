@@ -39,8 +39,10 @@ Fallback policy, one line per feature (a warning only where the user asked for t
 from __future__ import annotations
 
 from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
-from .async_queue import (async_writer_state, new_async_calls_queue, persistent_caller,
-                          persistent_worker_forks, spawn_skips_main, stop_async_writers,
+from .async_queue import (async_writer_state, forked_writer, new_async_calls_queue,
+                          newest_writer_pid, persistent_caller, persistent_worker_forks,
+                          refork_temporal_writer, remember_process_calls,
+                          spawn_skips_main, stop_async_writers,
                           unblock_hand_over_if_worker_dies, warm_up_writer_imports,
                           writer_clones_cpu_tensors, writer_keeps_snapshots)
 from .detection import Capabilities, detect, dist_sync_runs_here, persistent_worker_runs_here
@@ -87,6 +89,7 @@ __all__ = [
     "fsdp_group_symm_pool",
     "fsdp_parameter_groups",
     "fsdp_symm_mem_support",
+    "forked_writer",
     "fully_parallel_load_wrapper_cls",
     "fully_parallel_save_wrapper_cls",
     "get_write_results_queue",
@@ -97,11 +100,14 @@ __all__ = [
     "megatron_training_seams",
     "parallel_reads",
     "new_async_calls_queue",
+    "newest_writer_pid",
     "persistent_caller",
     "persistent_worker_forks",
     "persistent_worker_runs_here",
     "plain_tensors",
     "prime_write_results_queue",
+    "refork_temporal_writer",
+    "remember_process_calls",
     "sequential_writer",
     "sharded_tensor_cls",
     "shutdown_write_results_queues",

@@ -11,7 +11,7 @@ import queue as queue_mod
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..debug import env_switch
 from ..errors import BackendUnavailable
@@ -198,6 +198,64 @@ def async_writer_state(queue: Any) -> tuple[str, str]:
     return ("done", "") if process.exitcode == 0 else ("dead", _writer_exit_text(process))
 
 
+def forked_writer(queue: Any, pid: int) -> tuple[Any, Any] | None:
+    """(caller, process) of this queue's writer process ``pid``; None when it is not one."""
+    callers = [call.async_caller for call in getattr(queue, "async_calls", ())]
+    for caller in filter(None, [*callers, persistent_caller(queue)]):
+        process = getattr(caller, "process", None)
+        if process is not None and process.pid == pid:
+            return caller, process
+    return None
+
+
+def newest_writer_pid(queue: Any) -> int | None:
+    """The pid of the writer process of the newest pending call (a temporal caller's), else of
+    the persistent worker; None when there is none."""
+    calls = getattr(queue, "async_calls", None)
+    caller = calls[-1].async_caller if calls else persistent_caller(queue)
+    process = getattr(caller, "process", None)
+    return None if process is None else process.pid
+
+
+@contextlib.contextmanager
+def remember_process_calls() -> Iterator[None]:
+    """Processes started inside this block keep their target and arguments as ``_mcx_call``
+    (``multiprocessing`` drops them at ``start()``), so :func:`refork_temporal_writer` can start
+    the same call again; they are the provider's, after its preload."""
+    import multiprocessing.process as mp_process
+
+    original = mp_process.BaseProcess.start
+
+    def start(self: Any) -> None:
+        self._mcx_call = (self._target, self._args, self._kwargs)
+        original(self)
+
+    mp_process.BaseProcess.start = start
+    try:
+        yield
+    finally:
+        mp_process.BaseProcess.start = original
+
+
+def refork_temporal_writer(caller: Any) -> Any:
+    """Kill a temporal caller's forked writer and fork it again with the same target and
+    arguments (kept by :func:`remember_process_calls`); the new process. Only for a writer that
+    never ran a line (see ``ForkStarts``): the request's staged buffers are still the
+    trainer's. None when the call was not remembered (the writer is then left as it is)."""
+    old = caller.process
+    call = getattr(old, "_mcx_call", None)
+    if call is None:
+        return None
+    old.kill()
+    old.join(timeout=10)
+    target, args, kwargs = call
+    new = type(old)(target=target, args=args, kwargs=kwargs, daemon=old.daemon)
+    with remember_process_calls():
+        new.start()
+    caller.process = new
+    return new
+
+
 def _writer_died(caller: Any) -> bool:
     process = getattr(caller, "process", None)
     return process is not None and not process.is_alive()
@@ -231,10 +289,12 @@ def stop_async_writers(queue: Any) -> None:
 
 
 @contextlib.contextmanager
-def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05) -> Any:
+def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05,
+                                     give_up: Callable[[], bool] | None = None) -> Any:
     """While a request is handed to the persistent worker, the trainer joins the worker's
     preload queue; if the worker dies meanwhile, release that join (the next maybe_finalize then
-    reports the dead worker on every rank) instead of waiting forever."""
+    reports the dead worker on every rank) instead of waiting forever. ``give_up()`` True (a
+    worker that never started): kill the worker, which releases the join the same way."""
     caller = persistent_caller(queue)
     if caller is None or not hasattr(caller, "preload_q"):
         yield
@@ -243,6 +303,9 @@ def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05) -> Any
 
     def watch() -> None:
         while not stop.wait(poll_s):
+            if give_up is not None and not _writer_died(caller) and give_up():
+                with contextlib.suppress(AttributeError, OSError):
+                    caller.process.kill()
             if _writer_died(caller):
                 with contextlib.suppress(ValueError):  # the worker had already released it
                     caller.preload_q.task_done()

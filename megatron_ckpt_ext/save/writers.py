@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import backend, preflight
-from .._runtime import die_with_parent, forks_die_with_this_process, rank, warn_once
+from .._runtime import (ForkStarts, die_with_parent, forks_die_with_this_process, rank,
+                        warn_once)
 from ..collectives import Group
 from ..debug import env_switch
 from ..errors import CheckpointWriteError
@@ -26,11 +27,16 @@ from ..options import CkptOptions
 from .layout import tracker_text
 from .report import SaveRecord
 
-__all__ = ["POLL_S", "WriterPool"]
+__all__ = ["POLL_S", "WRITER_START_TIMEOUT_S", "WriterPool"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a blocking finalize re-checks the writers
+# A forked writer that has not finished Python's after-fork start this long after its fork never
+# will (see ForkStarts): a temporal one is forked again (MAX_REFORKS times), a persistent one is
+# stopped and the save fails on every rank as for a dead writer. Starting takes milliseconds.
+WRITER_START_TIMEOUT_S = 30.0
+MAX_REFORKS = 2
 
 
 class WriterPool:
@@ -47,6 +53,10 @@ class WriterPool:
         self.persistent = False
         self.startup: dict[str, float] = {}
         self.froze_gc = False  # gc.freeze() was ours alone: close() unfreezes
+        self.fork_starts = ForkStarts() if is_async else None
+        self._start_watch: tuple[int, float] | None = None  # (pid, fork time) not yet started
+        self._start_failure = ""  # why a writer was stopped for never starting
+        self._reforks = 0
         self._started = time.perf_counter()
         self._queue: Any = self._make_queue() if is_async else None
         t0 = time.perf_counter()
@@ -92,13 +102,16 @@ class WriterPool:
         # The worker needs no CUDA where nvrx honours cpu_shm_mode: then it is forked.
         no_cuda = self.cpu_shm and self.caps.worker_cpu_shm_skips_cuda
         with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda) as forks, \
-                backend.spawn_skips_main():
+                backend.spawn_skips_main(), \
+                forks_die_with_this_process(self.fork_starts if forks else None):
             if forks:
                 self._freeze_gc()
             if self.caps.warmup_persistent_caller:
                 backend.call_with_supported(queue.warmup_persistent_caller, rank(),
                                             is_daemon=True, cpu_shm_mode=self.cpu_shm)
             self.pending[queue.schedule_async_request(warm)] = None
+        if forks:  # a spawned worker runs no after-fork hook: nothing to watch
+            self._watch_start(backend.newest_writer_pid(queue))
 
     def _freeze_gc(self) -> None:
         """Before the worker is forked: collect, then ``gc.freeze()`` what is left, so the
@@ -135,10 +148,14 @@ class WriterPool:
 
     def schedule(self, request: Any, record: SaveRecord) -> None:
         """Hand ``request`` to a writer; its finalization (run by :meth:`poll`) commits."""
-        with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=POLL_S), \
-                forks_die_with_this_process():
+        with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=POLL_S,
+                                                      give_up=self._gave_up_on_start), \
+                forks_die_with_this_process(self.fork_starts), backend.remember_process_calls():
             call_idx = self._queue.schedule_async_request(request)
         self.pending[call_idx] = record
+        if not self.persistent:  # a temporal caller forked this save's writer just now
+            self._reforks = 0
+            self._watch_start(backend.newest_writer_pid(self._queue))
 
     def poll(self, *, blocking: bool) -> list[SaveRecord]:
         """Collective: finalize (metadata write and commit) the saves every rank's writer has
@@ -159,7 +176,10 @@ class WriterPool:
         """Collective: True while some rank's writer is still running. Raises on every rank
         when any rank's writer died or ran past the timeout (``before``: the save about to
         start, for the message)."""
+        self._restart_unstarted_writer()
         state, detail = backend.async_writer_state(self._queue)
+        if state == "dead" and self._start_failure:
+            detail = self._start_failure
         timed_out = state == "running" and time.perf_counter() > self._head_deadline()
         dead = state == "dead"
         running, any_dead, any_late, which = self.group.all_max(
@@ -172,6 +192,61 @@ class WriterPool:
                    "(config key 'ckpt_timeout'; raise it if writes are legitimately this slow)")
             raise self.abandon(why + (f" ({detail})" if detail else ""), before=before)
         return bool(running)
+
+    # -- writers that never started (ForkStarts) ---------------------------------------------
+    def _watch_start(self, pid: int | None) -> None:
+        self._start_watch = None if pid is None else (pid, time.monotonic())
+
+    def _never_started(self) -> tuple[Any, Any] | None:
+        """(caller, process) of the watched writer when it is alive and has not started
+        ``WRITER_START_TIMEOUT_S`` after its fork; None otherwise (the watch ends once it has
+        started or is gone)."""
+        watch, queue = self._start_watch, self._queue
+        if watch is None or queue is None or self.fork_starts is None:
+            return None
+        found = backend.forked_writer(queue, watch[0])
+        if found is None or not found[1].is_alive() or self.fork_starts.started(watch[0]):
+            self._start_watch = None
+            return None
+        return found if time.monotonic() - watch[1] > WRITER_START_TIMEOUT_S else None
+
+    def _start_failure_text(self, pid: int) -> str:
+        return (f"rank {rank()}: the checkpoint writer forked as pid {pid} did not start within "
+                f"{WRITER_START_TIMEOUT_S:g} s (blocked in Python's after-fork start, a CPython "
+                "fork hazard when another thread holds the interpreter's thread-state lock at "
+                "the fork)")
+
+    def _gave_up_on_start(self) -> bool:
+        """For the hand-over's watcher: the persistent worker never started (it is then
+        killed, which releases the hand-over)."""
+        found = self._never_started()
+        if found is None:
+            return False
+        self._start_failure = self._start_failure_text(found[1].pid)
+        self._start_watch = None
+        return True
+
+    def _restart_unstarted_writer(self) -> None:
+        """A temporal writer that never started is forked again (it ran nothing, so its request
+        is intact), at most ``MAX_REFORKS`` times per save; else the writer is stopped and the
+        next agreement reports it dead with the reason."""
+        found = self._never_started()
+        if found is None:
+            return
+        caller, process = found
+        why = self._start_failure_text(process.pid)
+        if not hasattr(caller, "comp_q") and self._reforks < MAX_REFORKS:
+            self._reforks += 1
+            with forks_die_with_this_process(self.fork_starts):
+                new = backend.refork_temporal_writer(caller)
+            if new is not None:
+                logger.warning("%s; killed it and forked the writer again as pid %d", why,
+                               new.pid)
+                self._watch_start(new.pid)
+                return
+        process.kill()
+        process.join(timeout=10)
+        self._start_failure, self._start_watch = why, None
 
     def _finalize_finished(self) -> list[SaveRecord]:
         """Every rank's head writer has finished: run the queue's finalization (megatron-core's
@@ -221,6 +296,7 @@ class WriterPool:
     def kill(self) -> None:
         """Stop the writers at once and release what the pending saves staged."""
         queue, self._queue = self._queue, None
+        self._start_watch, self._start_failure = None, ""
         if queue is not None:
             backend.stop_async_writers(queue)
         for record in self.pending.values():
@@ -242,6 +318,9 @@ class WriterPool:
                 self.kill()
         backend.shutdown_write_results_queues()
         self.pending.clear()
+        if self.fork_starts is not None:
+            self.fork_starts.close()
+            self.fork_starts = None
         if self.froze_gc:
             self.froze_gc = False
             gc.unfreeze()
