@@ -11,6 +11,8 @@
 # .mlm/ carried (pretrain_gpt.py, gpt_builders.py, model_provider.py of Megatron-LM core_r0.19.0):
 #   OUT=$OUT bash scripts/gpu_launch_check.sh
 # Writes $OUT/launch_check.json {"resume_bit_identical", "losses", "rc", ...} and the logs.
+# RESUME_B_ARGS="--ckpt-load-threads 1": one more resume from on's iteration 10 with these extra
+# arguments (resume_b; compared with on into $OUT/launch_check_b.json), to tell two load paths apart.
 # The comparison alone, on two existing logs (tests/e2e/test_launch.py runs it on fake logs):
 #   bash scripts/gpu_launch_check.sh --compare ON.log RESUME.log OUT.json RC_ON RC_RESUME SAVE_DIR
 set -uo pipefail
@@ -27,15 +29,19 @@ on_log, resume_log, out, rc_on, rc_resume, save_dir = sys.argv[1:7]
 LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|.*?\blm loss: ([^ |]+)")
 
 
-def losses(path):
+GRAD = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|.*?\bgrad norm: ([^ |]+)")
+
+
+def losses(path, line=LINE):
     found = {}
     text = Path(path).read_text(errors="replace") if Path(path).exists() else ""
-    for match in LINE.finditer(text):
+    for match in line.finditer(text):
         found[int(match.group(1))] = match.group(2)
     return found
 
 
 on, resume = losses(on_log), losses(resume_log)
+grad_on, grad_resume = losses(on_log, GRAD), losses(resume_log, GRAD)
 wanted = list(range(11, 21))
 mismatches = [i for i in wanted if i not in on or i not in resume or on[i] != resume[i]]
 rc = {"on": int(rc_on), "resume": int(rc_resume)}
@@ -53,6 +59,9 @@ result = {
     "adapter_installed_logged": installed,
     "saved_by_adapter": manifest,  # our Checkpointer's integrity manifest, stock writes none
     "precision": "Megatron's log line, %.6E",
+    "grad_norms": {"on": {str(k): grad_on.get(k) for k in wanted},
+                   "resume": {str(k): grad_resume.get(k) for k in wanted}},
+    "grad_norm_mismatches_11_20": [i for i in wanted if grad_on.get(i) != grad_resume.get(i)],
 }
 Path(out).write_text(json.dumps(result, indent=1))
 print(json.dumps({k: result[k] for k in ("resume_bit_identical", "mismatches", "rc",
@@ -99,3 +108,11 @@ launch resume -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WOR
 RC_RESUME=$LAST_RC
 compare "$OUT/logs/launch_on.log" "$OUT/logs/launch_resume.log" "$OUT/launch_check.json" \
   "$RC_ON" "$RC_RESUME" "$WORK/on"
+if [ -n "${RESUME_B_ARGS:-}" ]; then
+  mkdir -p "$WORK/resume_b"
+  cp -r "$WORK/on/iter_0000010" "$WORK/resume_b/" 2>/dev/null && echo 10 > "$WORK/resume_b/latest_checkpointed_iteration.txt"
+  # shellcheck disable=SC2086  # word-split on purpose: several flags
+  launch resume_b -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume_b" --load "$WORK/resume_b" "${RESUME[@]}" $RESUME_B_ARGS
+  compare "$OUT/logs/launch_on.log" "$OUT/logs/launch_resume_b.log" "$OUT/launch_check_b.json" \
+    "$RC_ON" "$LAST_RC" "$WORK/on"
+fi
