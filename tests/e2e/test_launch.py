@@ -230,7 +230,7 @@ def _megatron_log(path: Path, iterations: range, loss: Callable[[int], float]) -
 
 def _compare(tmp_path: Path, resume_loss: Callable[[int], float]) -> dict:
     save = tmp_path / "on"
-    (save / "iter_0000010").mkdir(parents=True)
+    (save / "iter_0000010").mkdir(parents=True, exist_ok=True)
     (save / "iter_0000010" / "mcx_manifest.json").write_text("{}")
     _megatron_log(tmp_path / "on.log", range(1, 21), lambda i: 10.0 - i / 7)
     _megatron_log(tmp_path / "resume.log", range(11, 21), resume_loss)
@@ -247,6 +247,22 @@ def test_gpu_check_compares_the_logged_losses_of_11_to_20(tmp_path):
     assert same["losses"]["resume"]["11"] == f"{10.0 - 11 / 7:.6E}"
     assert len(same["losses"]["on"]) == 20 and same["resume_started_at_11"] is True
     assert same["saved_by_adapter"] is True and same["adapter_installed_logged"] is True
+
+
+def _resume_logs_first_two_mean(i: int) -> float:
+    """What Megatron 0.19 prints for the resumed run of identical training: its second logged
+    loss (12) is the mean of 11 and 12, the accumulator not being reset after the first."""
+    loss = lambda j: float(f"{10.0 - j / 7:.6E}")  # noqa: E731
+    return (loss(11) + loss(12)) / 2 if i == 12 else 10.0 - i / 7
+
+
+def test_gpu_check_accepts_megatrons_first_iteration_mean_and_only_it(tmp_path):
+    ok = _compare(tmp_path, _resume_logs_first_two_mean)
+    assert ok["mismatches"] == [12] and list(ok["explained_mismatches"]) == ["12"], ok
+    assert ok["resume_bit_identical"] is True
+    # 12 off by more than the rule allows: not explained
+    off = _compare(tmp_path, lambda i: _resume_logs_first_two_mean(i) + (1e-4 if i == 12 else 0))
+    assert off["explained_mismatches"] == {} and off["resume_bit_identical"] is False
 
 
 def test_gpu_check_names_an_iteration_whose_loss_differs(tmp_path):
