@@ -6,7 +6,7 @@
 # no save interval within reach. Once iteration SIGNAL_AT is logged the training process gets
 # SIGTERM (as SLURM sends it); Megatron must save at the next iteration boundary through our
 # Checkpointer and exit 0; the checkpoint must pass `python -m megatron_ckpt_ext verify`; a fresh
-# run must resume from it at the next iteration.
+# run (same --train-iters, --exit-interval SAVED+3) must resume from it at the next iteration.
 #
 # Run from the repository root after the install line of docs/GPU.md (PYTHONPATH=$PWD:$PWD/.site),
 # with .mlm/ carried:   OUT=$OUT bash scripts/gpu_preempt_check.sh
@@ -55,7 +55,7 @@ RESUME_RC=""
 if [ -n "$SAVED" ]; then
   timeout "$RUN_TIMEOUT" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 1000)) \
     -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "${COMMON[@]}" "${TINY[@]}" \
-    --train-iters $((SAVED + 3)) --save-interval 100000 "${OURS[@]}" --save "$WORK/ckpt" \
+    "${LONG[@]}" --exit-interval $((SAVED + 3)) "${OURS[@]}" --save "$WORK/ckpt" \
     --load "$WORK/ckpt" "${RESUME[@]}" > "$WORK/resume.log" 2>&1
   RESUME_RC=$?
 fi
