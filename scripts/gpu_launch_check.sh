@@ -14,6 +14,8 @@
 # .mlm/ carried (pretrain_gpt.py, gpt_builders.py, model_provider.py of Megatron-LM core_r0.19.0):
 #   OUT=$OUT bash scripts/gpu_launch_check.sh
 # Writes $OUT/launch_check.json {"resume_bit_identical", "losses", "rc", ...} and the logs.
+# ON_EXTRA_ARGS: more flags for on (e.g. "--save-retain-interval 10", Megatron's flag, which our
+# Checkpointer reads too: $OUT/on_dir_listing.txt then lists what is left, iter_0000010 and 20).
 # RESUME_B_ARGS="--ckpt-load-threads 1": one more resume from on's iteration 10 with these extra
 # arguments (resume_b; compared with on into $OUT/launch_check_b.json), to tell two load paths apart.
 # The comparison alone, on two existing logs (tests/e2e/test_launch.py runs it on fake logs):
@@ -123,8 +125,12 @@ launch() {
   [ $LAST_RC = 0 ] || grep -m2 -A12 "^Traceback" "$OUT/logs/launch_$name.log" | head -40
 }
 
-launch on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/on"
+# shellcheck disable=SC2086  # ON_EXTRA_ARGS: several flags, word-split on purpose
+launch on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/on" ${ON_EXTRA_ARGS:-}
 RC_ON=$LAST_RC
+# what on's save directory holds at the end (retention: ON_EXTRA_ARGS="--save-retain-interval 10")
+sleep 2  # retention deletes in the background after the last commit
+ls -A "$WORK/on" > "$OUT/on_dir_listing.txt"
 mkdir -p "$WORK/resume"
 cp -r "$WORK/on/iter_0000010" "$WORK/resume/" 2>/dev/null && echo 10 > "$WORK/resume/latest_checkpointed_iteration.txt"
 launch resume -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume" --load "$WORK/resume" "${RESUME[@]}"
