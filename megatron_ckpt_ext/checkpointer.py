@@ -86,6 +86,8 @@ class Checkpointer:
         cpu_shm = self._async and options.async_ckpt_use_cpu_shm
         self._stager = choose_stager(is_async=self._async, cpu_shm=cpu_shm, job_id=job_id,
                                      reuse=options.ckpt_assume_constant_structure)
+        self._cpu_shm = cpu_shm
+        self.admission: dict | None = None  # the first staging's node admission (preflight)
         self._writers = WriterPool(options, self.caps, self._group, cpu_shm=cpu_shm,
                                    is_async=self._async, reports=self.reports)
         self.startup = self._writers.startup
@@ -109,9 +111,18 @@ class Checkpointer:
         self._check_open()
         tensors: list[Any] = []
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
-        self._stager.admit(sum(t.data.numel() * t.data.element_size() for t in tensors))
+        self._admit(tensors)
         self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
                              background=True)
+
+    def _admit(self, tensors: list[Any]) -> None:
+        """Collective, once (the first save or :meth:`prepare`): node-level admission of what
+        this rank will stage (:func:`preflight.admit_node`). Synchronous saves stage nothing."""
+        if self.admission is not None or not self._stager.owns_copies:
+            return
+        nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
+        self.admission = preflight.admit_node(nbytes, shm=self._cpu_shm,
+                                              gather=self._group.all_gather)
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Until the staging allocation started by :meth:`prepare` is done (at most
@@ -135,7 +146,8 @@ class Checkpointer:
            every rank's is alive).
         2. (C) rank 0 opens ``iter_N.incomplete``; all agree whether it could, whether any
            rank's structure is new and whether any rank holds a plain tensor.
-        3. stage: issue the device-to-host copies into memory owned by this save.
+        3. stage: issue the device-to-host copies into memory owned by this save ((C) before the
+           first staging: node-level admission, :func:`preflight.admit_node`).
         4. plan: megatron-core's save request ((C) when the structure is new: it validates the
            sharding), changed by the write path.
         5. hand over: async, schedule it on the writer and publish the copies once they landed
@@ -148,6 +160,10 @@ class Checkpointer:
         t = record.phase("wait_previous_s", record.started)
         state, workdir = self._open(sharded_state_dict, record)
         t = record.phase("prepare_dir_s", t)
+        if self.admission is None:  # (C) the first staging: does each node hold its ranks' copies?
+            tensors: list[Any] = []
+            backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
+            self._admit(tensors)
         stage(state, record, self._stager)
         self._hooks.at("staged", record)
         t = record.phase("stage_s", t)

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointWriteError",
     "CkptError",
     "CkptOptionsError",
+    "InsufficientHostMemory",
     "InsufficientSharedMemory",
     "MegatronAdapterError",
     "StagingFailed",
@@ -38,7 +39,13 @@ class BackendMismatch(CkptError, RuntimeError):
     know); the fix is matching versions, not an installation."""
 
 
-class InsufficientSharedMemory(CkptError, OSError):
+class InsufficientHostMemory(CkptError, OSError):
+    """A node's memory cannot hold what its ranks will stage for a save (the node-wide sum
+    against MemAvailable or the container's memory limit): a limit of the machine, not a bad
+    option; the message names the node, the bytes needed and available, and the fix."""
+
+
+class InsufficientSharedMemory(InsufficientHostMemory):
     """Shared memory (/dev/shm) cannot hold the staging buffers: a limit of the machine or
     container, not a bad option; the message names the bytes needed and free, and the fix."""
 

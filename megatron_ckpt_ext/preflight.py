@@ -1,21 +1,30 @@
-"""Checks before the first save: enough /dev/shm for staging, enough disk for a checkpoint.
+"""Checks before the first save: enough host memory and /dev/shm on every node for what its
+ranks will stage (node-level admission), enough disk for a checkpoint.
 
 A shared-memory shortfall otherwise surfaces as SIGBUS in the middle of a save (tmpfs pages are
-only claimed on first touch), so it fails early, naming the needed and available bytes and the fix.
-The free-space probes are injectable so tests can simulate a small /dev/shm or a full disk.
+only claimed on first touch), and a node whose ranks together stage more than its memory is
+OOM-killed at its first save (each rank alone fits; the sum does not). So the first save's staging
+is admitted per node: every rank's bytes and its host's budget are gathered once, summed per host,
+and every rank fails at once, naming the node, the bytes and the fix. The probes are injectable so
+tests can simulate a small /dev/shm, a full disk or a small node.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import shutil
+import socket
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
-from ._runtime import warn_once
-from .errors import CkptOptionsError, InsufficientSharedMemory
+from ._runtime import rank, warn_once
+from .errors import CkptOptionsError, InsufficientHostMemory, InsufficientSharedMemory
 
-__all__ = ["DiskUsage", "check_disk", "check_shm", "check_writable", "local_ranks"]
+__all__ = ["DiskUsage", "HostBudget", "admit_node", "check_disk", "check_writable", "host_budget"]
+
+logger = logging.getLogger(__name__)
 
 
 class DiskUsage(NamedTuple):
@@ -25,12 +34,6 @@ class DiskUsage(NamedTuple):
 
 
 Probe = Callable[[str], DiskUsage]
-
-
-def local_ranks() -> int:
-    """Ranks sharing this node's /dev/shm (torchrun's LOCAL_WORLD_SIZE; 1 when unknown)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--save") -> None:
@@ -47,23 +50,6 @@ def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--sav
             f"{flag} {root}: the checkpoint directory is not writable ({type(e).__name__}: "
             f"{e.strerror or e}). Fix: point {flag} at a directory this job can create files "
             "in.") from e
-
-
-def check_shm(bytes_per_rank: int, ranks_on_node: int | None = None, *, path: str = "/dev/shm",
-              probe: Probe | None = None) -> None:
-    """Raise :class:`InsufficientSharedMemory` when ``path`` cannot hold every local rank's
-    staging buffers.
-
-    ``ranks_on_node`` defaults to :func:`local_ranks`."""
-    ranks = ranks_on_node or local_ranks()
-    needed = bytes_per_rank * ranks
-    free = (probe or shutil.disk_usage)(path).free
-    if needed > free:
-        raise InsufficientSharedMemory(
-            f"--async-ckpt-use-cpu-shm needs {_size(needed)} of shared memory in {path} "
-            f"({_size(bytes_per_rank)} per rank x {ranks} ranks on this node) but only "
-            f"{_size(free)} is free. Fix: enlarge {path} (containers: docker run --shm-size=..., "
-            "Kubernetes: an emptyDir with medium: Memory), or drop --async-ckpt-use-cpu-shm.")
 
 
 def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: int, *,
@@ -102,6 +88,108 @@ def _free_bytes(checkpoint_dir: str | os.PathLike[str], probe: Probe | None) -> 
     while not where.exists() and where != where.parent:
         where = where.parent
     return where, (probe or shutil.disk_usage)(str(where)).free
+
+
+class HostBudget(NamedTuple):
+    """What one host offers a save's staging, in bytes (-1: unknown or unlimited)."""
+
+    shm_free: int  # free space of /dev/shm (cpu-shm staging lives there)
+    mem_available: int  # MemAvailable, lowered to the cgroup's memory.max - memory.current
+    memlock_limit: int  # RLIMIT_MEMLOCK (soft), reported: CUDA's pinning does not count on it
+
+
+def host_budget(shm_path: str = "/dev/shm", *, meminfo: str = "/proc/meminfo",
+                cgroup: str = "/sys/fs/cgroup") -> HostBudget:
+    """This host's :class:`HostBudget`."""
+    try:
+        shm_free = shutil.disk_usage(shm_path).free
+    except OSError:
+        shm_free = -1
+    available = -1
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # a container's limit (cgroup v2) can be far below the host's MemAvailable
+        limit = Path(cgroup, "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int(Path(cgroup, "memory.current").read_text())
+            available = left if available < 0 else min(available, left)
+    except (OSError, ValueError):
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    return HostBudget(shm_free, available, -1 if soft == resource.RLIM_INFINITY else soft)
+
+
+def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
+               budget: HostBudget | None = None, host: str | None = None) -> dict:
+    """Collective (``gather``: every rank's value, in rank order): admit the first save's
+    staging of ``nbytes`` on this rank against its node's memory. The ranks are grouped by host
+    name; a node's staging is the sum over its ranks; it must fit in the node's MemAvailable
+    (or container limit) and, with ``shm``, in its /dev/shm. Raises on every rank (all see the
+    same figures) when any node does not fit, naming the node, its ranks, the bytes and the
+    fix; else returns the figures of the fullest node (``node_staging_bytes``, its budget,
+    ``nodes``), logged on rank 0."""
+    mine = (host or socket.gethostname(), int(nbytes),
+            tuple(budget if budget is not None else host_budget()))
+    nodes: dict[str, dict] = {}
+    for r, (name, n, b) in enumerate(gather(mine)):
+        node = nodes.setdefault(name, {"ranks": [], "bytes": 0, "budget": HostBudget(*b),
+                                       "max_rank_bytes": 0})
+        node["ranks"].append(r)
+        node["bytes"] += n
+        node["max_rank_bytes"] = max(node["max_rank_bytes"], n)
+        # the tightest figure any of the node's ranks measured (they measured the same machine)
+        node["budget"] = HostBudget(*(min(x, y) if x >= 0 and y >= 0 else max(x, y)
+                                      for x, y in zip(node["budget"], b)))
+    short = [_node_shortfall(name, node, shm=shm) for name, node in nodes.items()]
+    short = [s for s in short if s]
+    if short:
+        error = InsufficientSharedMemory if all(s[0] for s in short) else InsufficientHostMemory
+        raise error(" ".join(s[1] for s in short) + " Fix: " + _FIX + (_FIX_SHM if shm else ""))
+    name, node = max(nodes.items(), key=lambda kv: kv[1]["bytes"])
+    budget_used = node["budget"]
+    result = {"nodes": len(nodes), "node": name, "node_ranks": len(node["ranks"]),
+              "node_staging_bytes": node["bytes"], **budget_used._asdict()}
+    if rank() == 0:
+        logger.info("staging admitted: %d node(s); the fullest, %s, stages %s over %d ranks "
+                    "(MemAvailable %s%s)", len(nodes), name, _size(node["bytes"]),
+                    len(node["ranks"]), _size(budget_used.mem_available),
+                    f", /dev/shm free {_size(budget_used.shm_free)}" if shm else "")
+    return result
+
+
+_FIX = ("stage less per node (more model parallelism, or fewer ranks per node), give the node "
+        "more memory (containers: a larger memory limit), or save synchronously (no "
+        "--async-save: nothing is staged).")
+_FIX_SHM = (" For /dev/shm: enlarge it (docker run --shm-size=..., Kubernetes: an emptyDir with "
+            "medium: Memory), or drop --async-ckpt-use-cpu-shm (plain host copies, in RAM).")
+
+
+def _node_shortfall(name: str, node: dict, *, shm: bool) -> tuple[bool, str] | None:
+    """(only /dev/shm is short, sentence) for a node whose staging does not fit, else None."""
+    need, b = node["bytes"], node["budget"]
+    ranks = node["ranks"]
+    what = (f"node {name} (ranks {_ranks_text(ranks)}): its {len(ranks)} ranks stage "
+            f"{_size(need)} for a save (at most {_size(node['max_rank_bytes'])} on one rank)")
+    missing = []
+    if b.mem_available >= 0 and need > b.mem_available:
+        missing.append("MemAvailable (or the container's memory limit) leaves "
+                       f"{_size(b.mem_available)}")
+    if shm and b.shm_free >= 0 and need > b.shm_free:
+        missing.append(f"/dev/shm has {_size(b.shm_free)} free")
+    if not missing:
+        return None
+    return (len(missing) == 1 and missing[0].startswith("/dev/shm"),
+            f"{what}, but {' and '.join(missing)}.")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
 
 
 def _size(n: int) -> str:

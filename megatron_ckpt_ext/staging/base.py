@@ -32,9 +32,6 @@ class Stager(Protocol):
 
     owns_copies: bool  # stage() returns copies owned by the save (not the caller's tensors)
 
-    def admit(self, nbytes: int) -> None:
-        """Raise when the host cannot hold ``nbytes`` of staging (before the first staging)."""
-
     def gate(self, write: Callable[..., Any], *, timeout_s: float) -> tuple[Callable[..., Any], int]:
         """``write`` made to wait until :meth:`publish` of the returned ticket (0: no gate)."""
 

@@ -18,9 +18,6 @@ class InPlaceStager:
 
     owns_copies = False
 
-    def admit(self, nbytes: int) -> None:
-        """Nothing is held: always fits."""
-
     def prepare(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
                 background: bool = False) -> None:
         """Nothing to allocate."""

@@ -11,7 +11,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..preflight import check_shm
 from .batch import StagedBatch, _Buffer, _BufferSet, _Copies, _Spec
 from .ready import run_when_staged
 from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _register, _register_segment,
@@ -94,10 +93,6 @@ class ShmStager:
         if wait:
             batch.wait()
         return batch
-
-    def admit(self, nbytes: int) -> None:
-        """Fail now, naming the fix, when /dev/shm cannot hold ``nbytes`` (else: SIGBUS later)."""
-        check_shm(nbytes)
 
     def gate(self, write: Callable[..., Any], *, timeout_s: float) -> tuple[Callable[..., Any], int]:
         """``write`` that first waits (in the writer) until :meth:`publish` of its ticket."""

@@ -13,7 +13,6 @@ import pytest
 
 import megatron_ckpt_ext as mcx
 from megatron_ckpt_ext import backend, errors, preflight
-from megatron_ckpt_ext.preflight import DiskUsage
 
 PACKAGE = Path(mcx.__file__).parent
 
@@ -21,6 +20,7 @@ BUILTIN_BASE = {
     errors.CkptOptionsError: ValueError,
     errors.BackendUnavailable: ImportError,
     errors.BackendMismatch: RuntimeError,
+    errors.InsufficientHostMemory: OSError,
     errors.InsufficientSharedMemory: OSError,
     errors.CheckpointWriteError: RuntimeError,
     errors.CheckpointIntegrityError: ValueError,
@@ -54,9 +54,10 @@ def test_public_api_exports_the_base_and_the_errors_a_loop_catches():
 
 
 def test_shm_shortfall_raises_insufficient_shared_memory_not_an_options_error():
-    tiny = lambda path: DiskUsage(2**30, 2**30 - 2**20, 2**20)  # 1 MiB free
+    budget = tuple(preflight.HostBudget(2**20, 2**40, -1))  # 1 MiB of /dev/shm free
     with pytest.raises(errors.InsufficientSharedMemory) as e:
-        preflight.check_shm(2**21, 1, probe=tiny)
+        preflight.admit_node(0, shm=True, gather=lambda mine: [("n", 2**21, budget)])
+    assert isinstance(e.value, errors.InsufficientHostMemory)
     assert not isinstance(e.value, errors.CkptOptionsError)
     assert "--shm-size" in str(e.value) and "drop --async-ckpt-use-cpu-shm" in str(e.value)
 

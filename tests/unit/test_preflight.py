@@ -1,5 +1,6 @@
-"""Preflight: /dev/shm shortfall fails at start-up naming needed, available and the fix; a disk
-with less room than the last checkpoint warns once; the checkpointer runs the check first."""
+"""Preflight: node-level admission (the sum of a node's ranks' staging against its memory and
+/dev/shm) fails on every rank naming the node, the bytes and the fix; a disk with less room than
+the last checkpoint warns once; the checkpointer runs the admission before its first staging."""
 
 from __future__ import annotations
 
@@ -7,39 +8,85 @@ import pytest
 import torch
 
 from megatron_ckpt_ext import _runtime, backend, preflight
-from megatron_ckpt_ext.errors import InsufficientSharedMemory
+from megatron_ckpt_ext.errors import InsufficientHostMemory, InsufficientSharedMemory
 from megatron_ckpt_ext.preflight import DiskUsage
 
 SMALL_SHM = DiskUsage(2**30, 2**30 - 2**28, 2**28)  # 256 MiB free
 
 
-def test_shm_shortfall_names_needed_available_and_fix():
-    with pytest.raises(InsufficientSharedMemory) as e:
-        preflight.check_shm(2**28, 4, probe=lambda path: SMALL_SHM)
+GiB = 2**30
+
+
+def _budget(shm_free: int = 64 * GiB, mem_available: int = 100 * GiB) -> tuple:
+    return tuple(preflight.HostBudget(shm_free, mem_available, -1))
+
+
+def _cluster(*ranks: tuple[str, int, tuple]):
+    """A gather that answers with these ranks' (host, bytes, budget), as the all-gather would."""
+    return lambda mine: list(ranks)
+
+
+def test_a_node_whose_ranks_together_exceed_its_memory_fails_naming_node_bytes_and_fix():
+    # 8 ranks of 16 GiB on node-b: each fits alone (16 < 100), the sum (128) does not
+    gather = _cluster(*[("node-a", 2 * GiB, _budget())] * 8, *[("node-b", 16 * GiB, _budget())] * 8)
+    with pytest.raises(InsufficientHostMemory) as e:
+        preflight.admit_node(0, shm=False, gather=gather)
     msg = str(e.value)
-    assert "needs 1.00 GiB (1073741824 bytes)" in msg
-    assert "0.25 GiB (268435456 bytes) is free" in msg
-    assert "x 4 ranks on this node" in msg and "in /dev/shm" in msg
+    assert "node node-b (ranks 8-15): its 8 ranks stage 128.00 GiB" in msg, msg
+    assert "at most 16.00 GiB" in msg and "MemAvailable" in msg and "100.00 GiB" in msg
+    assert "node-a" not in msg  # the node that fits is not named
+    assert "--async-save" in msg and "/dev/shm" not in msg  # no cpu-shm: no shm advice
+    assert not isinstance(e.value, InsufficientSharedMemory)
+
+
+def test_shm_short_alone_raises_the_shm_error_with_its_fix():
+    gather = _cluster(*[("n", 3 * GiB, _budget(shm_free=10 * GiB))] * 4)
+    with pytest.raises(InsufficientSharedMemory) as e:
+        preflight.admit_node(0, shm=True, gather=gather)
+    msg = str(e.value)
+    assert "stage 12.00 GiB" in msg and "/dev/shm has 10.00 GiB" in msg
     assert "--shm-size" in msg and "drop --async-ckpt-use-cpu-shm" in msg
+    # the same figures without cpu-shm: /dev/shm is not used, so it fits
+    assert preflight.admit_node(0, shm=False, gather=gather)["node_staging_bytes"] == 12 * GiB
 
 
-def test_shm_that_fits_all_local_ranks_passes():
-    preflight.check_shm(2**26, 4, probe=lambda path: SMALL_SHM)  # exactly 256 MiB needed
+def test_a_node_that_fits_exactly_passes_and_reports_the_fullest_node():
+    gather = _cluster(("a", 50 * GiB, _budget(mem_available=100 * GiB)),
+                      ("a", 50 * GiB, _budget(mem_available=100 * GiB)),
+                      ("b", 1 * GiB, _budget()))
+    got = preflight.admit_node(0, shm=False, gather=gather)
+    assert (got["nodes"], got["node"], got["node_ranks"]) == (2, "a", 2)
+    assert got["node_staging_bytes"] == 100 * GiB and got["mem_available"] == 100 * GiB
 
 
-def test_shm_ranks_default_to_local_world_size(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(InsufficientSharedMemory, match="x 8 ranks"):
-        preflight.check_shm(2**26, probe=lambda path: SMALL_SHM)  # 8 x 64 MiB > 256 MiB
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "garbage")
-    assert preflight.local_ranks() == 1
+def test_a_node_takes_the_tightest_figure_its_ranks_measured_and_unknown_is_no_limit():
+    gather = _cluster(("a", 30 * GiB, _budget(mem_available=100 * GiB)),
+                      ("a", 30 * GiB, _budget(mem_available=50 * GiB)))
+    with pytest.raises(InsufficientHostMemory, match="leaves 50.00 GiB"):
+        preflight.admit_node(0, shm=False, gather=gather)
+    unknown = _cluster(("a", 30 * GiB, _budget(mem_available=-1)))
+    assert preflight.admit_node(0, shm=False, gather=unknown)["mem_available"] == -1
 
 
-def test_shm_probe_is_asked_about_the_given_path():
-    asked = []
-    preflight.check_shm(1, 1, path="/somewhere/shm",
-                        probe=lambda path: asked.append(path) or SMALL_SHM)
-    assert asked == ["/somewhere/shm"]
+def test_this_rank_sends_its_own_host_bytes_and_budget():
+    sent = []
+    preflight.admit_node(123, shm=False, gather=lambda mine: sent.append(mine) or [mine],
+                         budget=preflight.HostBudget(1, 2 * GiB, 3), host="here")
+    assert sent == [("here", 123, (1, 2 * GiB, 3))]
+
+
+def test_host_budget_reads_meminfo_and_a_container_limit(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.max").write_text("max\n")
+    (cg / "memory.current").write_text("0\n")
+    b = preflight.host_budget(str(tmp_path), meminfo=str(tmp_path / "meminfo"), cgroup=str(cg))
+    assert b.mem_available == 2048 * 1024 and b.shm_free > 0
+    (cg / "memory.max").write_text("1500000\n")  # the container's limit is tighter
+    (cg / "memory.current").write_text("500000\n")
+    b = preflight.host_budget(str(tmp_path), meminfo=str(tmp_path / "meminfo"), cgroup=str(cg))
+    assert b.mem_available == 1_000_000
 
 
 def test_disk_warns_once_when_below_last_checkpoint(tmp_path, caplog):
@@ -70,6 +117,6 @@ def test_checkpointer_fails_before_the_first_cpu_shm_save_when_shm_is_short(monk
                        ckpt_assume_constant_structure=True)
     with Checkpointer(opts) as ck:
         with pytest.raises(InsufficientSharedMemory,
-                           match=r"needs .* \(4000 bytes\) .* \(100 bytes\) is free"):
+                           match=r"stage .* \(4000 bytes\) .* /dev/shm has .* \(100 bytes\) free"):
             ck.save({"w": sharded_tensor.from_rank_offsets("w", torch.ones(1000))}, tmp_path,
                     iteration=1)
