@@ -105,14 +105,9 @@ WORK=${WORK:-/tmp/launch_check_work}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
 
-# megatron.training runs `make` in megatron/core/datasets at start-up; the wheel ships the helper.
-DS_DIR=$(python3 -c "import importlib.util as u, os; s=u.find_spec('megatron'); print(os.path.join(list(s.submodule_search_locations)[0], 'core', 'datasets'))")
-if [ -d "$DS_DIR" ] && [ ! -f "$DS_DIR/Makefile" ]; then printf 'all:\n\t@true\n' > "$DS_DIR/Makefile"; fi
-for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
-  [ -f ".mlm/$f" ] || { echo "missing .mlm/$f: carry .mlm (see docs/MEGATRON_LM.md)"; exit 2; }
-done
-
 source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME (as gpu_megatron_lm.sh)
+mlm_ready || exit 2  # scripts/mlm_recipe.sh: the .mlm files, megatron's datasets helper
+
 T=(--train-iters 20 --save-interval 5)
 
 # launch NAME -- args...: the unmodified script through the launcher; sets LAST_RC

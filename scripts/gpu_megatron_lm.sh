@@ -36,15 +36,10 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
 START=$(date +%s)
 
-# megatron.training runs `make` in megatron/core/datasets at start-up; the wheel ships the helper.
-DS_DIR=$(python3 -c "import importlib.util as u, os; s=u.find_spec('megatron'); print(os.path.join(list(s.submodule_search_locations)[0], 'core', 'datasets'))")
-if [ -d "$DS_DIR" ] && [ ! -f "$DS_DIR/Makefile" ]; then printf 'all:\n\t@true\n' > "$DS_DIR/Makefile"; fi
-for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
-  [ -f ".mlm/$f" ] || { echo "missing .mlm/$f: carry .mlm (see docs/MEGATRON_LM.md)"; exit 2; }
-done
+source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME
+mlm_ready || exit 2  # scripts/mlm_recipe.sh: the .mlm files, megatron's datasets helper
 python3 -m megatron_ckpt_ext doctor --json > "$OUT/doctor.json" 2> "$OUT/logs/doctor.err" || true
 
-source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME
 BIG=(--use-distributed-optimizer --num-layers 8 --hidden-size 1024 --num-attention-heads 16
   --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000
   --micro-batch-size 4 --global-batch-size 4)

@@ -19,12 +19,8 @@ SIGNAL_AT=${SIGNAL_AT:-40}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 mkdir -p "$OUT" && rm -rf "$WORK" && mkdir -p "$WORK"
 
-DS_DIR=$(python3 -c "import importlib.util as u, os; s=u.find_spec('megatron'); print(os.path.join(list(s.submodule_search_locations)[0], 'core', 'datasets'))")
-if [ -d "$DS_DIR" ] && [ ! -f "$DS_DIR/Makefile" ]; then printf 'all:\n\t@true\n' > "$DS_DIR/Makefile"; fi
-for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
-  [ -f ".mlm/$f" ] || { echo "missing .mlm/$f: carry .mlm (see docs/MEGATRON_LM.md)"; exit 2; }
-done
 source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME
+mlm_ready || exit 2  # scripts/mlm_recipe.sh: the .mlm files, megatron's datasets helper
 LONG=(--train-iters 100000 --save-interval 100000)
 LOG="$WORK/run.log"
 
