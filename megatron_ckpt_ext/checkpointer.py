@@ -26,7 +26,7 @@ from typing import Any
 from . import _cpu_shim, backend, preflight, strategy
 from ._runtime import rank
 from .collectives import Group
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
 from .load.loader import Loader
@@ -121,8 +121,34 @@ class Checkpointer:
         if self.admission is not None or not self._stager.owns_copies:
             return
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
-        self.admission = preflight.admit_node(nbytes, shm=self._cpu_shm,
-                                              gather=self._group.all_gather)
+        try:
+            self.admission = preflight.admit_node(nbytes, shm=self._cpu_shm,
+                                                  gather=self._group.all_gather)
+        except InsufficientHostMemory as e:  # raised on every rank alike: all decide the same
+            if self.options.ckpt_node_memory_fallback != "sync":
+                raise
+            self._fall_back_to_sync(str(e))
+
+    def _fall_back_to_sync(self, why: str) -> None:
+        """--ckpt-node-memory-fallback sync: stop the async writers, free the staging, and save
+        synchronously from now on (nothing staged)."""
+        self._publisher.close()
+        self._writers.close(drained=False)
+        self._stager.close()
+        self._async = self._cpu_shm = False
+        self._stager = choose_stager(is_async=False, cpu_shm=False, job_id=None,
+                                     reuse=self.options.ckpt_assume_constant_structure)
+        self._writers = WriterPool(self.options, self.caps, self._group, cpu_shm=False,
+                                   is_async=False, reports=self.reports)
+        self.startup = self._writers.startup
+        self._publisher = Publisher(self._stager, self._hooks, overlap=False,
+                                    on_step=lambda: self.wait_for_snapshot())
+        self._mode = _mode(False, False, False, False)
+        self.admission = {"fallback": "sync", "why": why}
+        if rank() == 0:
+            logger.warning("--ckpt-node-memory-fallback sync: saving synchronously from now on, "
+                           "since %s Each save now blocks for its whole write (its report's "
+                           "blocking_s).", why.split(" Fix: ")[0])
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Until the staging allocation started by :meth:`prepare` is done (at most
@@ -164,6 +190,7 @@ class Checkpointer:
             tensors: list[Any] = []
             backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
             self._admit(tensors)
+            record.mode = self._mode  # sync after a node-memory fallback
         stage(state, record, self._stager)
         self._hooks.at("staged", record)
         t = record.phase("stage_s", t)

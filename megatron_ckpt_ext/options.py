@@ -245,6 +245,16 @@ class CkptOptions:
         "abandoned (the previous checkpoint stays the latest), rank 0 logs the reason and "
         "training goes on; the next save is tried. See --ckpt-max-consecutive-failures.",
     )
+    ckpt_node_memory_fallback: str = _knob(
+        "none",
+        flag="--ckpt-node-memory-fallback",
+        choices=("none", "sync"),
+        help="When a node cannot hold what its ranks stage for an async save (node-level "
+        "admission before the first staging): 'none' fails on every rank naming the node, the "
+        "bytes and the fix; 'sync' saves synchronously instead (nothing is staged, each save "
+        "blocks for its whole write; the reports' blocking_s shows what that costs), with one "
+        "rank-0 WARNING.",
+    )
     ckpt_max_consecutive_failures: int = _knob(
         3,
         flag="--ckpt-max-consecutive-failures",

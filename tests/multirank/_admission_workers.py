@@ -30,12 +30,27 @@ def staging_bytes(world: int) -> int:
     return sum(t.numel() * 4 for r in range(world) for t in _state(r).values())
 
 
-def admit(rank: int, world: int, root: str, mode: str, mem_available: int) -> None:
+def admit(rank: int, world: int, root: str, mode: str, mem_available: int,
+          fallback: str = "none") -> None:
     """Every rank measures a node of ``mem_available`` bytes (its host_budget patched); both
-    ranks are on this host. Over budget: every rank raises at its first save, before writing;
-    else the save commits and the admission names the node-wide sum."""
+    ranks are on this host. Over budget: every rank raises at its first save, before writing
+    (``fallback`` "sync": the saves commit synchronously instead); else the save commits and
+    the admission names the node-wide sum."""
     preflight.host_budget = lambda *a, **k: preflight.HostBudget(2**40, mem_available, -1)
-    with Checkpointer(CkptOptions(**MODES[mode])) as ck:
+    options = CkptOptions(**MODES[mode], ckpt_node_memory_fallback=fallback)
+    with Checkpointer(options) as ck:
+        if fallback == "sync":
+            for iteration in (1, 2):  # the first save falls back, the next stays synchronous
+                ck.save(_owned(_state(rank)), root, iteration=iteration)
+                ck.maybe_finalize(blocking=True)
+                assert ck.reports[-1]["mode"] == "sync", ck.reports[-1]
+            assert ck.admission["fallback"] == "sync", ck.admission
+            assert "MemAvailable" in ck.admission["why"], ck.admission
+            assert ck.idle and len(ck.reports) == 2
+            like = {k: torch.zeros_like(v) for k, v in _state(rank).items()}
+            got = ck.load(_owned(like), root, iteration=2)
+            assert all(torch.equal(got[k], v) for k, v in _state(rank).items())
+            return
         try:
             ck.save(_owned(_state(rank)), root, iteration=1)
             ck.maybe_finalize(blocking=True)
