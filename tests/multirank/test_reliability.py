@@ -104,3 +104,14 @@ def test_bad_input_fails_naming_the_cause_and_never_touches_a_good_checkpoint(tm
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert rows[-1]["case"].startswith("good checkpoint") and rows[-1]["ok"]
+
+
+@pytest.mark.timeout(240)
+def test_a_writer_killed_mid_save_at_world_4_errors_on_every_rank_within_seconds():
+    """Node scale on CPU (issue 24): 4 ranks with the persistent cpu-shm writers; the last rank's
+    writer is SIGKILLed mid-write. Every rank must raise within 10 s of save(2) (no hang at
+    shutdown either: the rank bodies close their Checkpointers and leave no child), the previous
+    checkpoint stays the latest and intact, and a retry commits."""
+    case = rel.death_case("persistent-shm", "kill", world=4)
+    assert case["failures"] == 0, case
+    assert all("writer of rank 3 stopped" in m for m in case["messages"]), case["messages"]
