@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from . import _layout_workers as w
 from tools._dist import run_ranks
+
+from . import _layout_workers as w
 
 pytestmark = [pytest.mark.multirank]
 
@@ -33,7 +34,8 @@ MODES = {
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tp_pp_dp_layouts_round_trip_bit_exact_with_fully_parallel_save(mode, tmp_path):
-    run_ranks(w.roundtrip, world_size=WORLD, timeout=180, args=(str(tmp_path), MODES[mode], mode, LAYOUTS))
+    run_ranks(w.roundtrip, world_size=WORLD, timeout=180,
+              args=(str(tmp_path), MODES[mode], mode, LAYOUTS))
 
 
 @pytest.mark.timeout(240)
