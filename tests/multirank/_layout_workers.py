@@ -124,8 +124,10 @@ def assert_bit_exact(got: dict, want: dict, what: str) -> None:
     assert sorted(got) == sorted(want), f"{what}: keys {sorted(got)} != {sorted(want)}"
     for k, w in want.items():
         g = got[k]
-        assert g.dtype == w.dtype and g.shape == w.shape, (what, k, g.dtype, g.shape, w.dtype, w.shape)
-        same = torch.equal(g.cpu().contiguous().view(torch.uint8), w.cpu().contiguous().view(torch.uint8))
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, k, g.dtype, g.shape, w.dtype,
+                                                           w.shape)
+        same = torch.equal(g.cpu().contiguous().view(torch.uint8),
+                           w.cpu().contiguous().view(torch.uint8))
         assert same, f"{what}: tensor {k!r} differs from its expected slice"
 
 
@@ -167,7 +169,8 @@ def roundtrip(rank: int, world: int, root: str, options: dict, mode: str, layout
             assert ck.reports[-1]["mode"] == mode, ck.reports[-1]
             files = Path(where, "iter_0000001").glob("*.distcp")
             writers = sorted(int(f.name.split("_")[2]) for f in files)  # __{rank}_{n}.distcp
-            assert writers == list(range(world)), f"layout {tuple(lay)}: data files of ranks {writers}"
+            assert writers == list(range(world)), (f"layout {tuple(lay)}: data files of ranks "
+                                                   f"{writers}")
             torch.distributed.barrier()
             got = load_layout(ck, rank, lay, where, 1)
         assert_bit_exact(got, local_state(rank, lay, 1), f"rank {rank} layout {tuple(lay)}")
