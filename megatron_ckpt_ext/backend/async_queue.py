@@ -198,13 +198,14 @@ def async_writer_state(queue: Any) -> tuple[str, str]:
     return ("done", "") if process.exitcode == 0 else ("dead", _writer_exit_text(process))
 
 
-def forked_writer(queue: Any, pid: int) -> tuple[Any, Any] | None:
-    """(caller, process) of this queue's writer process ``pid``; None when it is not one."""
+def forked_writer(queue: Any, pid: int) -> tuple[Any, Any, bool] | None:
+    """(caller, process, persistent) of this queue's writer process ``pid``; None when it is
+    not one of them."""
     callers = [call.async_caller for call in getattr(queue, "async_calls", ())]
     for caller in filter(None, [*callers, persistent_caller(queue)]):
         process = getattr(caller, "process", None)
         if process is not None and process.pid == pid:
-            return caller, process
+            return caller, process, hasattr(caller, "comp_q")
     return None
 
 

@@ -197,8 +197,8 @@ class WriterPool:
     def _watch_start(self, pid: int | None) -> None:
         self._start_watch = None if pid is None else (pid, time.monotonic())
 
-    def _never_started(self) -> tuple[Any, Any] | None:
-        """(caller, process) of the watched writer when it is alive and has not started
+    def _never_started(self) -> tuple[Any, Any, bool] | None:
+        """(caller, process, persistent) of the watched writer when it is alive and has not started
         ``WRITER_START_TIMEOUT_S`` after its fork; None otherwise (the watch ends once it has
         started or is gone)."""
         watch, queue = self._start_watch, self._queue
@@ -233,9 +233,9 @@ class WriterPool:
         found = self._never_started()
         if found is None:
             return
-        caller, process = found
+        caller, process, persistent = found
         why = self._start_failure_text(process.pid)
-        if not hasattr(caller, "comp_q") and self._reforks < MAX_REFORKS:
+        if not persistent and self._reforks < MAX_REFORKS:
             self._reforks += 1
             with forks_die_with_this_process(self.fork_starts):
                 new = backend.refork_temporal_writer(caller)
