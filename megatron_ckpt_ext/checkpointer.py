@@ -186,9 +186,9 @@ class Checkpointer:
         t = record.phase("wait_previous_s", record.started)
         state, workdir = self._open(sharded_state_dict, record)
         t = record.phase("prepare_dir_s", t)
-        if self.admission is None:  # (C) the first staging: does each node hold its ranks' copies?
+        if self.admission is None and self._stager.owns_copies:  # (C) the first staging
             tensors: list[Any] = []
-            backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
+            backend.map_sharded_tensors(state, lambda x: tensors.append(x) or x)
             self._admit(tensors)
             record.mode = self._mode  # sync after a node-memory fallback
         stage(state, record, self._stager)
