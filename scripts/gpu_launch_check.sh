@@ -16,6 +16,9 @@
 # Writes $OUT/launch_check.json {"resume_bit_identical", "losses", "rc", ...} and the logs.
 # ON_EXTRA_ARGS: more flags for on (e.g. "--save-retain-interval 10", Megatron's flag, which our
 # Checkpointer reads too: $OUT/on_dir_listing.txt then lists what is left, iter_0000010 and 20).
+# NPROC (1) ranks through torchrun with PAR_ARGS on every run, e.g. NPROC=8 PAR_ARGS="--tensor-model-
+# parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 8" (TP2 PP2 DP2; later
+# flags win in Megatron's parser). Not yet run with NPROC > 1: no multi-GPU kind was lent.
 # RESUME_B_ARGS="--ckpt-load-threads 1": one more resume from on's iteration 10 with these extra
 # arguments (resume_b; compared with on into $OUT/launch_check_b.json), to tell two load paths apart.
 # The comparison alone, on two existing logs (tests/e2e/test_launch.py runs it on fake logs):
@@ -113,7 +116,7 @@ T=(--train-iters 20 --save-interval 5)
 # launch NAME -- args...: the unmodified script through the launcher; sets LAST_RC
 launch() {
   local name=$1; shift 2
-  timeout "$RUN_TIMEOUT" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 1000)) \
+  timeout "$RUN_TIMEOUT" torchrun --nproc_per_node "${NPROC:-1}" --master_port $((29500 + RANDOM % 1000)) \
     -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" > "$OUT/logs/launch_$name.log" 2>&1
   LAST_RC=$?
   echo "launch $name rc=$LAST_RC"
@@ -121,14 +124,15 @@ launch() {
 }
 
 # shellcheck disable=SC2086  # ON_EXTRA_ARGS: several flags, word-split on purpose
-launch on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/on" ${ON_EXTRA_ARGS:-}
+launch on -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/on" ${PAR_ARGS:-} ${ON_EXTRA_ARGS:-}
 RC_ON=$LAST_RC
 # what on's save directory holds at the end (retention: ON_EXTRA_ARGS="--save-retain-interval 10")
 sleep 2  # retention deletes in the background after the last commit
 ls -A "$WORK/on" > "$OUT/on_dir_listing.txt"
 mkdir -p "$WORK/resume"
 cp -r "$WORK/on/iter_0000010" "$WORK/resume/" 2>/dev/null && echo 10 > "$WORK/resume/latest_checkpointed_iteration.txt"
-launch resume -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume" --load "$WORK/resume" "${RESUME[@]}"
+# shellcheck disable=SC2086
+launch resume -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume" --load "$WORK/resume" "${RESUME[@]}" ${PAR_ARGS:-}
 RC_RESUME=$LAST_RC
 compare "$OUT/logs/launch_on.log" "$OUT/logs/launch_resume.log" "$OUT/launch_check.json" \
   "$RC_ON" "$RC_RESUME" "$WORK/on"
@@ -136,7 +140,7 @@ if [ -n "${RESUME_B_ARGS:-}" ]; then
   mkdir -p "$WORK/resume_b"
   cp -r "$WORK/on/iter_0000010" "$WORK/resume_b/" 2>/dev/null && echo 10 > "$WORK/resume_b/latest_checkpointed_iteration.txt"
   # shellcheck disable=SC2086  # word-split on purpose: several flags
-  launch resume_b -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume_b" --load "$WORK/resume_b" "${RESUME[@]}" $RESUME_B_ARGS
+  launch resume_b -- "${COMMON[@]}" "${TINY[@]}" "${T[@]}" "${OURS[@]}" --save "$WORK/resume_b" --load "$WORK/resume_b" "${RESUME[@]}" ${PAR_ARGS:-} $RESUME_B_ARGS
   compare "$OUT/logs/launch_on.log" "$OUT/logs/launch_resume_b.log" "$OUT/launch_check_b.json" \
     "$RC_ON" "$LAST_RC" "$WORK/on"
 fi
