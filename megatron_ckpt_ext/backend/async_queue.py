@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
+from .._runtime import rank
 from ..debug import env_switch
 from ..errors import BackendUnavailable
 from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
@@ -36,6 +37,8 @@ def new_async_calls_queue(
     the others only when asked for. What the backend does not accept is dropped: callers check
     :func:`detect` (and warn) before asking.
     """
+    if not persistent:
+        _quiet_temporal_deprecation()
     kwargs: dict[str, Any] = {"persistent": persistent, "is_daemon": is_daemon}
     if cpu_shm_mode:
         kwargs["cpu_shm_mode"] = True
@@ -44,6 +47,35 @@ def new_async_calls_queue(
     if io_priority is not None:
         kwargs["io_priority"] = io_priority
     return call_with_supported(async_calls_queue_cls(), **kwargs)
+
+
+class _FirstOnRankZero(logging.Filter):
+    """nvrx's queue logs "The TemporalAsyncCaller will be deprecated soon." at WARNING for every
+    temporal save, on every rank: the first one passes on rank 0, the repeats and the other
+    ranks' are dropped. Nothing else of that logger is touched."""
+
+    TEXT = "TemporalAsyncCaller will be deprecated"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.TEXT not in record.getMessage():
+            return True
+        if self.passed or rank() != 0:
+            return False
+        self.passed = True
+        return True
+
+
+_NVRX_QUEUE_LOGGER = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+
+
+def _quiet_temporal_deprecation() -> None:
+    nvrx_logger = logging.getLogger(_NVRX_QUEUE_LOGGER)
+    if not any(isinstance(f, _FirstOnRankZero) for f in nvrx_logger.filters):
+        nvrx_logger.addFilter(_FirstOnRankZero())
 
 
 @contextlib.contextmanager

@@ -255,3 +255,24 @@ def test_map_sharded_tensors_replaces_nested_in_place():
     tree = {"x": [t, 3, {"y": t}], "z": "keep"}
     backend.map_sharded_tensors(tree, lambda s: ("seen", s.key))
     assert tree == {"x": [("seen", "a"), 3, {"y": ("seen", "a")}], "z": "keep"}
+
+
+def test_nvrx_temporal_deprecation_warning_passes_once_on_rank_0_and_nothing_else_is_dropped(
+        caplog):
+    """nvrx logs it at every temporal save on every rank; after a temporal queue is made, only
+    the first reaches the log (rank 0 here: no process group), other records of that logger do."""
+    from megatron_ckpt_ext.backend import async_queue
+
+    nvrx = logging.getLogger(async_queue._NVRX_QUEUE_LOGGER)
+    backend.new_async_calls_queue(persistent=False)
+    backend.new_async_calls_queue(persistent=False)  # installs one filter, not two
+    assert sum(isinstance(f, async_queue._FirstOnRankZero) for f in nvrx.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=async_queue._NVRX_QUEUE_LOGGER):
+        for f in nvrx.filters:  # a fresh state for this test
+            if isinstance(f, async_queue._FirstOnRankZero):
+                f.passed = False
+        for _ in range(3):
+            nvrx.warning("The TemporalAsyncCaller will be deprecated soon. ")
+        nvrx.warning("something else")
+    texts = [r.getMessage() for r in caplog.records if r.name == async_queue._NVRX_QUEUE_LOGGER]
+    assert texts == ["The TemporalAsyncCaller will be deprecated soon. ", "something else"], texts
