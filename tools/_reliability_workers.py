@@ -30,7 +30,7 @@ from megatron_ckpt_ext.hooks import SaveHooks
 
 from ._dist import device, sharded
 
-__all__ = ["MODES", "PHASES", "crash_job", "soak", "trial_state", "verify_committed",
+__all__ = ["MODES", "PHASES", "crash_job", "fork_soak", "soak", "trial_state", "verify_committed",
            "worker_death"]
 
 MODES: dict[str, dict[str, Any]] = {
@@ -422,3 +422,34 @@ def rank_main(spec_path: str) -> None:
     finally:
         dist.destroy_process_group()
     os._exit(0)  # see tools/_dist.py: torch 2.13's exit-time teardown can abort
+
+
+# -- fork soak: writers forked many times; count the ones stuck in Python's after-fork start ---
+def fork_soak(rank: int, world: int, root: str, out_dir: str, mode: str, saves: int,
+              start_timeout_s: float) -> None:
+    """``saves`` async saves in one Checkpointer (a temporal writer is forked per save); counts
+    the writers the WriterPool found stuck at start and forked again (its WARNING), and whether
+    every save committed. Results: ``<out_dir>/forks_r<rank>.json``."""
+    import logging
+
+    from megatron_ckpt_ext.save import writers
+
+    writers.WRITER_START_TIMEOUT_S = start_timeout_s
+    stuck: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "forked the writer again" in record.getMessage():
+                stuck.append(record.getMessage())
+
+    logging.getLogger("megatron_ckpt_ext").addHandler(Count(logging.WARNING))
+    state = trial_state(1, rank)
+    t0 = time.perf_counter()
+    with Checkpointer(CkptOptions(**MODES[mode], most_recent_k=2)) as ck:
+        for it in range(1, saves + 1):
+            ck.save(sharded(rank, world, state), root, iteration=it)
+            ck.maybe_finalize(blocking=True)
+        committed = len(ck.reports)
+    Path(out_dir, f"forks_r{rank}.json").write_text(json.dumps({
+        "rank": rank, "saves": saves, "committed": committed, "reforks": len(stuck),
+        "seconds": round(time.perf_counter() - t0, 1), "warnings": stuck[:5]}))

@@ -5,6 +5,7 @@
     python tools/reliability.py death                          # kill / hang / fail the writer
     python tools/reliability.py soak --saves 200               # memory, shm, fds, children flat
     python tools/reliability.py badinput                       # every bad flag/config/path
+    python tools/reliability.py forks --saves 2000             # writers stuck in their fork
     ... --device cuda [--world 1]                              # the same with CUDA tensors
 
 Each prints a table, writes ``--json`` when given, and exits 1 when a failure count is not 0.
@@ -381,6 +382,27 @@ def cmd_soak(args: argparse.Namespace) -> dict:
     return {"summary": {"failures": result["failures"], "saves": args.saves}, "soak": result}
 
 
+def cmd_forks(args: argparse.Namespace) -> dict:
+    """Many temporal writer forks in one run: every save must commit; the writers found stuck in
+    Python's after-fork start (and forked again) are counted, not failures."""
+    os.environ["MCX_TEST_DEVICE"] = args.device
+    world = world_for(args.device, args.world)
+    with tempfile.TemporaryDirectory(prefix="mcx_forks_") as tmp:
+        run_ranks(rw.fork_soak, world_size=world, timeout=args.saves * 2 + 600,
+                  args=(str(Path(tmp, "ckpt")), tmp, "temporal", args.saves, args.start_timeout))
+        ranks = [json.loads(Path(tmp, f"forks_r{r}.json").read_text()) for r in range(world)]
+    failures = sum(r["committed"] != args.saves for r in ranks)
+    reforks = sum(r["reforks"] for r in ranks)
+    print(f"{args.saves} saves x {world} ranks: {reforks} writer forks stuck at start and forked "
+          f"again; {failures} rank(s) with a save not committed")
+    return {"summary": {"failures": failures, "saves": args.saves, "world": world,
+                        "writer_forks": args.saves * world, "reforked": reforks,
+                        "start_timeout_s": args.start_timeout,
+                        "seconds": max(r["seconds"] for r in ranks),
+                        "python": sys.version.split()[0]},
+            "ranks": ranks}
+
+
 # -- bad input -----------------------------------------------------------------------------------
 TRAINER = ROOT / "scripts" / "pretrain_gpt.py"
 RECIPE = ROOT / "scripts" / "run_recipe.py"
@@ -597,6 +619,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--saves", type=int, default=200)
     s.add_argument("--mode", default="persistent-shm", choices=sorted(rw.MODES))
     sub.add_parser("badinput", help="bad flags, values, configs and paths: the messages")
+    f = sub.add_parser("forks", help="many temporal writer forks: the ones stuck at start")
+    f.add_argument("--saves", type=int, default=2000)
+    f.add_argument("--start-timeout", type=float, default=5.0,
+                   help="seconds before a silent writer counts as stuck (the product's is 30)")
     args = p.parse_args(argv)
     if args.cmd == "soak" and args.saves < 40:
         p.error("soak --saves: at least 40 (20 warm-up saves, then samples every 10)")
@@ -605,7 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run = {"crash": cmd_crash, "death": cmd_death, "soak": cmd_soak, "badinput": cmd_badinput}
+    run = {"crash": cmd_crash, "death": cmd_death, "soak": cmd_soak, "badinput": cmd_badinput,
+           "forks": cmd_forks}
     result = run[args.cmd](args)
     print(json.dumps(result["summary"], indent=1))
     if args.json:
