@@ -122,7 +122,7 @@ class WriterPool:
         if env_switch("MCX_FREEZE_GC_AT_FORK") != "1":
             return
         t0 = time.perf_counter()
-        self.froze_gc = gc.get_freeze_count() == 0
+        self.froze_gc = self.froze_gc or gc.get_freeze_count() == 0  # a second worker: still ours
         gc.collect()
         gc.freeze()
         self.startup["gc_freeze_s"] = round(time.perf_counter() - t0, 6)
@@ -207,6 +207,7 @@ class WriterPool:
         found = backend.forked_writer(queue, watch[0])
         if found is None or not found[1].is_alive() or self.fork_starts.started(watch[0]):
             self._start_watch = None
+            self._reforks = 0
             return None
         return found if time.monotonic() - watch[1] > WRITER_START_TIMEOUT_S else None
 
@@ -228,13 +229,23 @@ class WriterPool:
 
     def _restart_unstarted_writer(self) -> None:
         """A temporal writer that never started is forked again (it ran nothing, so its request
-        is intact), at most ``MAX_REFORKS`` times per save; else the writer is stopped and the
-        next agreement reports it dead with the reason."""
+        is intact), and a persistent worker whose only request is its start-up is replaced by a
+        new one, at most ``MAX_REFORKS`` times; else the writer is stopped and the next
+        agreement reports it dead with the reason (a persistent worker holding a save)."""
         found = self._never_started()
         if found is None:
             return
         caller, process, persistent = found
         why = self._start_failure_text(process.pid)
+        if persistent and self._reforks < MAX_REFORKS and not any(self.pending.values()):
+            # only its start-up request waits on it: a new worker loses nothing
+            self._reforks += 1
+            self.kill()
+            self._started = time.perf_counter()
+            self._queue = self._make_queue()
+            logger.warning("%s; stopped it and started a new persistent worker (pid %s)", why,
+                           backend.newest_writer_pid(self._queue))
+            return
         if not persistent and self._reforks < MAX_REFORKS:
             self._reforks += 1
             with forks_die_with_this_process(self.fork_starts):

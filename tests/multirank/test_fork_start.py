@@ -1,7 +1,9 @@
 """A forked writer that never starts (CPython 3.11 can leave a fork blocked in its after-fork
 start when another thread held the interpreter's thread-state lock; CI saw a 2-rank save hang on
-it) is noticed within the start timeout: a temporal writer is forked again and the save commits,
-a persistent worker is stopped and every rank raises. Nothing waits for --ckpt-timeout."""
+it) is noticed within the start timeout: a temporal writer is forked again and the save commits;
+a persistent worker with nothing but its start-up request is replaced and the save commits; one
+that already holds a save (started after an abandoned save) is stopped and every rank raises,
+and the next save commits. Nothing waits for --ckpt-timeout."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from . import _fork_start_workers as fw
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["temporal", "persistent-shm"])
+@pytest.mark.parametrize("mode", ["temporal", "persistent-shm", "persistent-shm-abandoned"])
 def test_a_writer_stuck_in_its_fork_is_restarted_or_reported_never_waited_for(tmp_path, mode):
     marker = tmp_path / "stuck_pid"
     root = tmp_path / "ckpt"
