@@ -71,8 +71,8 @@ class ForkStarts:
 
     CPython 3.11 can leave a forked child blocked forever in ``PyOS_AfterFork_Child`` (waiting
     for the interpreter's thread-state lock) when, at the instant of the fork, a thread without
-    the GIL held that lock: a gloo worker thread dropping the last reference to a collective's
-    tensor takes it to release the Python object. The child never runs our write; alive and
+    the GIL held that lock (most likely a C++ thread, such as gloo's, entering Python; not
+    proven). The child never runs our write; alive and
     silent, it looked like a slow write until ``--ckpt-timeout``. Each watched child writes its
     pid into a pipe as its last after-fork step, so the trainer can tell a writer that never
     started from one that is writing (:class:`~megatron_ckpt_ext.save.writers.WriterPool`
