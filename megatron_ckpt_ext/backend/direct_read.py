@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
-           "DEFAULT_CHUNK"]
+           "DEFAULT_CHUNK", "EDGE"]
 
 DEFAULT_CHUNK = 32 << 20
+EDGE = 4096  # bytes read at each end of an item for its zip headers
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_MAGIC = 0x04034B50
 
@@ -62,10 +63,17 @@ class ItemLayout:
 
 
 class _Window(io.RawIOBase):
-    """A read-only file object over ``[offset, offset + length)`` of ``fd`` (for zipfile)."""
+    """A read-only file object over ``[offset, offset + length)`` of ``fd`` (for zipfile). The
+    item's head (local headers, data.pkl) and tail (central directory) are read once, ``EDGE``
+    bytes each, and serve every small read inside them: two preads per item, not one per field."""
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
         self._fd, self._base, self._len, self._pos = fd, offset, length, 0
+        edge = min(length, EDGE)
+        self._head = os.pread(fd, edge, offset)
+        tail_at = max(length - EDGE, len(self._head))
+        self._tail_at = tail_at
+        self._tail = os.pread(fd, length - tail_at, offset + tail_at) if tail_at < length else b""
 
     def readable(self) -> bool:
         return True
@@ -83,9 +91,17 @@ class _Window(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         n = self._len - self._pos if n is None or n < 0 else min(n, self._len - self._pos)
-        data = os.pread(self._fd, n, self._base + self._pos)
+        data = self.pread(n, self._pos)
         self._pos += len(data)
         return data
+
+    def pread(self, n: int, at: int) -> bytes:
+        """``n`` bytes at item offset ``at`` (from the edges read already when inside them)."""
+        if at + n <= len(self._head):
+            return self._head[at:at + n]
+        if at >= self._tail_at and at + n <= self._tail_at + len(self._tail):
+            return self._tail[at - self._tail_at:at - self._tail_at + n]
+        return os.pread(self._fd, n, self._base + at)
 
 
 class _Tensor(tuple):
@@ -148,7 +164,8 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
     import torch
 
     try:
-        with zipfile.ZipFile(_Window(fd, offset, length)) as archive:
+        window = _Window(fd, offset, length)
+        with zipfile.ZipFile(window) as archive:
             infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
             if "data.pkl" not in infos:
                 return None, "no data.pkl record"
@@ -157,9 +174,9 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
                 return None, "data.pkl is compressed"
             # the records are read by their local headers: zipfile would check CRC-32s, which a
             # writer with torch's CRC off leaves as 0 (the manifest's checksums cover the bytes)
-            byteorder = (_record(fd, offset, infos["byteorder"]).decode()
+            byteorder = (_record(window, infos["byteorder"]).decode()
                          if "byteorder" in infos else "little")
-            rebuilt = _Unpickler(io.BytesIO(_record(fd, offset, infos["data.pkl"]))).load()
+            rebuilt = _Unpickler(io.BytesIO(_record(window, infos["data.pkl"]))).load()
             if not isinstance(rebuilt, _Tensor):
                 return None, "the item is not one tensor"
             key, dtype, storage_offset, size, stride = rebuilt
@@ -168,7 +185,7 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
                 return None, "the storage record is missing or compressed"
             if byteorder != sys.byteorder:
                 return None, f"saved {byteorder}-endian"
-            data = _data_start(fd, offset, record)
+            data = _data_start(window, record)
             item = torch.empty((), dtype=dtype).element_size()
             layout = ItemLayout(dtype, size, stride, offset + data + storage_offset * item)
             numel = 1
@@ -182,16 +199,16 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
         return None, f"unreadable as a plain tensor ({type(e).__name__}: {e})"
 
 
-def _data_start(fd: int, offset: int, info: zipfile.ZipInfo) -> int:
+def _data_start(window: _Window, info: zipfile.ZipInfo) -> int:
     """Where a stored record's bytes begin, relative to the item (after its local header)."""
-    fields = _LOCAL_HEADER.unpack(os.pread(fd, _LOCAL_HEADER.size, offset + info.header_offset))
+    fields = _LOCAL_HEADER.unpack(window.pread(_LOCAL_HEADER.size, info.header_offset))
     if fields[0] != _LOCAL_MAGIC:
         raise zipfile.BadZipFile(f"no local header for {info.filename}")
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
-def _record(fd: int, offset: int, info: zipfile.ZipInfo) -> bytes:
-    data = os.pread(fd, info.file_size, offset + _data_start(fd, offset, info))
+def _record(window: _Window, info: zipfile.ZipInfo) -> bytes:
+    data = window.pread(info.file_size, _data_start(window, info))
     if len(data) != info.file_size:
         raise zipfile.BadZipFile(f"{info.filename} is cut short")
     return data

@@ -5,6 +5,8 @@ older checkpoint that verifies. Every step is collective."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from pathlib import Path
@@ -45,7 +47,8 @@ class Loader:
         failure: BaseException | None = None
         try:
             reads: dict = {}
-            with backend.parallel_reads(self.options.ckpt_load_threads, reads) as why_not:
+            with _no_gc_pause(), backend.parallel_reads(self.options.ckpt_load_threads,
+                                                        reads) as why_not:
                 if why_not is not None and self.options.ckpt_load_threads > 1 and rank() == 0:
                     logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
                                 "reader", why_not)
@@ -93,9 +96,24 @@ class Loader:
                                        f"{path.parent} verifies (--ckpt-load-fallback).")
 
 
+@contextlib.contextmanager
+def _no_gc_pause():
+    """The cyclic garbage collector off while megatron-core loads: the load unpickles its plans
+    and items (many small objects), which can start a full collection of the trainer's whole heap
+    (0.2 s in a bare process with megatron-core imported, more in a trainer) in the middle of the
+    load. Freed by reference counting meanwhile; the collector is back on afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _note_reads(record: LoadRecord, reads: dict) -> None:
     """Split megatron-core's load into the reader's steps; say once why items went stock."""
-    for name in ("metadata_s", "read_s"):
+    for name in ("metadata_s", "read_s", "h2d_s"):
         record.phases[name] = record.phases.get(name, 0.0) + reads.get(name, 0.0)
         record.phases["other_s"] = record.phases.get("other_s", 0.0) - reads.get(name, 0.0)
     for name in ("direct_items", "stock_items"):

@@ -56,5 +56,6 @@ def test_cuda_targets_load_bit_exact_in_chunks(tmp_path, monkeypatch, world_of_o
         report = ck.load_reports[-1]
     torch.cuda.synchronize()
     assert (report["direct_items"], report["stock_items"]) == (len(state), 0), report
+    assert report["phases"]["h2d_s"] > 0 and report["phases"]["read_s"] > 0, report
     for k, v in state.items():
         assert got[k].is_cuda and torch.equal(got[k], v), k

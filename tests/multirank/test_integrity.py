@@ -217,6 +217,32 @@ def test_items_the_direct_reader_refuses_load_the_stock_way_and_say_why(tmp_path
     assert "a reason to refuse" in caplog.text
 
 
+def test_the_load_runs_without_the_cyclic_collector_and_reports_its_phases(tmp_path,
+                                                                           monkeypatch):
+    """No full collection of the trainer's heap in the middle of a load: the collector is off
+    while megatron-core loads (seen from inside the reader) and on again afterwards; CPU targets
+    have no host-to-device phase, and the phases add up to no more than the load."""
+    import gc
+
+    from megatron_ckpt_ext.backend import direct_read
+
+    _save(tmp_path, [1])
+    seen = []
+    real = direct_read.item_layout
+    monkeypatch.setattr(direct_read, "item_layout",
+                        lambda *a: (seen.append(gc.isenabled()), real(*a))[1])
+    assert gc.isenabled()
+    _load(tmp_path)
+    assert seen and not any(seen), seen
+    assert gc.isenabled()
+    with Checkpointer(CkptOptions()) as ck:
+        ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in _state(0).items()}), tmp_path)
+        report = ck.load_reports[-1]
+    phases = report["phases"]
+    assert phases["h2d_s"] == 0 and phases["read_s"] > 0 and phases["metadata_s"] > 0, phases
+    assert sum(phases.values()) <= report["load_s"] * 1.01 + 1e-3, report
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_byte_flip_and_truncation_in_every_file_kind_is_caught(tmp_path, mode):
     """Single-byte changes at random offsets (and the first and last byte) and truncations to a
