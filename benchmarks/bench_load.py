@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,18 +50,38 @@ def drop_pages(checkpoint: Path) -> None:
 
 
 def parallel_read_s(checkpoint: Path, threads: int) -> float:
-    """Read every byte of the checkpoint, ``_CHUNK`` at a time over ``threads`` threads."""
-    jobs = [(p, off) for p in _files(checkpoint) for off in range(0, p.stat().st_size, _CHUNK)]
+    """Read every byte of the checkpoint, ``_CHUNK`` at a time over ``threads`` threads, each
+    into one buffer of its own that it reuses (``preadv``: no allocation, no page faults on the
+    destination, so what is timed is the file read itself)."""
+    files = _files(checkpoint)
+    jobs = [(i, off) for i, p in enumerate(files) for off in range(0, p.stat().st_size, _CHUNK)]
+    fds = [os.open(p, os.O_RDONLY) for p in files]
+    local = threading.local()
 
-    def read(job: tuple[Path, int]) -> int:
-        path, off = job
-        with open(path, "rb", buffering=0) as fh:
-            return len(os.pread(fh.fileno(), _CHUNK, off))
+    def read(job: tuple[int, int]) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(_CHUNK))
+            buf[::4096] = b"\1" * len(buf[::4096])  # touched once, before the clock matters
+        i, off = job
+        return os.preadv(fds[i], [buf], off)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, jobs))
-    return time.perf_counter() - t0
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda _: getattr(local, "buf", None), range(threads)))  # start them
+            t0 = time.perf_counter()
+            list(pool.map(read, jobs))
+            return time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def best_warm_read_s(checkpoint: Path, thread_counts: list[int]) -> tuple[float, int]:
+    """The fastest page-cache read over ``thread_counts`` (the pages are read in once first):
+    (seconds, threads)."""
+    parallel_read_s(checkpoint, max(thread_counts))
+    return min((parallel_read_s(checkpoint, n), n) for n in thread_counts)
 
 
 def h2d_pinned_s(nbytes: int, device: torch.device) -> float | None:
@@ -168,11 +189,13 @@ def main() -> int:
     def floors() -> dict:
         drop_pages(checkpoint)
         cold = parallel_read_s(checkpoint, args.threads)
-        warm = parallel_read_s(checkpoint, args.threads)
+        warm, warm_threads = best_warm_read_s(checkpoint, sorted({8, args.threads,
+                                                                  2 * args.threads}))
         h2d = h2d_pinned_s(nbytes, device)
         return {"read_cold_gbps": round(on_disk / cold / 1e9, 3),
                 "read_warm_gbps": round(on_disk / warm / 1e9, 3),
-                "h2d_pinned_gbps": round(nbytes / h2d / 1e9, 3) if h2d else None}
+                "h2d_pinned_gbps": round(nbytes / h2d / 1e9, 3) if h2d else None,
+                "read_warm_threads": warm_threads}
 
     measured = [floors()]
     runs = []
@@ -208,7 +231,7 @@ def main() -> int:
         "versions": {"torch": torch.__version__, "megatron-core": caps.mcore_version,
                      "nvidia-resiliency-ext": caps.nvrx_version},
         "floors": {k: max(m[k] for m in measured) if measured[0][k] is not None else None
-                   for k in measured[0]},
+                   for k in ("h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps")},
         "floor_samples": measured, "runs": runs,
     }
     result["targets"] = targets(runs, result["floors"])

@@ -10,6 +10,9 @@ Standard library only: a writer process imports it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import shutil
@@ -21,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["ALGORITHM", "MANIFEST", "SUMS_DIR", "ManifestError", "Problem", "file_crc32",
-           "read_manifest", "record_sum", "verify_files", "write_manifest"]
+__all__ = ["ALGORITHM", "MANIFEST", "SUMS_DIR", "ManifestError", "Problem", "crc32_combine",
+           "file_crc32", "read_manifest", "record_sum", "tiled_crc32", "verify_files",
+           "write_manifest"]
 
 MANIFEST = "mcx_manifest.json"
 SUMS_DIR = ".mcx_sums"
@@ -122,6 +126,76 @@ def file_crc32(path: Path, progress: Callable[[int], None] | None = None) -> int
             crc = zlib.crc32(chunk, crc)
             if progress is not None:
                 progress(len(chunk))
+
+
+# -- CRC-32 of a file from the CRC-32s of its pieces (a loader that read every byte sums them as
+# they pass, on several threads, then folds the pieces in file order) -----------------------------
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (reflected bit order, as zlib)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+@functools.lru_cache(maxsize=None)
+def _x2n(k: int) -> int:
+    """x^(2^k) modulo the polynomial."""
+    return 1 << 30 if k == 0 else _multmodp(_x2n(k - 1), _x2n(k - 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift_op(nbytes: int) -> int:
+    """x^(8 * nbytes) modulo the polynomial: what moves a CRC past ``nbytes`` zero bytes."""
+    p, n, k = 1 << 31, nbytes, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_x2n(k % 32), p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def _libz_combine() -> Callable[[int, int, int], int] | None:
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
+        fn = lib.crc32_combine64
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64), ctypes.c_ulong
+    return lambda a, b, n: int(fn(a, b, n)) & 0xFFFFFFFF
+
+
+_LIBZ: list = []
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int, *, pure: bool = False) -> int:
+    """The CRC-32 of A + B from crc32(A), crc32(B) and len(B) (zlib's own when it exports it,
+    else the same arithmetic in Python)."""
+    if not _LIBZ:
+        _LIBZ.append(_libz_combine())
+    if _LIBZ[0] is not None and not pure:
+        return _LIBZ[0](crc1, crc2, len2)
+    return _multmodp(_shift_op(len2), crc1) ^ crc2
+
+
+def tiled_crc32(pieces: Iterable[tuple[int, int, int]], size: int) -> int | None:
+    """The CRC-32 of a ``size``-byte file from ``(offset, length, crc32)`` pieces, or None when
+    they do not cover it exactly (a gap, an overlap, or a byte past the end)."""
+    crc, at = 0, 0
+    for offset, length, piece in sorted(pieces):
+        if offset != at:
+            return None
+        crc = crc32_combine(crc, piece, length) if at else piece
+        at += length
+    return crc if at == size else None
 
 
 @dataclass(frozen=True)

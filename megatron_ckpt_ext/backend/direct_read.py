@@ -36,6 +36,10 @@ class ItemLayout:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     start: int
+    # the storage record (absolute file offset, bytes), and the item's bytes before and after it
+    # (zip headers, data.pkl, central directory): with the record they are the whole item
+    record: tuple[int, int] = (0, 0)
+    edges: tuple[bytes, bytes] = (b"", b"")
 
     def contiguous(self) -> bool:
         expected, step = [], 1
@@ -187,12 +191,16 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
                 return None, f"saved {byteorder}-endian"
             data = _data_start(window, record)
             item = torch.empty((), dtype=dtype).element_size()
-            layout = ItemLayout(dtype, size, stride, offset + data + storage_offset * item)
             numel = 1
             for n in size:
                 numel *= n
-            if data + (storage_offset + numel) * item > length:
+            if data + (storage_offset + numel) * item > length or \
+                    data + record.file_size > length:
                 return None, "the tensor's bytes run past the item"
+            end = data + record.file_size
+            layout = ItemLayout(dtype, size, stride, offset + data + storage_offset * item,
+                                record=(offset + data, record.file_size),
+                                edges=(window.pread(data, 0), window.pread(length - end, end)))
             return layout, ""
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, KeyError,
             struct.error, AttributeError, TypeError) as e:

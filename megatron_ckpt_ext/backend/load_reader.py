@@ -13,10 +13,12 @@ import logging
 import os
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from .. import manifest
 from . import direct_read
 from ._imports import MCORE_STRATEGIES
 
@@ -28,13 +30,21 @@ _NEEDED = ("storage_data", "fs", "path", "_slice_file")
 
 
 @contextlib.contextmanager
-def parallel_reads(threads: int, stats: dict | None = None,
-                   chunk: int | None = None) -> Iterator[str | None]:
+def parallel_reads(threads: int, stats: dict | None = None, chunk: int | None = None, *,
+                   checksums: bool = False,
+                   on_planned: Callable[[set[str]], None] | None = None) -> Iterator[str | None]:
     """While inside, megatron-core's torch_dist loads read with ``threads`` threads, ``chunk``
     bytes at a time. Yields None when applied, else why not (the load then runs as
     megatron-core's own). ``stats`` gets the seconds of the metadata and read steps, and how many
-    items (and bytes) were read directly and how many the stock way (with the first reason)."""
+    items (and bytes) were read directly and how many the stock way (with the first reason).
+
+    With ``checksums`` every file whose every byte this rank reads (its items whole: the zip
+    headers, the records) gets its CRC-32 from the bytes as they pass, on the reading threads,
+    folded in file order: ``stats["file_crcs"]`` {file: (bytes, crc32)}. ``on_planned`` is told
+    those files' names as soon as the reads are planned (before the bytes are read), and
+    ``stats["planned_files"]`` keeps them."""
     stats = {} if stats is None else stats
+    stats["_checksums"], stats["_on_planned"] = checksums, on_planned
     chunk = chunk or direct_read.DEFAULT_CHUNK
     try:
         module = importlib.import_module(f"{MCORE_STRATEGIES}.torch")
@@ -85,11 +95,14 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
 
     lock = threading.Lock()
     stats = self._mcx_stats
+    sums = _Sums(stats.get("_checksums", False))
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
     for req in (r for r in plan.items if r.type == LoadItemType.BYTE_IO):
         with _item_stream(self, req) as data:
-            planner.load_bytes(req, io.BytesIO(data.read(-1)))
+            raw = data.read(-1)
+            sums.whole_item(self.storage_data[req.storage_index], raw)
+            planner.load_bytes(req, io.BytesIO(raw))
     # in file order: a cold read of the headers then runs along each file
     tensors.sort(key=lambda r: (self.storage_data[r.storage_index].relative_path,
                                 self.storage_data[r.storage_index].offset))
@@ -101,6 +114,12 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         for req in tensors:
             _prefetch_edges(files, self.storage_data[req.storage_index])
         plans = [_plan_item(self, files, planner, req, lock) for req in tensors]
+        for p in plans:
+            sums.direct_item(p, self.storage_data[p.req.storage_index])
+        covered = sums.planned(files)
+        stats.setdefault("planned_files", set()).update(covered)
+        if stats.get("_on_planned") is not None:
+            stats["_on_planned"](covered)
         t = _add(stats, "metadata_s", t)
         # 2. the bytes: the direct items' chunks in file order, cut into one contiguous stripe
         # per thread (each thread reads along its stripe: a cold disk streams it); the rest
@@ -108,13 +127,14 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         direct = [p for p in plans if p.span is not None]
         chunks = sorted(((p, a, b) for p in direct for a, b in _chunks(p.span[1], self._mcx_chunk)),
                         key=lambda c: (c[0].what, c[0].span[0] + c[1]))
-        jobs = [pool.submit(_read_stripe, files, stripe, stats)
+        jobs = [pool.submit(_read_stripe, files, stripe, stats, sums)
                 for stripe in _stripes(chunks, self._mcx_threads)]
         jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
                  for p in plans if p.span is None]
         for job in jobs:
             job.result()
         _split_read(stats, time.perf_counter() - t)
+        stats.setdefault("file_crcs", {}).update(sums.file_crcs(files, covered))
     for p in direct:
         planner.commit_tensor(p.req, p.target)
     stats["direct_items"] = stats.get("direct_items", 0) + len(direct)
@@ -181,6 +201,8 @@ class _ItemPlan:
     fd: int = -1
     what: str = ""
     why: str = ""
+    layout: Any = None
+    summed: bool = False  # its record's chunks are CRC-32 pieces of its file
 
 
 def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
@@ -196,6 +218,7 @@ def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
     layout, plan.why = direct_read.item_layout(plan.fd, item_md.offset, item_md.length)
     if layout is None:
         return plan
+    plan.layout = layout
     with lock:  # the planner's bookkeeping is not ours to make thread-safe
         target = planner.resolve_tensor(req).detach()
         # megatron-core's planner keeps an FP8 stand-in until commit_tensor: such items are
@@ -223,6 +246,65 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
         os.posix_fadvise(fd, start, edge, os.POSIX_FADV_WILLNEED)
 
 
+class _Sums:
+    """CRC-32 pieces of the files a rank reads whole: the small items and each direct item's zip
+    headers summed as read, each chunk of a record summed by the thread that read it."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._items: dict[str, list[tuple[int, int]]] = {}  # planned whole items per file
+        self._pieces: dict[str, list[tuple[int, int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def _add(self, name: str, offset: int, length: int, crc: int) -> None:
+        with self._lock:
+            self._pieces.setdefault(name, []).append((offset, length, crc))
+
+    def whole_item(self, item_md: Any, raw: bytes) -> None:
+        if self.enabled and not getattr(item_md, "transform_descriptors", None):
+            name = str(item_md.relative_path)
+            self._items.setdefault(name, []).append((item_md.offset, item_md.length))
+            self._add(name, item_md.offset, len(raw), zlib.crc32(raw))
+
+    def direct_item(self, plan: _ItemPlan, item_md: Any) -> None:
+        """A direct item reading its whole record: its headers now, its record's chunks later."""
+        layout = plan.layout
+        if not self.enabled or plan.span is None or layout is None or \
+                tuple(plan.span) != tuple(layout.record):
+            return
+        plan.summed = True
+        name = str(item_md.relative_path)
+        self._items.setdefault(name, []).append((item_md.offset, item_md.length))
+        head, tail = layout.edges
+        self._add(name, item_md.offset, len(head), zlib.crc32(head))
+        self._add(name, layout.record[0] + layout.record[1], len(tail), zlib.crc32(tail))
+
+    def chunk(self, plan: _ItemPlan, offset: int, view: memoryview) -> None:
+        if plan.summed:
+            self._add(plan.what, offset, len(view), zlib.crc32(view))
+
+    def planned(self, files: _Files) -> set[str]:
+        """The files whose every byte the planned reads cover."""
+        return {name for name, items in self._items.items()
+                if _tiles(items, os.fstat(files.fd(name)).st_size)}
+
+    def file_crcs(self, files: _Files, names: set[str]) -> dict[str, tuple[int, int | None]]:
+        out = {}
+        for name in names:
+            size = os.fstat(files.fd(name)).st_size
+            out[name] = (size, manifest.tiled_crc32(self._pieces.get(name, []), size))
+        return out
+
+
+def _tiles(spans: list[tuple[int, int]], size: int) -> bool:
+    at = 0
+    for offset, length in sorted(spans):
+        if offset != at:
+            return False
+        at += length
+    return at == size
+
+
 def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(nbytes, a + chunk)) for a in range(0, max(nbytes, 1), chunk)] if nbytes \
         else []
@@ -241,12 +323,13 @@ def _stripes(chunks: list, n: int) -> list[list]:
     return [s for s in out if s]
 
 
-def _read_stripe(files: _Files, stripe: list, stats: dict) -> None:
+def _read_stripe(files: _Files, stripe: list, stats: dict, sums: "_Sums") -> None:
     for plan, a, b in stripe:
-        _read_chunk(files, plan, a, b, stats)
+        _read_chunk(files, plan, a, b, stats, sums)
 
 
-def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict) -> None:
+def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict,
+                sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
     a device target (copied on this thread's stream, waited before the chunk is lent again)."""
     import torch
@@ -258,13 +341,16 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict) -> 
     if target.device.type == "cpu":
         view = direct_read.tensor_bytes(flat[a:b])
         direct_read.pread_into(plan.fd, view, offset, plan.what)
+        sums.chunk(plan, offset, view)
         _busy(stats, _STATS_LOCK, "read", t)
         return
     chunks = _host_chunks(stats)
     buf = chunks.take()
     try:
         n = b - a
-        direct_read.pread_into(plan.fd, direct_read.tensor_bytes(buf[:n]), offset, plan.what)
+        view = direct_read.tensor_bytes(buf[:n])
+        direct_read.pread_into(plan.fd, view, offset, plan.what)
+        sums.chunk(plan, offset, view)
         t = _busy(stats, _STATS_LOCK, "read", t)
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):

@@ -42,13 +42,19 @@ class Loader:
         record.path, record.iteration = path, int(path.name[len("iter_"):])
         t = time.perf_counter()
         verify = self.options.ckpt_verify_load
-        pending = verify_start(path, self._group, rank=rank()) if verify else None
+        # the files the load's own reads sum as they pass are not read a second time
+        pending = (verify_start(path, self._group, rank=rank(),
+                                defer=self.options.ckpt_load_threads > 1) if verify else None)
         load_strategy = self._load_strategy()
         failure: BaseException | None = None
+        reads: dict = {}
         try:
-            reads: dict = {}
-            with _no_gc_pause(), backend.parallel_reads(self.options.ckpt_load_threads,
-                                                        reads) as why_not:
+            with _no_gc_pause(), backend.parallel_reads(
+                    self.options.ckpt_load_threads, reads,
+                    checksums=pending is not None and pending.checks,
+                    on_planned=pending.skip if pending is not None else None) as why_not:
+                if pending is not None and why_not is not None:
+                    pending.release()
                 if why_not is not None and self.options.ckpt_load_threads > 1 and rank() == 0:
                     logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
                                 "reader", why_not)
@@ -63,7 +69,12 @@ class Loader:
             if pending is None:
                 raise
             failure, state = e, None
+        finally:
+            if pending is not None:
+                pending.release()
         t = record.phase("other_s", t)
+        if pending is not None:
+            pending.check_inline(reads.get("file_crcs", {}), reads.get("planned_files", set()))
         has_manifest, problems = verify_agree(pending, self._group) if pending else (False, [])
         record.phase("verify_s", t)  # the part of the check the load did not hide
         record.verified = has_manifest and not problems

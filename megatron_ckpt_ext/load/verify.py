@@ -18,33 +18,84 @@ _ITER = re.compile(r"iter_(\d{7})")
 
 
 class Pending:
-    """A check of this rank's share of a checkpoint's files, running on threads."""
+    """A check of this rank's share of a checkpoint's files, running on threads.
+
+    With ``defer`` the thread first waits for :meth:`skip` (the files the load's own reads will
+    checksum as they pass, so they are not read twice) or :meth:`release`; those files are then
+    judged by :meth:`check_inline` from the sums the reads made."""
 
     def __init__(self, path: Path, manifest: dict | None, names: list[str], workers: int,
-                 problems: list[str] | None = None) -> None:
+                 problems: list[str] | None = None, *, defer: bool = False) -> None:
         self.path, self.manifest = path, manifest
         self._problems: list[str] = list(problems or [])
+        self._inline: list[str] = []
+        self._skip: set[str] = set()
+        self._go = threading.Event()
+        if not defer:
+            self._go.set()
+        self._workers = workers
         self._thread = None
         if manifest is not None and not self._problems:
             self._thread = threading.Thread(target=self._run, args=(names, workers),
                                             name="mcx-verify", daemon=True)
             self._thread.start()
 
+    @property
+    def checks(self) -> bool:
+        """Whether there is anything to check against (a readable manifest)."""
+        return self.manifest is not None and not self._problems
+
     def _run(self, names: list[str], workers: int) -> None:
+        self._go.wait()
         try:
-            found = verify_files(self.path, self.manifest, names, workers=workers)
+            found = verify_files(self.path, self.manifest,
+                                 [n for n in names if n not in self._skip], workers=workers)
             self._problems = [str(p) for p in found]
         except OSError as e:  # unreadable: as bad as a mismatch
             self._problems = [f"{self.path}: {type(e).__name__}: {e}"]
 
+    def skip(self, names: set[str]) -> None:
+        """The load's reads checksum ``names`` themselves: the thread leaves them out."""
+        self._skip |= set(names)
+        self._go.set()
+
+    def release(self) -> None:
+        self._go.set()
+
+    def check_inline(self, sums: dict[str, tuple[int, int | None]], planned: set[str]) -> None:
+        """Judge the files the load's reads summed (``sums``: name -> (bytes, crc32)); a file
+        that was to be summed but was not (the load failed part way) is read and checked now."""
+        entries = self.manifest["files"] if self.checks else {}
+        missing = []
+        for name in sorted(planned & set(entries)):
+            if name not in sums or sums[name][1] is None:
+                missing.append(name)
+                continue
+            size, crc = sums[name]
+            want = entries[name]
+            if size != want["bytes"]:
+                self._inline.append(f"{name}: {size} bytes, the manifest says {want['bytes']}")
+            elif crc != want["crc32"]:
+                self._inline.append(f"{name}: CRC-32 {crc:08x}, the manifest says "
+                                    f"{want['crc32']:08x}")
+        if missing:
+            try:
+                found = verify_files(self.path, self.manifest, missing, workers=self._workers)
+                self._inline += [str(p) for p in found]
+            except OSError as e:
+                self._inline.append(f"{self.path}: {type(e).__name__}: {e}")
+
     def problems(self) -> list[str]:
+        self.release()
         if self._thread is not None:
             self._thread.join()
-        return self._problems
+        return self._problems + self._inline
 
 
-def start(path: Path, group: Group, *, rank: int, workers: int = 8) -> Pending:
-    """Start checking this rank's share of ``path``'s files (none without a manifest)."""
+def start(path: Path, group: Group, *, rank: int, workers: int = 8,
+          defer: bool = False) -> Pending:
+    """Start checking this rank's share of ``path``'s files (none without a manifest); with
+    ``defer`` it waits for :meth:`Pending.skip` or :meth:`Pending.release` first."""
     try:
         manifest = read_manifest(path)
     except ManifestError as e:  # every rank reads it: every rank reports it
@@ -55,7 +106,7 @@ def start(path: Path, group: Group, *, rank: int, workers: int = 8) -> Pending:
         return Pending(path, manifest, [], workers, problems=[
             f"{MANIFEST}: written for iteration {manifest.get('iteration')}, not "
             f"{int(match.group(1))}"])
-    return Pending(path, manifest, names[group.rank(rank)::group.size()], workers)
+    return Pending(path, manifest, names[group.rank(rank)::group.size()], workers, defer=defer)
 
 
 def agree(pending: Pending, group: Group) -> tuple[bool, list[str]]:

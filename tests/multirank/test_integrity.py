@@ -217,6 +217,35 @@ def test_items_the_direct_reader_refuses_load_the_stock_way_and_say_why(tmp_path
     assert "a reason to refuse" in caplog.text
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_load_sums_the_files_it_reads_whole_and_reads_none_twice(tmp_path, monkeypatch,
+                                                                     mode):
+    """Verification without a second read: the files the load reads every byte of (here every
+    data file) are summed by the reading threads as the bytes pass, and only the rest (the
+    metadata files) is read again by the check; a flipped bit in a tensor is still refused,
+    naming the file."""
+    from megatron_ckpt_ext.load import verify
+
+    _save(tmp_path, [1], **MODES[mode])
+    checked = []
+    real = verify.verify_files
+    monkeypatch.setattr(verify, "verify_files",
+                        lambda path, m, names, **kw: (checked.extend(names),
+                                                      real(path, m, names, **kw))[1])
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        got = ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in _state(0).items()}),
+                      tmp_path)
+        assert ck.load_reports[-1]["verified"] is True
+    assert torch.equal(got["w"], _state(1)["w"])
+    data = sorted(p.name for p in (tmp_path / "iter_0000001").glob("*.distcp"))
+    assert data and not set(data) & set(checked), checked
+    assert {".metadata", "metadata.json"} <= set(checked), checked
+    bad = tmp_path / "iter_0000001" / data[0]
+    _flip_bit(bad, offset=bad.stat().st_size // 2)
+    with pytest.raises(CheckpointIntegrityError, match=f"{bad.name}: CRC-32"):
+        _load(tmp_path, ckpt_load_threads=4)
+
+
 def test_the_load_runs_without_the_cyclic_collector_and_reports_its_phases(tmp_path,
                                                                            monkeypatch):
     """No full collection of the trainer's heap in the middle of a load: the collector is off
