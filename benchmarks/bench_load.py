@@ -105,8 +105,12 @@ def _same(got: dict, want: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(got[k].to(want[k].device), v) for k, v in want.items())
 
 
-def load_ours(root: Path, state: dict, verify: bool) -> tuple[float, bool, dict]:
-    with Checkpointer(CkptOptions(ckpt_verify_load=verify)) as ck:
+def load_ours(root: Path, state: dict, verify: bool,
+              threads: int | None = None) -> tuple[float, bool, dict]:
+    options = CkptOptions(ckpt_verify_load=verify)
+    if threads is not None:
+        options = CkptOptions(ckpt_verify_load=verify, ckpt_load_threads=threads)
+    with Checkpointer(options) as ck:
         like = _like(state)
         t0 = time.perf_counter()
         got = ck.load(sharded(like, 0, 1), root)
@@ -167,6 +171,8 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=2, help="runs per source and cache state")
     p.add_argument("--threads", type=int, default=16, help="threads of the read floors")
+    p.add_argument("--load-threads", type=int, default=None,
+                   help="--ckpt-load-threads for ours (default: the option's default)")
     p.add_argument("--out", default="/tmp/bench_load")
     p.add_argument("--json", required=True)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
@@ -199,8 +205,8 @@ def main() -> int:
 
     measured = [floors()]
     runs = []
-    loaders = {"ours": lambda: load_ours(root, state, True),
-               "ours_no_verify": lambda: load_ours(root, state, False),
+    loaders = {"ours": lambda: load_ours(root, state, True, args.load_threads),
+               "ours_no_verify": lambda: load_ours(root, state, False, args.load_threads),
                "megatron": lambda: load_megatron(checkpoint, state),
                "torch_dcp": lambda: load_dcp(checkpoint, state)}
     for rep in range(args.repeats):

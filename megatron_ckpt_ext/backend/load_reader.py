@@ -16,6 +16,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from .. import manifest
@@ -95,7 +96,7 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
 
     lock = threading.Lock()
     stats = self._mcx_stats
-    sums = _Sums(stats.get("_checksums", False))
+    sums = _Sums(stats.get("_checksums", False), self._mcx_threads)
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
     for req in (r for r in plan.items if r.type == LoadItemType.BYTE_IO):
@@ -131,8 +132,15 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
                 for stripe in _stripes(chunks, self._mcx_threads)]
         jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
                  for p in plans if p.span is None]
-        for job in jobs:
-            job.result()
+        failed = []
+        for job in jobs:  # every read ends (or fails) before the sums are waited for
+            try:
+                job.result()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the sums
+                failed.append(e)
+        sums.wait()  # every chunk lent back, every copy done, before anything else
+        if failed:
+            raise failed[0]
         _split_read(stats, time.perf_counter() - t)
         stats.setdefault("file_crcs", {}).update(sums.file_crcs(files, covered))
     for p in direct:
@@ -250,8 +258,10 @@ class _Sums:
     """CRC-32 pieces of the files a rank reads whole: the small items and each direct item's zip
     headers summed as read, each chunk of a record summed by the thread that read it."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, threads: int = 8) -> None:
+        self.enabled, self._threads = enabled, threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: list = []
         self._items: dict[str, list[tuple[int, int]]] = {}  # planned whole items per file
         self._pieces: dict[str, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
@@ -279,9 +289,43 @@ class _Sums:
         self._add(name, item_md.offset, len(head), zlib.crc32(head))
         self._add(name, layout.record[0] + layout.record[1], len(tail), zlib.crc32(tail))
 
-    def chunk(self, plan: _ItemPlan, offset: int, view: memoryview) -> None:
-        if plan.summed:
-            self._add(plan.what, offset, len(view), zlib.crc32(view))
+    def chunk(self, plan: _ItemPlan, offset: int, view: memoryview,
+              then: Callable[[], None] | None = None) -> None:
+        """Sum ``view`` (bytes at ``offset`` of the plan's file) on a summing thread, then run
+        ``then``; :meth:`wait` waits for every one."""
+        if not plan.summed:
+            if then is not None:
+                then()
+            return
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self._threads,
+                                                    thread_name_prefix="mcx-sum")
+        try:
+            self._jobs.append(self._pool.submit(self._sum, plan.what, offset, view, then))
+        except RuntimeError:  # the pool is gone (the load is failing): never keep a chunk
+            if then is not None:
+                then()
+            raise
+
+    def _sum(self, name: str, offset: int, view: memoryview,
+             then: Callable[[], None] | None) -> None:
+        try:
+            self._add(name, offset, len(view), zlib.crc32(view))
+        finally:
+            if then is not None:
+                then()
+
+    def wait(self) -> None:
+        """Every chunk summed (and its ``then`` run); the first error raised."""
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def planned(self, files: _Files) -> set[str]:
         """The files whose every byte the planned reads cover."""
@@ -331,7 +375,9 @@ def _read_stripe(files: _Files, stripe: list, stats: dict, sums: "_Sums") -> Non
 def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict,
                 sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
-    a device target (copied on this thread's stream, waited before the chunk is lent again)."""
+    a device target (copied on this thread's stream). A chunk to be summed goes to the summing
+    threads, which lend the host chunk again once both its sum and its copy are done; this
+    thread reads on meanwhile."""
     import torch
 
     target = plan.target
@@ -341,24 +387,41 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict,
     if target.device.type == "cpu":
         view = direct_read.tensor_bytes(flat[a:b])
         direct_read.pread_into(plan.fd, view, offset, plan.what)
-        sums.chunk(plan, offset, view)
         _busy(stats, _STATS_LOCK, "read", t)
+        sums.chunk(plan, offset, view)
         return
     chunks = _host_chunks(stats)
     buf = chunks.take()
+    handed_over = False
     try:
         n = b - a
         view = direct_read.tensor_bytes(buf[:n])
         direct_read.pread_into(plan.fd, view, offset, plan.what)
-        sums.chunk(plan, offset, view)
         t = _busy(stats, _STATS_LOCK, "read", t)
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):
             flat[a:b].copy_(buf[:n], non_blocking=True)
-        stream.synchronize()
-        _busy(stats, _STATS_LOCK, "h2d", t)
+        if plan.summed:
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            sums.chunk(plan, offset, view,
+                       then=partial(_release_when_copied, copied, chunks, buf, stats))
+            handed_over = True
+        else:
+            stream.synchronize()
+            _busy(stats, _STATS_LOCK, "h2d", t)
+    finally:
+        if not handed_over:
+            chunks.give(buf)
+
+
+def _release_when_copied(copied: Any, chunks: Any, buf: Any, stats: dict) -> None:
+    t = time.perf_counter()
+    try:
+        copied.synchronize()
     finally:
         chunks.give(buf)
+    _busy(stats, _STATS_LOCK, "h2d", t)
 
 
 _local = threading.local()
@@ -379,7 +442,8 @@ def _thread_stream(device: Any) -> Any:
 
 
 def _host_chunks(stats: dict) -> Any:
-    return direct_read.PinnedChunks.shared(stats.get("_threads", 8) * 2, pin=True)
+    # two per reading thread, one more in the summing threads' hands
+    return direct_read.PinnedChunks.shared(stats.get("_threads", 8) * 3, pin=True)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import queue
 import sys
 import threading
 import zlib
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
@@ -82,9 +83,14 @@ class _SummingFile:
 
 
 @contextlib.contextmanager
-def checksummed_writes(on_close: Callable[[str, int, int], None]) -> Iterator[None]:
+def checksummed_writes(
+        on_close: Callable[[str, int, int], None]) -> Iterator[Callable[[Any], Any]]:
     """While inside: every file the installed writers open with mode ``"wb"`` reports
-    ``(path, bytes, crc32)`` to ``on_close`` when closed. Other opens are untouched."""
+    ``(path, bytes, crc32)`` to ``on_close`` when closed. Other opens are untouched.
+
+    Yields ``rebind(fn)``: ``fn`` (a write function) with the builtin ``open`` it carries as an
+    argument replaced by the summing one. nvrx 0.7's writer binds ``open`` when it is built (its
+    ``open_file``, passed to its write function), before any module global could be swapped."""
 
     def summing_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         raw = builtins.open(file, mode, *args, **kwargs)
@@ -97,10 +103,22 @@ def checksummed_writes(on_close: Callable[[str, int, int], None]) -> Iterator[No
     for module in modules:
         module.open = summing_open
     try:
-        yield
+        yield partial(_rebind_open, summing_open=summing_open)
     finally:
         for module, previous in zip(modules, before):
             if previous is _UNSET:
                 module.__dict__.pop("open", None)
             else:
                 module.open = previous
+
+
+def _rebind_open(fn: Any, *, summing_open: Callable[..., Any]) -> Any:
+    """``fn`` with every ``builtins.open`` among its bound arguments (through nested partials)
+    replaced by ``summing_open``; anything else unchanged."""
+    if not isinstance(fn, partial):
+        return fn
+    args = tuple(summing_open if a is builtins.open else _rebind_open(a, summing_open=summing_open)
+                 for a in fn.args)
+    keywords = {k: summing_open if v is builtins.open else v for k, v in fn.keywords.items()}
+    inner = _rebind_open(fn.func, summing_open=summing_open)
+    return partial(inner, *args, **keywords)

@@ -77,7 +77,14 @@ class Loader:
             pending.check_inline(reads.get("file_crcs", {}), reads.get("planned_files", set()))
         has_manifest, problems = verify_agree(pending, self._group) if pending else (False, [])
         record.phase("verify_s", t)  # the part of the check the load did not hide
-        record.verified = has_manifest and not problems
+        uncovered = list((pending.manifest or {}).get("unverified", [])) if pending else []
+        record.verified = has_manifest and not problems and not uncovered
+        if uncovered and not problems and rank() == 0:
+            warn_once(f"uncovered:{path}", f"checkpoint iteration {record.iteration}: "
+                      f"{len(uncovered)} file(s) have no checksum in its manifest and load "
+                      f"unchecked ({', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}"
+                      "): their writer recorded none (MCX_WRITE_CHECKSUMS=0, or a writer the "
+                      "checksum wrapper does not reach)")
         if failure is not None and not problems:
             raise failure
         if not problems:

@@ -169,8 +169,8 @@ def write_buckets_inline(writer_cls: type, transform_list: Any, use_msc: bool, r
 
 def call_with_checksums(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` (a checkpoint write) recording each file's CRC-32 as it is written."""
-    with backend.checksummed_writes(record_sum):
-        return fn(*args, **kwargs)
+    with backend.checksummed_writes(record_sum) as rebind:
+        return rebind(fn)(*args, **kwargs)
 
 
 def call_without_crc32(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -80,12 +80,25 @@ def test_the_writer_checksums_each_data_file_as_it_writes(tmp_path, monkeypatch,
     assert found["iteration"] == 1 and found["algorithm"] == "crc32"
 
 
-def test_without_writer_checksums_large_files_are_listed_unverified(tmp_path, monkeypatch):
+def test_without_writer_checksums_large_files_are_listed_unverified(tmp_path, monkeypatch,
+                                                                     caplog, capsys):
+    """A file without a checksum is never passed off as checked: the load reports
+    ``verified: False`` with one warning naming it, and ``verify`` says it is not covered."""
+    from megatron_ckpt_ext import verify_cli
+
     monkeypatch.setattr(manifest, "_SMALL", 0)
     monkeypatch.setenv("MCX_WRITE_CHECKSUMS", "0")
     _save(tmp_path, [1])
     found = json.loads((tmp_path / "iter_0000001" / manifest.MANIFEST).read_text())
-    assert _data_file(tmp_path / "iter_0000001").name in found["unverified"]
+    data = _data_file(tmp_path / "iter_0000001").name
+    assert data in found["unverified"]
+    with Checkpointer(CkptOptions()) as ck:
+        ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in _state(0).items()}), tmp_path)
+        assert ck.load_reports[-1]["verified"] is False
+    warning = [r.message for r in caplog.records if "have no checksum" in r.message]
+    assert len(warning) == 1 and data in warning[0], caplog.text
+    assert verify_cli.run(str(tmp_path / "iter_0000001")) == 0
+    assert f"{len(found['unverified'])} file(s) not covered" in capsys.readouterr().out
 
 
 def test_verify_command_names_each_bad_file(tmp_path, capsys):

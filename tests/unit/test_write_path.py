@@ -187,3 +187,24 @@ def test_a_persistent_worker_gets_a_write_for_a_rank_with_nothing_to_write():
     noop = write_path.idle_worker_noop(idle, _ctx(CkptOptions(), persistent=True))
     assert noop.async_fn is write_path._nothing_to_write and noop.async_fn() is None
     assert write_path.idle_worker_noop(idle, _ctx(CkptOptions(), persistent=False)) is idle
+
+
+def test_a_writer_that_bound_open_when_built_is_summed_too(tmp_path, monkeypatch):
+    """nvrx 0.7's writer takes ``open_file=open`` when it is built and passes it to its write
+    function (a partial): the checksum wrapper must reach that ``open`` too, or every data file
+    of the newest stack goes into the manifest unverified."""
+    import functools
+    import zlib
+
+    from megatron_ckpt_ext.save import write_path
+
+    recorded = []
+    monkeypatch.setattr(write_path, "record_sum", lambda *a: recorded.append(a))
+
+    def write(transform_list, use_msc, open_file, path):
+        with open_file(path, "wb") as fh:
+            fh.write(b"abc" * 1000)
+
+    path = str(tmp_path / "__0_0.distcp")
+    write_path.call_with_checksums(functools.partial(write, [], False, open), path)
+    assert recorded == [(path, 3000, zlib.crc32(b"abc" * 1000))]
