@@ -128,6 +128,18 @@ def file_crc32(path: Path, progress: Callable[[int], None] | None = None) -> int
                 progress(len(chunk))
 
 
+_LOADED = (".distcp", ".metadata", "common.pt", "metadata.json")  # what megatron-core reads
+
+
+def unlisted(checkpoint: Path, manifest: dict) -> list[Problem]:
+    """Files megatron-core would read from ``checkpoint`` that its manifest does not list
+    (added after the commit: a stray ``common.pt`` changes what a load returns)."""
+    listed = set(manifest["files"]) | set(manifest.get("unverified", []))
+    return [Problem(p.name, "not in the manifest (added after the commit?)")
+            for p in sorted(Path(checkpoint).iterdir())
+            if p.is_file() and p.name.endswith(_LOADED) and p.name not in listed]
+
+
 # -- CRC-32 of a file from the CRC-32s of its pieces (a loader that read every byte sums them as
 # they pass, on several threads, then folds the pieces in file order) -----------------------------
 _POLY = 0xEDB88320

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .manifest import MANIFEST, ManifestError, read_manifest, verify_files
+from .manifest import MANIFEST, ManifestError, read_manifest, unlisted, verify_files
 from .save.layout import checkpoint_name, read_tracker
 
 __all__ = ["run"]
@@ -37,8 +37,9 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
     print(f"verifying {path}: {len(manifest['files'])} files, {total / 1e9:.2f} GB, "
           f"{workers} at a time", file=sys.stderr)
     t0 = time.perf_counter()
-    problems = verify_files(path, manifest, workers=workers, progress_every_s=1.0,
-                            log=lambda line: print(line, file=sys.stderr))
+    problems = unlisted(path, manifest) + verify_files(
+        path, manifest, workers=workers, progress_every_s=1.0,
+        log=lambda line: print(line, file=sys.stderr))
     seconds = time.perf_counter() - t0
     for name in manifest.get("unverified", []):
         print(f"{path / name}: not covered by the manifest (no checksum was recorded)",

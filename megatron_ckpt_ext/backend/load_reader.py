@@ -328,9 +328,21 @@ class _Sums:
                 self._pool = None
 
     def planned(self, files: _Files) -> set[str]:
-        """The files whose every byte the planned reads cover."""
-        return {name for name, items in self._items.items()
-                if _tiles(items, os.fstat(files.fd(name)).st_size)}
+        """The files whose every byte the planned reads cover, once the few bytes between them
+        (items this read does not load, e.g. the common state megatron-core 0.19 loads
+        separately, up to ``_GAP_LIMIT`` per file) are read and summed here."""
+        covered = set()
+        for name, items in self._items.items():
+            fd = files.fd(name)
+            gaps = _gaps(items, os.fstat(fd).st_size)
+            if gaps is None or sum(n for _, n in gaps) > _GAP_LIMIT:
+                continue
+            read = [(offset, os.pread(fd, n, offset)) for offset, n in gaps]
+            if all(len(data) == n for (_, n), (_, data) in zip(gaps, read)):
+                for offset, data in read:
+                    self._add(name, offset, len(data), zlib.crc32(data))
+                covered.add(name)
+        return covered
 
     def file_crcs(self, files: _Files, names: set[str]) -> dict[str, tuple[int, int | None]]:
         out = {}
@@ -340,13 +352,22 @@ class _Sums:
         return out
 
 
-def _tiles(spans: list[tuple[int, int]], size: int) -> bool:
-    at = 0
+_GAP_LIMIT = 1 << 20
+
+
+def _gaps(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]] | None:
+    """The (offset, bytes) ranges of [0, size) outside ``spans``; None when spans overlap or
+    run past the end."""
+    gaps, at = [], 0
     for offset, length in sorted(spans):
-        if offset != at:
-            return False
-        at += length
-    return at == size
+        if offset < at:
+            return None
+        if offset > at:
+            gaps.append((at, offset - at))
+        at = offset + length
+    if at > size:
+        return None
+    return gaps + ([(at, size - at)] if at < size else [])
 
 
 def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:

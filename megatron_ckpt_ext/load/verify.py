@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from ..collectives import Group
-from ..manifest import MANIFEST, ManifestError, read_manifest, verify_files
+from ..manifest import MANIFEST, ManifestError, read_manifest, unlisted, verify_files
 
 __all__ = ["Pending", "agree", "committed_before", "start", "verify_collectively"]
 
@@ -25,9 +25,11 @@ class Pending:
     judged by :meth:`check_inline` from the sums the reads made."""
 
     def __init__(self, path: Path, manifest: dict | None, names: list[str], workers: int,
-                 problems: list[str] | None = None, *, defer: bool = False) -> None:
+                 problems: list[str] | None = None, *, defer: bool = False,
+                 extra: list[str] | None = None) -> None:
         self.path, self.manifest = path, manifest
         self._problems: list[str] = list(problems or [])
+        self._extra = list(extra or [])  # found before the check (files it does not list)
         self._inline: list[str] = []
         self._skip: set[str] = set()
         self._go = threading.Event()
@@ -89,7 +91,7 @@ class Pending:
         self.release()
         if self._thread is not None:
             self._thread.join()
-        return self._problems + self._inline
+        return self._extra + self._problems + self._inline
 
 
 def start(path: Path, group: Group, *, rank: int, workers: int = 8,
@@ -106,7 +108,10 @@ def start(path: Path, group: Group, *, rank: int, workers: int = 8,
         return Pending(path, manifest, [], workers, problems=[
             f"{MANIFEST}: written for iteration {manifest.get('iteration')}, not "
             f"{int(match.group(1))}"])
-    return Pending(path, manifest, names[group.rank(rank)::group.size()], workers, defer=defer)
+    extra = ([str(p) for p in unlisted(path, manifest)]
+             if manifest is not None and group.rank(rank) == 0 else [])
+    return Pending(path, manifest, names[group.rank(rank)::group.size()], workers,
+                   defer=defer, extra=extra)
 
 
 def agree(pending: Pending, group: Group) -> tuple[bool, list[str]]:

@@ -27,6 +27,9 @@ def _ctx(options: CkptOptions, *, stager=None, hooks=None, is_async=True,
 def test_sequential_request_swaps_only_a_forking_writer():
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    if not hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc"):
+        pytest.skip("this megatron-core's writer has no forking multiproc write (0.16's shape)")
+
     R = collections.namedtuple("R", "async_fn async_fn_args")
     other = R(async_fn=partial(print, 1), async_fn_args=())
     assert write_path.sequential(other, _ctx(CkptOptions())) is other
