@@ -29,7 +29,7 @@ def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = No
     path = checkpoint_name(root, iteration)
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
-    if not backend.common_state_present(path):
+    if backend.common_state_present(path) is False:  # None: unreadable, the load says why
         raise FileNotFoundError(
             f"checkpoint {path} has no common state: neither common.pt (megatron-core "
             "<= 0.16) nor a 'common_state' entry in its .metadata (0.19), both written by "

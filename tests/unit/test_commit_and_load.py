@@ -184,6 +184,30 @@ def test_common_state_inside_the_torch_dist_files_counts(tmp_path, key):
     assert backend.common_state_present(tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "pickle-header", "cut"])
+def test_a_damaged_torch_dist_metadata_is_left_to_the_load_to_name(tmp_path, damage):
+    """On megatron-core 0.19 the common-state check unpickles .metadata before the load: damaged
+    bytes raise anything there (ModuleNotFoundError, TypeError, ...). The check says 'cannot
+    tell' (None) and locate lets the load go on, whose integrity check names the file."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_ckpt_ext import backend
+    from megatron_ckpt_ext.load.locate import locate
+
+    dcp.save({"common_state": torch.zeros(2)}, checkpoint_id=str(tmp_path / "iter_0000001"),
+             no_dist=True)
+    raw = (tmp_path / "iter_0000001" / ".metadata").read_bytes()
+    damaged = {"garbage": b"garbage" + raw[7:], "pickle-header": b"\x80\x04\x95\x10" + raw[20:],
+               "cut": raw[:len(raw) // 2]}[damage]
+    (tmp_path / "iter_0000001" / ".metadata").write_bytes(damaged)
+    (tmp_path / "iter_0000001" / "metadata.json").write_text("{}")
+    assert backend.common_state_present(tmp_path / "iter_0000001") is None
+    assert locate(tmp_path, iteration=1) == tmp_path / "iter_0000001"
+    (tmp_path / "iter_0000001" / ".metadata").unlink()
+    assert backend.common_state_present(tmp_path / "iter_0000001") is False
+
+
 # -- knobs the Checkpointer reads --------------------------------------------------------------------
 def test_logging_level_sets_the_plugin_and_megatron_loggers():
     names = ("megatron_ckpt_ext", "megatron")
