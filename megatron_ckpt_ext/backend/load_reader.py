@@ -96,6 +96,8 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
 
     lock = threading.Lock()
     stats = self._mcx_stats
+    # as many summing threads as reading ones (more did not help on the H100 host: 8 summing
+    # threads 0.73 s, 16 and 24 0.82 s for a verified warm 8.5 GB load)
     sums = _Sums(stats.get("_checksums", False), self._mcx_threads)
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
