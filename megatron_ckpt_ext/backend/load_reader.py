@@ -74,6 +74,8 @@ def _make_parallel(reader: Any, threads: int, stats: dict, chunk: int) -> Any:
     if not isinstance(reader, FileSystemReader) or not all(hasattr(reader, a) for a in _NEEDED):
         logger.info("parallel checkpoint reads do not apply to %s: megatron-core's reader is used",
                     type(reader).__name__)
+        if stats.get("_on_planned") is not None:
+            stats["_on_planned"](set())  # nothing is summed by the reads: the check reads all
         return reader
     reader.__class__ = _parallel_class(type(reader))
     reader._mcx_threads, reader._mcx_stats, reader._mcx_chunk = threads, stats, chunk

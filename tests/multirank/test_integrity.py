@@ -308,6 +308,27 @@ def test_a_file_read_in_part_is_summed_with_its_small_gaps_or_else_checked_whole
         assert (data not in checked) is summed, (keys, checked)
 
 
+def test_a_reader_the_direct_path_does_not_take_lets_the_check_start_at_once(tmp_path,
+                                                                              monkeypatch):
+    """The check beside the load waits to hear which files the reads will sum; a reader the
+    parallel path does not take says 'none' when it is built (the check then reads every file
+    beside the load, not after it), and the load still verifies."""
+    from megatron_ckpt_ext.backend import load_reader
+    from megatron_ckpt_ext.load import verify
+
+    _save(tmp_path, [1])
+    told = []
+    real = verify.Pending.skip
+    monkeypatch.setattr(verify.Pending, "skip", lambda self, names: (told.append(set(names)),
+                                                                    real(self, names))[1])
+    monkeypatch.setattr(load_reader, "_NEEDED", ("an_attribute_no_reader_has",))
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        got = ck.load(sharded(0, 1, {k: torch.zeros_like(v) for k, v in _state(0).items()}),
+                      tmp_path)
+        assert ck.load_reports[-1]["verified"] is True
+    assert torch.equal(got["w"], _state(1)["w"]) and told == [set()], told
+
+
 def test_the_load_runs_without_the_cyclic_collector_and_reports_its_phases(tmp_path,
                                                                            monkeypatch):
     """No full collection of the trainer's heap in the middle of a load: the collector is off
