@@ -18,7 +18,8 @@
 # Checkpointer reads too: $OUT/on_dir_listing.txt then lists what is left, iter_0000010 and 20).
 # NPROC (1) ranks through torchrun with PAR_ARGS on every run, e.g. NPROC=8 PAR_ARGS="--tensor-model-
 # parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 8" (TP2 PP2 DP2; later
-# flags win in Megatron's parser). Not yet run with NPROC > 1: no multi-GPU kind was lent.
+# flags win in Megatron's parser). Tried once with NPROC=2 TP2 on 2 H200s (2026-11-24): both runs
+# stopped at Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 assertion, now exported here; not yet rerun.
 # RESUME_B_ARGS="--ckpt-load-threads 1": one more resume from on's iteration 10 with these extra
 # arguments (resume_b; compared with on into $OUT/launch_check_b.json), to tell two load paths apart.
 # The comparison alone, on two existing logs (tests/e2e/test_launch.py runs it on fake logs):
@@ -112,6 +113,8 @@ source scripts/mlm_recipe.sh  # COMMON, TINY, OURS, RESUME (as gpu_megatron_lm.s
 mlm_ready || exit 2  # scripts/mlm_recipe.sh: the .mlm files, megatron's datasets helper
 
 T=(--train-iters 20 --save-interval 5)
+# Megatron-LM asserts this for tensor or context parallelism (its examples export it always)
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 # launch NAME -- args...: the unmodified script through the launcher; sets LAST_RC
 launch() {
