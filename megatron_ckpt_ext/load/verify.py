@@ -29,6 +29,7 @@ class Pending:
                  extra: list[str] | None = None) -> None:
         self.path, self.manifest = path, manifest
         self._problems: list[str] = list(problems or [])
+        self._checkable = manifest is not None and not self._problems
         self._extra = list(extra or [])  # found before the check (files it does not list)
         self._inline: list[str] = []
         self._skip: set[str] = set()
@@ -45,7 +46,7 @@ class Pending:
     @property
     def checks(self) -> bool:
         """Whether there is anything to check against (a readable manifest)."""
-        return self.manifest is not None and not self._problems
+        return self._checkable
 
     def _run(self, names: list[str], workers: int) -> None:
         self._go.wait()

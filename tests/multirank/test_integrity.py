@@ -280,6 +280,21 @@ def test_the_load_sums_the_files_it_reads_whole_and_reads_none_twice(tmp_path, m
         _load(tmp_path, ckpt_load_threads=4)
 
 
+def test_a_refusal_names_the_bad_files_of_both_checks(tmp_path):
+    """One bad file the load's reads sum (the data) and one the check beside it reads
+    (metadata.json, a trailing space megatron-core still parses): the refusal names both."""
+    _save(tmp_path, [1])
+    checkpoint = tmp_path / "iter_0000001"
+    data = _data_file(checkpoint)
+    _flip_bit(data, offset=data.stat().st_size // 2)
+    with open(checkpoint / "metadata.json", "a") as fh:
+        fh.write(" ")
+    with pytest.raises(CheckpointIntegrityError) as raised:
+        _load(tmp_path, ckpt_load_threads=4)
+    assert f"{data.name}: CRC-32" in str(raised.value), raised.value
+    assert "metadata.json: " in str(raised.value), raised.value
+
+
 def test_a_file_read_in_part_is_summed_with_its_small_gaps_or_else_checked_whole(tmp_path,
                                                                                   monkeypatch):
     """Items a load does not ask for leave gaps in what it reads (megatron-core 0.19 loads the
