@@ -40,8 +40,8 @@ def parallel_reads(threads: int, stats: dict | None = None, chunk: int | None = 
     items (and bytes) were read directly and how many the stock way (with the first reason).
 
     With ``checksums`` every file whose every byte this rank reads (its items whole: the zip
-    headers, the records) gets its CRC-32 from the bytes as they pass, on the reading threads,
-    folded in file order: ``stats["file_crcs"]`` {file: (bytes, crc32)}. ``on_planned`` is told
+    headers, the records) gets its CRC-32 from the bytes as they pass (the chunks on summing
+    threads beside the reading ones), folded in file order: ``stats["file_crcs"]`` {file: (bytes, crc32)}. ``on_planned`` is told
     those files' names as soon as the reads are planned (before the bytes are read), and
     ``stats["planned_files"]`` keeps them."""
     stats = {} if stats is None else stats
@@ -260,7 +260,7 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
 
 class _Sums:
     """CRC-32 pieces of the files a rank reads whole: the small items and each direct item's zip
-    headers summed as read, each chunk of a record summed by the thread that read it."""
+    headers summed as read, each chunk of a record summed on a summing thread once read."""
 
     def __init__(self, enabled: bool, threads: int = 8) -> None:
         self.enabled, self._threads = enabled, threads
@@ -306,12 +306,8 @@ class _Sums:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=self._threads,
                                                     thread_name_prefix="mcx-sum")
-        try:
-            self._jobs.append(self._pool.submit(self._sum, plan.what, offset, view, then))
-        except RuntimeError:  # the pool is gone (the load is failing): never keep a chunk
-            if then is not None:
-                then()
-            raise
+        # if this raises, ``then`` has not run: the caller still holds (and lends back) the chunk
+        self._jobs.append(self._pool.submit(self._sum, plan.what, offset, view, then))
 
     def _sum(self, name: str, offset: int, view: memoryview,
              then: Callable[[], None] | None) -> None:

@@ -31,3 +31,5 @@ def test_pieces_in_any_order_fold_to_the_file_crc_and_gaps_or_overlaps_give_none
     assert manifest.tiled_crc32(pieces + pieces[:1], len(data)) is None  # an overlap
     assert manifest.tiled_crc32(pieces, len(data) + 1) is None  # short of the end
     assert manifest.tiled_crc32([], 0) == 0
+    ten = [(a, 10, zlib.crc32(data[a:a + 10])) for a in (0, 0, 20)]  # a gap as long as an overlap
+    assert manifest.tiled_crc32(ten, 30) is None

@@ -111,3 +111,15 @@ def test_stripes_cover_every_chunk_once_in_file_order(threads):
     assert 1 <= len(stripes) <= threads
     if threads > 1:
         assert len(stripes) > 1
+
+
+def test_the_gaps_between_the_items_a_load_reads():
+    """What a load must read besides its items to sum a whole file: the ranges between them;
+    none when items overlap (one item read twice) or run past the file's end."""
+    from megatron_ckpt_ext.backend.load_reader import _gaps
+
+    assert _gaps([(10, 5), (0, 10)], 20) == [(15, 5)]
+    assert _gaps([(5, 5)], 12) == [(0, 5), (10, 2)]
+    assert _gaps([(0, 20)], 20) == []
+    assert _gaps([(0, 10), (5, 10)], 20) is None
+    assert _gaps([(0, 30)], 20) is None
