@@ -13,10 +13,11 @@ from typing import Any, Callable
 from .._runtime import rank, warn_once
 from ..collectives import Group
 from ..errors import CheckpointWriteError
-from ..manifest import write_manifest
+from ..manifest import MANIFEST, write_manifest
 
 __all__ = ["INCOMPLETE", "REPORT", "TRACKER", "checkpoint_name", "commit_on_disk",
-           "incomplete_name", "open_workdir", "read_tracker", "tracker_text", "warn_incomplete"]
+           "incomplete_name", "is_committed", "open_workdir", "read_tracker", "tracker_text",
+           "warn_incomplete"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,24 @@ def open_workdir(record: Any, group: Group, *, new_structure: bool,
     return workdir
 
 
+def is_committed(root: Path, iteration: int) -> bool:
+    """Whether ``iter_N`` under ``root`` is a committed checkpoint: the tracker names it, or it
+    holds a manifest (ours) or ``metadata.json`` (megatron-core's). An empty or partial
+    ``iter_N`` is not: Megatron-LM's ``save_checkpoint`` creates the directory before it hands
+    the save over."""
+    path = checkpoint_name(root, iteration)
+    if not path.is_dir():
+        return False
+    try:
+        if read_tracker(root) == iteration:
+            return True
+    except (OSError, ValueError):
+        pass
+    return (path / MANIFEST).is_file() or (path / "metadata.json").is_file()
+
+
 def _make_workdir(record: Any, workdir: Path) -> OSError | None:
-    if checkpoint_name(record.root, record.iteration).exists():
+    if is_committed(record.root, record.iteration):
         logger.warning("checkpoint iteration %d under %s is already committed: this save "
                        "replaces it (atomically, at its commit)", record.iteration, record.root)
     try:

@@ -266,3 +266,42 @@ def test_reports_match_every_checkpointers_records_by_iteration(monkeypatch):
     got = {r["iteration"]: r.get("checkpointer", {}).get("blocking_s")
            for r in megatron_lm.reports()}
     assert got == {3: 0.5, 6: 0.25, 9: None, 16: 1.5}
+
+
+def test_a_directory_megatron_created_before_the_save_is_not_taken_for_a_committed_one(
+        mlm, tmp_path, caplog):
+    """Megatron-LM 0.19's save_checkpoint creates ``iter_N`` before it hands the save over: that
+    empty directory is not a committed checkpoint, so no 'already committed' warning; a real
+    re-save of a committed iteration still warns."""
+    import logging
+
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_ckpt_ext import Checkpointer
+
+    megatron_lm.install(options=CkptOptions(), checkpointer_factory=Checkpointer,
+                        modules=mlm.mods)
+    ckpting = mlm.mods["checkpointing"]
+
+    def megatron_saves(iteration):
+        path = tmp_path / f"iter_{iteration:07d}"
+        path.mkdir(exist_ok=True)  # as Megatron-LM does before calling dist_checkpointing.save
+        state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}
+        ckpting.dist_checkpointing.save(state, str(path), None, async_sharded_save=False)
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # megatron-core's save needs a group; world 1
+    try:
+        with caplog.at_level(logging.WARNING):
+            megatron_saves(5)
+            megatron_saves(6)
+            assert not [r for r in caplog.records if "already committed" in r.getMessage()]
+            megatron_saves(5)  # iteration 5 is committed (it holds a manifest): replacing warns
+        megatron_lm.uninstall()  # closes the Checkpointer while the group exists
+    finally:
+        dist.destroy_process_group()
+    warned = [r.getMessage() for r in caplog.records if "already committed" in r.getMessage()]
+    assert len(warned) == 1 and "iteration 5 " in warned[0]
