@@ -1,4 +1,4 @@
-"""Command line: ``python -m megatron_ckpt_ext [--version] {doctor [--json], verify DIR}``."""
+"""Command line: ``python -m megatron_ckpt_ext [--version] {doctor [--json], verify DIR, shm list|clean}``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--iteration", type=int, default=None,
                         help="with a save root: this iteration instead of the tracker's")
     verify.add_argument("--workers", type=int, default=8, help="files checked at once")
+    shm = sub.add_parser("shm", help="the sealed memory snapshots and staging segments this node "
+                         "holds in /dev/shm: list them, or clean them up")
+    shm.add_argument("action", choices=("list", "clean"))
+    shm.add_argument("--dir", default="/dev/shm", help="the shared-memory directory")
     return parser
 
 
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from .verify_cli import run
 
         return run(args.dir, iteration=args.iteration, workers=args.workers)
+    if args.command == "shm":
+        from .shm_cli import run as shm
+
+        return shm(args.action, shm_dir=args.dir)
     from . import doctor
 
     with warnings.catch_warnings():

@@ -30,8 +30,11 @@ from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
 from .load.loader import Loader
+from .load.memory import restore_from_memory, tensor_layout
 from .load.report import LoadRecord, log_load
+from .manifest import read_manifest
 from .options import CkptOptions
+from .save.joblock import JobLock
 from .save.layout import TRACKER, checkpoint_name, commit_on_disk, open_workdir, read_tracker
 from .save.planner import SavePlanner, copy_structure
 from .save.publish import Publisher
@@ -79,6 +82,9 @@ class Checkpointer:
         self.load_reports: list[dict] = []
         self._closed = False
         self._group = Group(process_group, options)
+        self._joblock = JobLock(self._group)  # one job per save directory (save/joblock.py)
+        if save_dir is not None:  # (C) a second job on this directory fails here
+            self._joblock.hold(save_dir)
         self._hooks = chain(hooks or SaveHooks(), writer_trace(rank()))
         self._planner = SavePlanner(options, dp_group=dp_group)
         self._cpu_shim = _cpu_shim.install()
@@ -121,6 +127,7 @@ class Checkpointer:
         if self.admission is not None or not self._stager.owns_copies:
             return
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
+        nbytes = max(0, nbytes - self._stager.host_bytes())  # a snapshot adopted at load
         try:
             self.admission = preflight.admit_node(nbytes, shm=self._cpu_shm,
                                                   gather=self._group.all_gather)
@@ -180,11 +187,14 @@ class Checkpointer:
            (save() returns; :meth:`maybe_finalize` commits); sync, write and (C) commit now.
         """
         self._check_open()
+        self._joblock.hold(checkpoint_dir)  # (C) the first save into a root takes its lock
         record = SaveRecord(iteration=iteration, root=Path(checkpoint_dir),
                             started=time.perf_counter(), mode=self._mode)
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
         state, workdir = self._open(sharded_state_dict, record)
+        if self._memory_tier:  # what the snapshot holds, for a restart to match
+            record.extra["layout"] = tensor_layout(state)
         t = record.phase("prepare_dir_s", t)
         if self.admission is None and self._stager.owns_copies:  # (C) the first staging
             tensors: list[Any] = []
@@ -264,6 +274,8 @@ class Checkpointer:
                            on_step=lambda step: self._hooks.at(step, record))
         self._group.barrier()
         self._hooks.at("committed", record)
+        if self._memory_tier:
+            self._seal(record)
         self._failures_in_a_row = 0
         if rank() == 0:  # the tracker is durable: old checkpoints may go (in the background)
             self._retention.after_commit(record.root)
@@ -273,6 +285,23 @@ class Checkpointer:
         entry = report_entry(record, ranks, is_async=self._async)
         self.reports.append(entry)
         log_report(record, entry, ranks)
+
+    @property
+    def _memory_tier(self) -> bool:
+        """Sealed snapshots and restores from them (--no-ckpt-memory-restore turns them off)."""
+        return self._cpu_shm and self.options.ckpt_memory_restore and hasattr(self._stager,
+                                                                               "seal")
+
+    def _seal(self, record: SaveRecord) -> None:
+        """After the commit: the save's staging buffers become the node's snapshot of it."""
+        try:
+            manifest = read_manifest(checkpoint_name(record.root, record.iteration))
+        except (OSError, ValueError) as e:
+            logger.debug("no memory snapshot of iteration %d: %s", record.iteration, e)
+            return
+        self._stager.seal(record.staged, root=str(record.root), iteration=record.iteration,
+                          world=self._group.size(), layout=record.extra.get("layout", []),
+                          manifest_crc32=(manifest or {}).get("manifest_crc32"))
 
     def wait_for_snapshot(self, *, blocking: bool = False) -> None:
         """Before the state changes after an overlapped save (``--ckpt-overlap-snapshot``): make
@@ -344,11 +373,19 @@ class Checkpointer:
         if path is None:
             return None
         record.phase("locate_s", record.started)
-        loader = Loader(self.options, self._group, load_strategy=lambda: strategy.load_strategy(
-            self.options, dp_group=self.dp_group, caps=self.caps))
-        state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None)
-        if self._stager.host_bytes() == 0:  # the first save after a resume stages into
-            self.prepare(sharded_state_dict)  # buffers allocated meanwhile, as a steady one does
+        load_strategy = lambda: strategy.load_strategy(  # noqa: E731
+            self.options, dp_group=self.dp_group, caps=self.caps)
+        state = None
+        if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
+            state = restore_from_memory(self._stager, sharded_state_dict, path, record,
+                                        self._group, load_strategy=load_strategy)
+        if state is None:
+            loader = Loader(self.options, self._group, load_strategy=load_strategy)
+            state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None)
+        # The first save after a resume stages into buffers allocated meanwhile, as a steady one
+        # does (a no-op where they exist, such as an adopted snapshot). Every rank calls it: its
+        # first call is the collective node admission, whatever this rank holds.
+        self.prepare(sharded_state_dict)
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)
@@ -368,9 +405,13 @@ class Checkpointer:
                 self._preemption.report_durable()
         finally:
             self._writers.close(drained=drained)
-            self._stager.close()
+            if self._memory_tier:
+                self._stager.close(keep_sealed=self.options.ckpt_keep_memory_snapshot)
+            else:
+                self._stager.close()
             self._planner.reset()
             self._retention.wait()
+            self._joblock.release()
             if self._preemption is not None:
                 self._preemption.uninstall()
 

@@ -162,6 +162,23 @@ class CkptOptions:
         "committed checkpoint that verifies (said on rank 0) instead of raising. A load of an "
         "explicit iteration still raises.",
     )
+    ckpt_memory_restore: bool = _knob(
+        True,
+        flag="--no-ckpt-memory-restore",
+        negative=True,
+        help="With --async-ckpt-use-cpu-shm, do not keep the last committed save's staging "
+        "buffers sealed in /dev/shm as a snapshot, nor restore a restarted job on this node from "
+        "it: loads always read storage. By default a load uses the snapshot only when it is "
+        "provably the checkpoint being loaded (save root, world size, iteration, commit, every "
+        "tensor's layout and CRC-32), on every rank, else reads storage.",
+    )
+    ckpt_keep_memory_snapshot: bool = _knob(
+        False,
+        flag="--ckpt-keep-memory-snapshot",
+        help="Keep the sealed snapshot in /dev/shm at a clean close (a planned restart on the "
+        "same node restores from it); by default close() frees it. It is freed by the next "
+        "seal, by age, or by 'python -m megatron_ckpt_ext shm clean'.",
+    )
     distributed_timeout_minutes: int | None = _knob(
         10,
         flag="--distributed-timeout-minutes",

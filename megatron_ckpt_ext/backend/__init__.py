@@ -51,7 +51,8 @@ from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cl
                     checkpoint_failure_text, common_state_present, dist_checkpointing,
                     filesystem_writer_async_cls, fully_parallel_load_wrapper_cls,
                     fully_parallel_save_wrapper_cls, get_write_results_queue,
-                    map_sharded_tensors, mcore_content_metadata_key, plain_tensors,
+                    load_with_tensors_from, map_sharded_tensors, mcore_content_metadata_key,
+                    plain_tensors,
                     prime_write_results_queue, sequential_writer, sharded_tensor_cls,
                     shutdown_write_results_queues, torch_dist_load_strategy_cls,
                     torch_dist_save_strategy_cls, without_host_preload)
@@ -93,6 +94,7 @@ __all__ = [
     "fully_parallel_load_wrapper_cls",
     "fully_parallel_save_wrapper_cls",
     "get_write_results_queue",
+    "load_with_tensors_from",
     "map_sharded_tensors",
     "mcore_content_metadata_key",
     "megatron_fsdp_api",

@@ -164,6 +164,21 @@ def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> No
     _map_in_place(sharded_state_dict, cls, fn)
 
 
+def load_with_tensors_from(sharded_state_dict: Any, checkpoint_dir: str, strategy: Any,
+                          fill: Callable[[Any], Any]) -> dict:
+    """megatron-core's load of everything in ``sharded_state_dict`` but its ShardedTensors (the
+    common state, ShardedObjects, factories), then each ShardedTensor's value from ``fill``,
+    merged into the result as megatron-core merges what it loads (lists compacted alike)."""
+    dict_utils = _import(f"{MCORE_DC}.dict_utils")
+    cls = sharded_tensor_cls()
+    tensors, rest = dict_utils.extract_matching_values(sharded_state_dict,
+                                                       lambda v: isinstance(v, cls))
+    state = dist_checkpointing().load(rest, checkpoint_dir, strategy)
+    dict_utils.dict_list_map_inplace(lambda v: fill(v) if isinstance(v, cls) else v, tensors)
+    dict_utils.merge(state, tensors)
+    return state
+
+
 def plain_tensors(sharded_state_dict: Any) -> list[tuple[str, Any]]:
     """``(dotted key, tensor)`` for every torch tensor of ``sharded_state_dict`` that is not
     inside a megatron-core sharded item (ShardedTensor, ShardedObject, factory) nor a

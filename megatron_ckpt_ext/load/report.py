@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 # copies (they overlap chunk by chunk across the reading threads: the step's time is split in
 # proportion to the threads' time in each); verify: the part of the manifest check the load did
 # not hide; other: the rest of megatron-core's load (its metadata file, planning, collectives).
-LOAD_PHASES = ("locate_s", "metadata_s", "read_s", "h2d_s", "verify_s", "other_s")
+# memory: a restore from the node's sealed snapshot (or the look for one that failed).
+LOAD_PHASES = ("locate_s", "memory_s", "metadata_s", "read_s", "h2d_s", "verify_s", "other_s")
 
 
 @dataclass
@@ -31,6 +32,8 @@ class LoadRecord:
     path: Path | None = None
     verified: bool = False
     fell_back_from: int | None = None
+    tier: str = "storage"  # or "memory": restored from the node's sealed snapshot
+    memory_bytes: int = 0
     phases: dict = field(default_factory=dict)
     reads: dict = field(default_factory=dict)  # how items were read (load_reader's stats)
 
@@ -48,6 +51,7 @@ class LoadRecord:
         return {"iteration": self.iteration, "path": str(self.path), "bytes": nbytes,
                 "load_s": round(total, 6), "gbps": round(nbytes / max(total, 1e-9) / 1e9, 4),
                 "verified": self.verified, "fell_back_from": self.fell_back_from,
+                "tier": self.tier, "memory_bytes": self.memory_bytes,
                 "world": group.size(), "direct_items": self.reads.get("direct_items", 0),
                 "stock_items": self.reads.get("stock_items", 0),
                 "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}

@@ -22,7 +22,7 @@ import torch
 from .._runtime import pid_alive, warn_once
 from ..errors import InsufficientSharedMemory
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "drop_kept_mappings", "sweep_orphans"]
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "drop_kept_mappings", "is_mapped", "sweep_orphans"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,14 @@ def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int, *,
         _reducer_installed = True
 
 
-def _forget_segment(storage_ptr: int, path: str) -> None:
+def _forget_segment(storage_ptr: int, path: str, *, unlink: bool = True) -> None:
     """The owner frees a segment: a new epoch (receivers drop what they kept), never pickled by
-    this name again, unlinked."""
+    this name again, unlinked (unless kept as a sealed snapshot)."""
     global _epoch
     _epoch += 1
     _SEGMENTS.pop(storage_ptr, None)
-    _unlink(path)
+    if unlink:
+        _unlink(path)
 
 
 def _register(tensor: torch.Tensor, nbytes: int) -> bool:
@@ -196,19 +197,25 @@ def sweep_orphans(*, prefix: str = SEGMENT_PREFIX, dry_run: bool = False,
                   shm_dir: str = SHM_DIR) -> list[str]:
     """Remove our segments (``<prefix><job>_<rank>_<pid>_<n>``) left by processes that are gone.
 
-    A segment is kept while its owner pid lives, or while any process still maps it (the owner's
-    shared flock travels with every mapping). Returns the paths removed (or, with ``dry_run``,
-    that would be)."""
+    A segment is kept while its owner pid lives, while any process still maps it (the owner's
+    shared flock travels with every mapping), or while a seal younger than its age bound names it
+    (a snapshot a restart may adopt: :mod:`.retained`). Returns the paths removed (or, with
+    ``dry_run``, that would be)."""
+    from .retained import sealed_segments
+
     try:
         names = sorted(os.listdir(shm_dir))
     except OSError:
         return []
+    sealed = sealed_segments(shm_dir, expire=not dry_run)
     removed = []
     for name in names:
         pid = _owner_pid(name, prefix)
         if pid is None or pid_alive(pid):
             continue
         path = os.path.join(shm_dir, name)
+        if path in sealed:
+            continue
         if _remove_if_unmapped(path, dry_run=dry_run):
             removed.append(path)
     if removed:
@@ -225,6 +232,21 @@ def _owner_pid(name: str, prefix: str) -> int | None:
         return None
     match = _NAME_TAIL.search(name)
     return int(match.group(1)) if match else None
+
+
+def is_mapped(path: str) -> bool:
+    """Whether a live process maps the segment at ``path`` (holds its shared flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _remove_if_unmapped(path: str, *, dry_run: bool) -> bool:

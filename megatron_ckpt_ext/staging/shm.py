@@ -4,6 +4,7 @@ stale, and the device-to-host copies on a copy stream per device."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from functools import partial
@@ -13,9 +14,10 @@ import torch
 
 from .batch import StagedBatch, _Buffer, _BufferSet, _Copies, _Spec
 from .ready import run_when_staged
-from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _register, _register_segment,
-                       _sanitize, _segment_path, _shared_segment, _warn_file_system_strategy,
-                       sweep_orphans)
+from .retained import Seal, SealEntry, crc32_all, remove_seal, write_seal
+from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _open_segment, _register,
+                       _register_segment, _sanitize, _segment_path, _shared_segment,
+                       _warn_file_system_strategy, sweep_orphans)
 
 __all__ = ["ShmStager", "StagingKey"]
 
@@ -43,6 +45,11 @@ class ShmStager:
         self._flag: _Buffer | None = None
         self._closed = False
         self._tickets = 0  # gated writes handed out: each waits for its number in the flag
+        # the buffer set of the last committed save, sealed (or being sealed) as a snapshot
+        self._sealed: tuple[_BufferSet, str] | None = None  # (set, save root)
+        self._seal_thread: threading.Thread | None = None
+        self._seal_cancel = threading.Event()
+        self._seal_lock = threading.Lock()
         self.stats = {"bytes_staged": 0, "stages": 0, "allocations": 0, "bytes_allocated": 0,
                       "rebuilds": 0, "last_rebuild_reason": None}
         _warn_file_system_strategy()
@@ -74,6 +81,7 @@ class ShmStager:
         self._check_open()
         self._join_prepare()
         t0 = time.perf_counter()
+        self.unseal()  # before any byte of the sealed set changes
         specs = _specs(tensors, keys)
         with self._lock:
             if self.reuse:
@@ -115,17 +123,21 @@ class ShmStager:
         with self._lock:
             return [b.path for s in self._sets for b in s.buffers.values() if b.path]
 
-    def close(self) -> None:
-        """Unregister, free and unlink every buffer. Idempotent."""
+    def close(self, *, keep_sealed: bool = False) -> None:
+        """Unregister, free and unlink every buffer (with ``keep_sealed``, all but those of a
+        sealed snapshot, left in /dev/shm for a planned restart). Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._prepare_thread is not None:
             self._prepare_thread.join()
             self._prepare_thread = None
+        kept = self._finish_sealing() if keep_sealed else None
+        if kept is None:
+            self.unseal()
         with self._lock:
             for s in self._sets:
-                self._free_all(s.buffers.values())
+                self._free_all(s.buffers.values(), unlink=s is not kept)
             self._sets.clear()
             if self._flag is not None:
                 self._free_all([self._flag])
@@ -157,6 +169,127 @@ class ShmStager:
             self.close()
         except Exception:  # interpreter shutdown: sweep_orphans cleans up at the next start
             pass
+
+    # -- sealed snapshots (retained.py) ------------------------------------------------------------
+    def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
+             layout: Sequence[tuple], manifest_crc32: str | None) -> None:
+        """After ``batch``'s save committed: keep its buffers as the snapshot of that checkpoint.
+        The buffers' CRC-32s are computed on a background thread; the seal is written when they
+        are, unless the next stage() unsealed first."""
+        buffer_set = batch._set
+        if buffer_set is None or len(layout) != len(batch.tensors):
+            return
+        self.unseal()
+        specs = {id(b.tensor): spec for spec, b in buffer_set.buffers.items()}
+        paths = {id(b.tensor): b.path for b in buffer_set.buffers.values()}
+        entries = [SealEntry(key=k, offset=list(o), shape=list(sh), dtype=dt,
+                             spec=specs[id(t)][0], path=paths[id(t)],
+                             nbytes=t.numel() * t.element_size())
+                   for (k, o, sh, dt), t in zip(layout, batch.tensors)]
+        seal = Seal(root=os.path.realpath(root), rank=self.rank, world=world,
+                    iteration=iteration, manifest_crc32=manifest_crc32, entries=entries)
+        self._sealed = (buffer_set, seal.root)
+        self._seal_cancel = threading.Event()
+        self._seal_thread = threading.Thread(
+            target=self._write_seal, args=(seal, list(batch.tensors), self._seal_cancel),
+            name="mcx-seal", daemon=True)
+        self._seal_thread.start()
+
+    def _write_seal(self, seal: Seal, tensors: list[torch.Tensor],
+                    cancel: threading.Event) -> None:
+        crcs = crc32_all(tensors, cancelled=cancel)
+        with self._seal_lock:
+            if crcs is None or cancel.is_set():
+                return
+            for entry, crc in zip(seal.entries, crcs):
+                entry.crc32 = crc
+            try:
+                write_seal(seal, self.shm_dir)
+            except OSError as e:  # no snapshot then: a restart reads storage
+                logger.warning("could not seal the staging buffers as a snapshot: %s", e)
+
+    def unseal(self) -> None:
+        """Before the sealed buffers change (the next staging, close): no seal may name them."""
+        sealed = self._sealed
+        if sealed is None:
+            return
+        self._seal_cancel.set()
+        with self._seal_lock:
+            remove_seal(self.shm_dir, sealed[1], self.rank)
+        if self._seal_thread is not None:
+            self._seal_thread.join()
+            self._seal_thread = None
+        self._sealed = None
+        with self._lock:
+            buffer_set = sealed[0]
+            if not self.reuse and not buffer_set.in_flight and buffer_set in self._sets:
+                self._sets.remove(buffer_set)
+                self._free_all(buffer_set.buffers.values())
+
+    def _finish_sealing(self) -> _BufferSet | None:
+        """At a close that keeps the snapshot: the sealed set once its seal is written."""
+        if self._sealed is None:
+            return None
+        if self._seal_thread is not None:
+            self._seal_thread.join()
+            self._seal_thread = None
+        return self._sealed[0]
+
+    def adopt(self, seal: Seal) -> list[torch.Tensor]:
+        """Map a sealed snapshot left by an earlier run as this stager's buffer set (the next
+        save stages into it); its tensors in the seal's order. The seal stays valid until then."""
+        self._check_open()
+        own = self._own_sealed(seal)
+        if own is not None:  # a load in the run that sealed it: its own buffers
+            return own
+        buffers: dict[_Spec, _Buffer] = {}
+        try:
+            for e in seal.entries:
+                buffers[(e.spec, tuple(e.shape), _dtype(e.dtype))] = self._map(e)
+        except BaseException:
+            self._free_all(buffers.values(), unlink=False)
+            raise
+        buffer_set = _BufferSet(buffers)
+        with self._lock:
+            self._sets.append(buffer_set)
+        self._sealed = (buffer_set, seal.root)
+        return [buffers[(e.spec, tuple(e.shape), _dtype(e.dtype))].tensor for e in seal.entries]
+
+    def _own_sealed(self, seal: Seal) -> list[torch.Tensor] | None:
+        if self._sealed is None or self._sealed[1] != seal.root:
+            return None
+        by_path = {b.path: b.tensor for b in self._sealed[0].buffers.values() if b.path}
+        if not all(e.path is None or e.path in by_path for e in seal.entries):
+            return None
+        return [by_path[e.path] if e.path else torch.empty(tuple(e.shape), dtype=_dtype(e.dtype))
+                for e in seal.entries]
+
+    def drop_adopted(self, *, unlink: bool) -> None:
+        """Give up an adopted snapshot (``unlink``: it is damaged, delete it and its seal)."""
+        sealed, self._sealed = self._sealed, None
+        if sealed is None:
+            return
+        if unlink:
+            remove_seal(self.shm_dir, sealed[1], self.rank)
+        with self._lock:
+            if sealed[0] in self._sets:
+                self._sets.remove(sealed[0])
+            self._free_all(sealed[0].buffers.values(), unlink=unlink)
+
+    def _map(self, entry: SealEntry) -> _Buffer:
+        dtype = _dtype(entry.dtype)
+        if entry.path is None:
+            return _Buffer(torch.empty(tuple(entry.shape), dtype=dtype), None)
+        size = os.stat(entry.path).st_size
+        if size < entry.nbytes:  # mapping past the end would fault at the first read
+            raise ValueError(f"{entry.path} holds {size} bytes, the seal says {entry.nbytes}")
+        storage = _open_segment(entry.path, entry.nbytes)
+        _register_segment(storage, entry.path, entry.nbytes, reuse=self.reuse)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(entry.shape))
+        buffer = _Buffer(tensor, entry.path)
+        if self.pin:
+            buffer.registered = _register(tensor, entry.nbytes)
+        return buffer
 
     # -- cache key -------------------------------------------------------------------------------
     def _check_key(self, tensors: Sequence[torch.Tensor], specs: Sequence[_Spec]) -> None:
@@ -228,7 +361,8 @@ class ShmStager:
     def _release(self, buffer_set: _BufferSet) -> None:
         with self._lock:
             buffer_set.in_flight = False
-            if (not self.reuse or self._closed) and buffer_set in self._sets:
+            sealed = self._sealed is not None and self._sealed[0] is buffer_set
+            if (not self.reuse or self._closed) and not sealed and buffer_set in self._sets:
                 self._sets.remove(buffer_set)
                 self._free_all(buffer_set.buffers.values())
 
@@ -250,13 +384,14 @@ class ShmStager:
         return buffer
 
     @staticmethod
-    def _free_all(buffers: object) -> None:
+    def _free_all(buffers: object, *, unlink: bool = True) -> None:
         for buffer in list(buffers):  # type: ignore[call-overload]
             if buffer.registered:
                 torch.cuda.cudart().cudaHostUnregister(buffer.tensor.data_ptr())
                 buffer.registered = False
             if buffer.path:
-                _forget_segment(buffer.tensor.untyped_storage().data_ptr(), buffer.path)
+                _forget_segment(buffer.tensor.untyped_storage().data_ptr(), buffer.path,
+                                unlink=unlink)
             buffer.tensor = torch.empty(0)  # drop our mapping; a holder still keeps its own
 
     # -- copies ----------------------------------------------------------------------------------
@@ -307,6 +442,13 @@ def _specs(tensors: Sequence[torch.Tensor], keys: Sequence[str] | None) -> list[
         n = seen[name] = seen.get(name, 0) + 1
         specs.append((name if n == 1 else f"{name}#{n}", tuple(tensor.shape), tensor.dtype))
     return specs
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,0 +1,163 @@
+"""The memory tier of a load: restore from this node's sealed snapshot (staging/retained.py)
+instead of reading storage, when it provably is the checkpoint being loaded.
+
+Each rank looks for the seal of (the save root, its rank), and adopts it only if the world size,
+the iteration, the committed checkpoint's manifest CRC, every tensor (key, global offset, shape,
+dtype, in order) and every buffer's CRC-32 match; then the ranks agree: all restore from memory,
+or all read storage (a mix would make megatron-core's collective load differ between ranks).
+Rank 0 says in one line which tier each node used and why. What is not a tensor (the common
+state, ShardedObjects, tensor factories) is read from storage either way (small), its files
+checked against the manifest first."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import backend
+from .._runtime import rank
+from ..collectives import Group
+from ..errors import CheckpointIntegrityError
+from ..manifest import ManifestError, read_manifest, verify_files
+from ..save.planner import copy_structure
+from ..staging.retained import Seal, crc32_all, read_seal, seal_path
+from .report import LoadRecord
+
+__all__ = ["restore_from_memory", "tensor_layout"]
+
+logger = logging.getLogger(__name__)
+
+_SMALL_FILES = (".metadata", "common.pt", "metadata.json")
+
+
+def tensor_layout(sharded_state_dict: Any) -> list[tuple[str, list[int], list[int], str]]:
+    """(key, global offset, local shape, dtype) of every ShardedTensor, in staging order."""
+    out: list = []
+
+    def note(t: Any) -> Any:
+        out.append((t.key, list(t.global_offset), list(t.data.shape), str(t.data.dtype)))
+        return t
+
+    backend.map_sharded_tensors(sharded_state_dict, note)
+    return out
+
+
+def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record: LoadRecord,
+                        group: Group, *, load_strategy: Callable[[], Any]) -> dict | None:
+    """Collective: the loaded state restored from this node's sealed snapshots on every rank,
+    or None on every rank (storage is read then; rank 0 has said why)."""
+    t = time.perf_counter()
+    iteration = int(path.name[len("iter_"):])
+    record.path, record.iteration = path, iteration
+    tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
+    views = group.all_gather((socket.gethostname(), why))
+    if any(w for _, w in views):
+        if tensors is not None:  # kept as this job's staging; the seal stays valid
+            tensors = None
+        _say(views, iteration, used=False)
+        record.phase("memory_s", t)
+        return None
+    state = _load_rest_and_fill(sharded_state_dict, path, tensors, load_strategy)
+    record.tier = "memory"
+    record.memory_bytes = sum(x.numel() * x.element_size() for x in tensors)
+    record.verified = True
+    _say(views, iteration, used=True)
+    record.phase("memory_s", t)
+    return state
+
+
+def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
+           world: int) -> tuple[list | None, str]:
+    """This rank's snapshot buffers for ``iteration`` if they match, else (None, why not)."""
+    if not hasattr(stager, "adopt"):
+        return None, "no shared-memory staging (--async-ckpt-use-cpu-shm) in this run"
+    seal = read_seal(seal_path(stager.shm_dir, root, rank()))
+    why = _mismatch(seal, sharded_state_dict, root, iteration, world)
+    if why:
+        return None, why
+    try:
+        buffers = stager.adopt(seal)
+    except (OSError, ValueError) as e:
+        return None, f"its segments cannot be mapped ({e})"
+    crcs = crc32_all(buffers, threads=min(8, os.cpu_count() or 1))
+    bad = [e.key for e, c in zip(seal.entries, crcs or []) if c != e.crc32]
+    if bad:
+        stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
+        return None, f"{len(bad)} buffer(s) do not match their sealed CRC-32 ({bad[:3]})"
+    return buffers, ""
+
+
+def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration: int,
+              world: int) -> str:
+    if seal is None:
+        return "no sealed snapshot of this save root on this node"
+    if os.path.realpath(seal.root) != os.path.realpath(root):
+        return f"the snapshot belongs to {seal.root}"
+    if seal.world != world:
+        return f"the snapshot was taken at world size {seal.world}, this run has {world}"
+    if seal.iteration != iteration:
+        return f"the snapshot holds iteration {seal.iteration}, the load asks for {iteration}"
+    try:
+        manifest = read_manifest(root / f"iter_{iteration:07d}")
+    except ManifestError as e:
+        return f"the checkpoint's manifest is damaged ({e})"
+    committed = manifest.get("manifest_crc32") if manifest else None
+    if committed is None or committed != seal.manifest_crc32:
+        return ("the snapshot is not of this commit of the iteration (manifest CRC "
+                f"{seal.manifest_crc32} vs {committed})")
+    wanted = tensor_layout(sharded_state_dict)
+    held = [(e.key, list(e.offset), list(e.shape), e.dtype) for e in seal.entries]
+    if wanted != held:
+        return (f"the state's tensors differ from the snapshot's ({len(wanted)} vs {len(held)} "
+                "tensors, or another layout): resharding reads storage")
+    return ""
+
+
+def _load_rest_and_fill(sharded_state_dict: Any, path: Path, buffers: list,
+                        load_strategy: Callable[[], Any]) -> dict:
+    """megatron-core's load of everything but the tensors (its files checked first), the
+    tensors copied from the snapshot into their targets."""
+    manifest = read_manifest(path) or {"files": {}}
+    small = [n for n in manifest["files"] if n in _SMALL_FILES or n.endswith(_SMALL_FILES)]
+    problems = verify_files(path, manifest, small, workers=2)
+    if problems:
+        raise CheckpointIntegrityError(
+            f"checkpoint iteration {path.name} ({path}) does not match its integrity manifest: "
+            f"{'; '.join(str(p) for p in problems)}. Fix: restore those files, or resume from "
+            "another checkpoint (point --load at a directory whose tracker names it).")
+    state = copy_structure(sharded_state_dict)
+    targets: dict[int, Any] = {}
+    order = iter(buffers)
+
+    def pair(t: Any) -> Any:
+        targets[id(t)] = next(order)
+        return t
+
+    backend.map_sharded_tensors(state, pair)
+    return backend.load_with_tensors_from(state, str(path), load_strategy(),
+                                          lambda t: _fill(t, targets[id(t)]))
+
+
+def _fill(sharded_tensor: Any, buffer: Any) -> Any:
+    target = sharded_tensor.data
+    target.copy_(buffer, non_blocking=target.is_cuda)
+    return target
+
+
+def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:
+    if rank() != 0:
+        return
+    if used:
+        hosts = sorted({h for h, _ in views})
+        logger.info("checkpoint iteration %d restored from memory on %d node(s) (%s)", iteration,
+                    len(hosts), ", ".join(hosts[:4]))
+        return
+    by_host: dict[str, str] = {}
+    for r, (host, why) in sorted(enumerate(views), key=lambda v: not v[1][1]):  # failures first
+        by_host.setdefault(host, f"rank {r}: {why}" if why else "memory ready")
+    logger.info("checkpoint iteration %d is read from storage, not from memory: %s", iteration,
+                "; ".join(f"{h}: {w}" for h, w in sorted(by_host.items())))

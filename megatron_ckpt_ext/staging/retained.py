@@ -1,0 +1,186 @@
+"""Sealed snapshots: the staging buffers of the last committed save, kept in /dev/shm as
+"checkpoint iteration N of the job saving under ROOT, rank R of W", so that a job restarted on
+this node restores from memory instead of reading storage.
+
+A seal is a small JSON file ``/dev/shm/mcxseal_<hash of ROOT>_<rank>.json`` naming the segments,
+what each holds (key, global offset, shape, dtype), its CRC-32, the iteration, the world size and
+the manifest CRC of the committed checkpoint it equals. It is written (atomically) only once every
+buffer's CRC is computed after the commit, and removed before the next save writes into the
+buffers, so a crash in the middle of staging leaves no sealed torn set. The orphan sweep leaves
+the segments of a seal alone until the seal is older than :data:`MAX_AGE_S`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean",
+           "list_seals", "read_seal", "remove_seal", "seal_path", "sealed_segments",
+           "write_seal"]
+
+logger = logging.getLogger(__name__)
+
+SEAL_PREFIX = "mcxseal_"
+MAX_AGE_S = 24 * 3600.0  # a seal older than this no longer protects its segments from the sweep
+_FORMAT = "megatron-ckpt-ext/seal/1"
+_CRC_CHUNK = 64 << 20
+
+
+@dataclass
+class SealEntry:
+    """One staged tensor: what it is (for matching a restart's state) and where it lives."""
+
+    key: str
+    offset: list[int]  # the ShardedTensor's global offset
+    shape: list[int]
+    dtype: str
+    spec: str  # the stager's buffer name (key, or key#n for a repeated key)
+    path: str | None  # None for a zero-size tensor
+    nbytes: int
+    crc32: int = 0
+
+
+@dataclass
+class Seal:
+    root: str  # realpath of the --save root
+    rank: int
+    world: int
+    iteration: int
+    manifest_crc32: str | None  # the committed checkpoint's manifest CRC (None: no manifest)
+    entries: list[SealEntry]
+    generation: str = ""
+    created: float = 0.0  # time.time()
+    host: str = ""
+    pid: int = 0
+    format: str = _FORMAT
+    file: str = field(default="", compare=False)  # where it was read from (not stored)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def seal_path(shm_dir: str, root: str | os.PathLike[str], rank: int) -> str:
+    digest = hashlib.sha1(os.path.realpath(root).encode()).hexdigest()[:16]
+    return os.path.join(shm_dir, f"{SEAL_PREFIX}{digest}_{rank}.json")
+
+
+def write_seal(seal: Seal, shm_dir: str) -> str:
+    """Write ``seal`` atomically (temporary file, rename): a reader sees all of it or none."""
+    path = seal_path(shm_dir, seal.root, seal.rank)
+    seal.created, seal.host, seal.pid = time.time(), socket.gethostname(), os.getpid()
+    seal.generation = seal.generation or os.urandom(8).hex()
+    data = {k: v for k, v in asdict(seal).items() if k != "file"}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+    return path
+
+
+def read_seal(path: str) -> Seal | None:
+    """The seal at ``path``, or None when there is none or it cannot be read as one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("format") != _FORMAT:
+            return None
+        entries = [SealEntry(**e) for e in data.pop("entries")]
+        return Seal(entries=entries, file=path, **data)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def remove_seal(shm_dir: str, root: str | os.PathLike[str], rank: int) -> None:
+    try:
+        os.unlink(seal_path(shm_dir, root, rank))
+    except FileNotFoundError:
+        pass
+
+
+def list_seals(shm_dir: str) -> list[Seal]:
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError:
+        return []
+    found = (read_seal(os.path.join(shm_dir, n)) for n in names
+             if n.startswith(SEAL_PREFIX) and n.endswith(".json"))
+    return [s for s in found if s is not None]
+
+
+def sealed_segments(shm_dir: str, *, now: float | None = None,
+                    expire: bool = True) -> set[str]:
+    """The segment paths of the seals younger than :data:`MAX_AGE_S`; with ``expire`` older
+    seals (and unreadable ones) are removed first, so their segments become ordinary orphans."""
+    now = time.time() if now is None else now
+    kept: set[str] = set()
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return kept
+    for name in names:
+        if not name.startswith(SEAL_PREFIX) or not name.endswith(".json"):
+            continue
+        path = os.path.join(shm_dir, name)
+        seal = read_seal(path)
+        if seal is None or now - seal.created > MAX_AGE_S:
+            if expire:
+                _unlink(path)
+            continue
+        kept.update(e.path for e in seal.entries if e.path)
+    return kept
+
+
+def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """``shm clean``: remove every seal and the segments it names that no live process maps
+    (``is_mapped``). Returns (seals removed, segments removed)."""
+    seals, segments = [], []
+    for seal in list_seals(shm_dir):
+        for entry in seal.entries:
+            if entry.path and os.path.exists(entry.path) and not is_mapped(entry.path):
+                _unlink(entry.path)
+                segments.append(entry.path)
+        _unlink(seal.file)
+        seals.append(seal.file)
+    return seals, segments
+
+
+def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None) -> int | None:
+    """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers);
+    None when ``cancelled`` is set meanwhile."""
+    if tensor.numel() == 0:
+        return 0
+    raw = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    crc = 0
+    for start in range(0, raw.nbytes, _CRC_CHUNK):
+        if cancelled is not None and cancelled.is_set():
+            return None
+        crc = zlib.crc32(memoryview(raw[start:start + _CRC_CHUNK]), crc)
+    return crc
+
+
+def crc32_all(tensors: Sequence[torch.Tensor], *, threads: int = 4,
+              cancelled: threading.Event | None = None) -> list[int] | None:
+    """Every tensor's CRC-32, on ``threads`` threads; None when cancelled."""
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        crcs = list(pool.map(lambda t: buffer_crc32(t, cancelled), tensors))
+    return None if any(c is None for c in crcs) else crcs  # type: ignore[return-value]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
