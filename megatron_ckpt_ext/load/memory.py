@@ -24,7 +24,7 @@ from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.planner import copy_structure
-from ..staging.retained import Seal, crc32_all, read_seal, seal_path
+from ..staging.retained import Seal, copy_verified, read_seal, seal_path
 from .report import LoadRecord
 
 __all__ = ["restore_from_memory", "tensor_layout"]
@@ -54,6 +54,9 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     iteration = int(path.name[len("iter_"):])
     record.path, record.iteration = path, iteration
     tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
+    record.phase("memory_adopt_s", t)
+    if tensors is not None:  # checked and copied into the targets in one pass (a refusal
+        why = _check_and_copy(stager, tensors, sharded_state_dict)  # is overwritten by storage)
     views = group.all_gather((socket.gethostname(), why))
     if any(w for _, w in views):
         if tensors is not None:  # kept as this job's staging; the seal stays valid
@@ -63,7 +66,7 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         return None
     state = _load_rest_and_fill(sharded_state_dict, path, tensors, load_strategy)
     record.tier = "memory"
-    record.memory_bytes = sum(x.numel() * x.element_size() for x in tensors)
+    record.memory_bytes = sum(b.numel() * b.element_size() for b, _ in tensors)
     record.verified = True
     _say(views, iteration, used=True)
     record.phase("memory_s", t)
@@ -83,12 +86,20 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
         buffers = stager.adopt(seal)
     except (OSError, ValueError) as e:
         return None, f"its segments cannot be mapped ({e})"
-    crcs = crc32_all(buffers, threads=min(8, os.cpu_count() or 1))
-    bad = [e.key for e, c in zip(seal.entries, crcs or []) if c != e.crc32]
+    return list(zip(buffers, seal.entries)), ""
+
+
+def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any) -> str:
+    """Each buffer's CRC-32 against its seal and its copy into the target, chunk by chunk on
+    the copy threads; why not (a mismatch), or ''."""
+    targets: list = []
+    backend.map_sharded_tensors(sharded_state_dict, lambda t: targets.append(t.data) or t)
+    bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)])
     if bad:
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
-        return None, f"{len(bad)} buffer(s) do not match their sealed CRC-32 ({bad[:3]})"
-    return buffers, ""
+        keys = [adopted[i][1].key for i in bad]
+        return f"{len(bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})"
+    return ""
 
 
 def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration: int,
@@ -119,6 +130,7 @@ def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration:
 
 def _load_rest_and_fill(sharded_state_dict: Any, path: Path, buffers: list,
                         load_strategy: Callable[[], Any]) -> dict:
+    del buffers  # already copied into the targets
     """megatron-core's load of everything but the tensors (its files checked first), the
     tensors copied from the snapshot into their targets."""
     manifest = read_manifest(path) or {"files": {}}
@@ -129,23 +141,8 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path, buffers: list,
             f"checkpoint iteration {path.name} ({path}) does not match its integrity manifest: "
             f"{'; '.join(str(p) for p in problems)}. Fix: restore those files, or resume from "
             "another checkpoint (point --load at a directory whose tracker names it).")
-    state = copy_structure(sharded_state_dict)
-    targets: dict[int, Any] = {}
-    order = iter(buffers)
-
-    def pair(t: Any) -> Any:
-        targets[id(t)] = next(order)
-        return t
-
-    backend.map_sharded_tensors(state, pair)
-    return backend.load_with_tensors_from(state, str(path), load_strategy(),
-                                          lambda t: _fill(t, targets[id(t)]))
-
-
-def _fill(sharded_tensor: Any, buffer: Any) -> Any:
-    target = sharded_tensor.data
-    target.copy_(buffer, non_blocking=target.is_cuda)
-    return target
+    state = copy_structure(sharded_state_dict)  # its tensors' data: the filled targets
+    return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data)
 
 
 def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:
