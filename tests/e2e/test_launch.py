@@ -174,6 +174,18 @@ def test_help_of_the_launcher_names_the_real_command(tmp_path):
     assert "torchrun [torchrun options] -m megatron_ckpt_ext.launch SCRIPT" in proc.stdout
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_after_the_script_is_the_scripts_own_with_our_flags(tmp_path, flag):
+    """``launch SCRIPT --help`` (as the launcher's usage says): Megatron's help from the
+    script's parser, listing our flags, not the launcher's usage."""
+    script = _checkout(tmp_path)
+    proc = _launch(tmp_path, str(script), "--async-save", flag)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: pretrain_gpt.py" in proc.stdout and "Megatron-LM Arguments" in proc.stdout
+    assert "--async-ckpt-use-cpu-shm" in proc.stdout and "--ckpt-failure-policy" in proc.stdout
+    assert "torchrun [torchrun options]" not in proc.stdout
+
+
 def test_missing_script_argument_is_a_usage_error(tmp_path):
     proc = _launch(tmp_path)
     assert proc.returncode == 2
