@@ -54,7 +54,6 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     iteration = int(path.name[len("iter_"):])
     record.path, record.iteration = path, iteration
     tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
-    record.phase("memory_adopt_s", t)
     if tensors is not None:  # checked and copied into the targets in one pass (a refusal
         why = _check_and_copy(stager, tensors, sharded_state_dict)  # is overwritten by storage)
     views = group.all_gather((socket.gethostname(), why))
@@ -94,6 +93,9 @@ def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any) -> str:
     the copy threads; why not (a mismatch), or ''."""
     targets: list = []
     backend.map_sharded_tensors(sharded_state_dict, lambda t: targets.append(t.data) or t)
+    if not all(t.is_contiguous() for t in targets):
+        stager.drop_adopted(unlink=False)
+        return "a target tensor is not contiguous (the copies go to contiguous targets only)"
     bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)])
     if bad:
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again

@@ -179,32 +179,41 @@ def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None)
 def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
                   threads: int | None = None, chunk: int = 16 << 20) -> list[int]:
     """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
-    chunk, summing each chunk just before it is copied, on ``threads`` threads; the indices of
-    the buffers whose CRC-32 differs. The chunks' sums are folded in order per buffer."""
+    chunk on ``threads`` threads, summing each chunk just before it is copied; the indices of the
+    buffers whose CRC-32 differs (the chunks' sums are folded in order per buffer). The buffers
+    of an adopted snapshot are pinned (``cudaHostRegister``): of the ways measured to bring a
+    freshly mapped segment to the device, that was the fastest (docs/memory/)."""
     from ..manifest import crc32_combine
 
     threads = threads or min(16, os.cpu_count() or 1)
-    pieces = [(i, a, min(a + chunk, b.numel() * b.element_size()))
-              for i, (b, _, _) in enumerate(jobs)
-              for a in range(0, max(1, b.numel() * b.element_size()), chunk)]
+    pieces = [(i, a, min(a + chunk, _nbytes(b))) for i, (b, _, _) in enumerate(jobs)
+              for a in range(0, max(1, _nbytes(b)), chunk)]
 
     def run(piece: tuple[int, int, int]) -> tuple[int, int, int]:
         i, a, z = piece
         src, _, dst = jobs[i]
         if z <= a:
             return i, 0, 0
-        raw = src.detach().reshape(-1).view(torch.uint8)[a:z]
+        raw = _bytes(src)[a:z]
         crc = _crc32(memoryview(raw.numpy()))
-        dst.detach().reshape(-1).view(torch.uint8)[a:z].copy_(raw)
+        _bytes(dst)[a:z].copy_(raw, non_blocking=dst.is_cuda)
         return i, crc, z - a
 
     sums: dict[int, int] = {}
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in file order
+        for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
             sums[i] = crc if i not in sums else crc32_combine(sums[i], crc, n)
     if any(dst.is_cuda for _, _, dst in jobs):
         torch.cuda.synchronize()
     return [i for i, (_, want, _) in enumerate(jobs) if sums.get(i, 0) != want]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def crc32_all(tensors: Sequence[torch.Tensor], *, threads: int = 4,

@@ -287,7 +287,7 @@ class ShmStager:
         _register_segment(storage, entry.path, entry.nbytes, reuse=self.reuse)
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(entry.shape))
         buffer = _Buffer(tensor, entry.path)
-        if self.pin:
+        if self.pin:  # measured faster than reading the segment into pinned chunks (docs/memory)
             buffer.registered = _register(tensor, entry.nbytes)
         return buffer
 
