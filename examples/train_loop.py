@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
 """A complete data-parallel training loop checkpointed with megatron-ckpt-ext: train, then resume.
 
-CPU (gloo) or one GPU per rank (NCCL), launched with torchrun; our flags plus Megatron's
-``--save --load --train-iters --save-interval``:
+CPU (gloo) or one GPU per rank (NCCL), launched with torch.distributed.run (torchrun); our flags
+plus Megatron's ``--save --load --train-iters --save-interval``:
 
-    torchrun --nproc-per-node 2 examples/train_loop.py --async-save --save ckpt \\
-        --save-interval 5 --train-iters 10
-    torchrun --nproc-per-node 2 examples/train_loop.py --async-save --save ckpt \\
-        --save-interval 5 --train-iters 20 --load ckpt
+    CKPT=$(mktemp -d)
+    python -m torch.distributed.run --nproc-per-node 2 examples/train_loop.py --async-save \\
+        --save $CKPT --save-interval 5 --train-iters 10
+    python -m torch.distributed.run --nproc-per-node 2 examples/train_loop.py --async-save \\
+        --save $CKPT --save-interval 5 --train-iters 20 --load $CKPT
 
-The second run resumes from the latest committed checkpoint (iteration 10) and trains 11..20.
-With ``--exit-signal-handler``, SIGTERM (or ``--exit-signal``) to any rank makes the loop save the
-iteration it is at, wait until that checkpoint is durable, and exit 0.
+The second run resumes from the latest committed checkpoint (iteration 10) and trains 11..20; the
+last iteration is always saved, as in Megatron-LM. With ``--exit-signal-handler``, SIGTERM (or
+``--exit-signal``) to any rank, or to every process of the job, makes the loop save the iteration
+it is at, wait until that checkpoint is durable, and exit 0. ``--logging-level 20`` shows the
+per-save lines (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -118,7 +122,8 @@ def main() -> None:
             loss = train_step(model, optimizer, data, device)
             ckpt.maybe_finalize()  # every rank calls it: commits the async saves that are done
             stop = ckpt.preempted()  # --exit-signal-handler: a rank got SIGTERM (collective)
-            if args.save and (iteration % args.save_interval == 0 or stop):
+            last = iteration == args.train_iters  # the end of training is saved, as in Megatron-LM
+            if args.save and (iteration % args.save_interval == 0 or stop or last):
                 state = sharded_state_dict(model, optimizer, data)
                 ckpt.save(dict(state, iteration=iteration), args.save, iteration=iteration)
             if stop:
@@ -131,4 +136,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (mcx.CkptOptionsError, mcx.errors.SaveDirectoryInUse, mcx.errors.CheckpointNotFound,
+            mcx.errors.CheckpointIntegrityError) as e:  # at start-up: its message names the fix
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -12,10 +12,11 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Iterator
 
-__all__ = ["ForkStarts", "die_with_parent", "forks_die_with_this_process", "pid_alive", "rank",
-           "warn_once"]
+__all__ = ["ForkStarts", "die_with_parent", "forks_die_with_this_process", "ignore_job_signals",
+           "note_exit_signal", "pid_alive", "rank", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,15 @@ class ForkStarts:
     """Which processes forked inside ``forks_die_with_this_process(starts)`` got through the
     Python runtime's after-fork work and ran a line of Python.
 
-    CPython 3.11 can leave a forked child blocked forever in ``PyOS_AfterFork_Child`` (waiting
-    for the interpreter's thread-state lock) when, at the instant of the fork, a thread without
-    the GIL held that lock (most likely a C++ thread, such as gloo's, entering Python; not
-    proven). The child never runs our write; alive and
-    silent, it looked like a slow write until ``--ckpt-timeout``. Each watched child writes its
-    pid into a pipe as its last after-fork step, so the trainer can tell a writer that never
-    started from one that is writing (:class:`~megatron_ckpt_ext.save.writers.WriterPool`
+    CPython before 3.12 (3.11.10, 3.10.15) can leave a forked child blocked forever in
+    ``PyOS_AfterFork_Child`` (waiting for the interpreter's thread-state lock) when, at the
+    instant of the fork, a thread without the GIL held that lock: a torch.distributed worker
+    thread creating its Python thread state to free a collective's tensor (seen in a stuck
+    child's memory; our forks now wait for those threads, ``_fork_when_torch_workers_idle``).
+    Any other native thread entering Python can do the same. The child never runs our write;
+    alive and silent, it looked like a slow write until ``--ckpt-timeout``. Each watched child
+    writes its pid into a pipe as its last after-fork step, so the trainer can tell a writer that
+    never started from one that is writing (:class:`~megatron_ckpt_ext.save.writers.WriterPool`
     forks it again, or stops it)."""
 
     def __init__(self) -> None:
@@ -120,26 +123,128 @@ class ForkStarts:
 @contextlib.contextmanager
 def forks_die_with_this_process(starts: ForkStarts | None = None) -> Iterator[None]:
     """Processes forked inside this block (the backends' write-results Manager server, a
-    temporal writer) get :func:`die_with_parent`, and report their start to ``starts``. Without
-    the first, a Manager server outlives a SIGKILLed trainer forever. Forks elsewhere in the
-    training process are not touched."""
+    temporal writer) get :func:`die_with_parent` and :func:`ignore_job_signals`, and report their
+    start to ``starts``. Without the first, a Manager server outlives a SIGKILLed trainer
+    forever; without the second, a job-wide SIGTERM kills the writer of the exit checkpoint.
+    Forks elsewhere in the training process are not touched."""
     if not _FORK_WATCH.get("registered"):
-        os.register_at_fork(after_in_child=_watch_forked_child)
+        os.register_at_fork(before=_fork_when_torch_workers_idle,
+                            after_in_child=_watch_forked_child)
         _FORK_WATCH["registered"] = 1
     _FORK_WATCH["parent"], _FORK_WATCH["starts"] = os.getpid(), starts
+    # The job's termination signals stay pending on this thread meanwhile, so a child (forked,
+    # or spawned: an exec keeps the mask) starts with them blocked until it ignores them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _job_signums())
     try:
         yield
     finally:
         _FORK_WATCH["parent"] = _FORK_WATCH["starts"] = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+# torch.distributed's own worker threads: gloo's "pt_gloo_runloop", NCCL's "pt_nccl_watchdg".
+_TORCH_WORKER_PREFIX = b"pt_"
+# The longest a fork of ours waits for them to be idle: a worker's busy spell after a collective
+# is short, a few scheduler ticks when it was preempted; past this the fork goes ahead (the
+# start watch of save/writers.py still catches a child that never starts).
+FORK_QUIET_BOUND_S = 0.1
+
+
+def _fork_when_torch_workers_idle() -> None:
+    """Before a fork inside ``forks_die_with_this_process``: wait (GIL released, at most
+    ``FORK_QUIET_BOUND_S``) until no torch.distributed worker thread of this process is running.
+
+    Why: such a thread frees a finished collective's tensors; when the Python side had let go of
+    one first, it enters Python to free it, and creating its thread state takes the
+    interpreter's thread-state lock without the GIL. CPython before 3.12, 3.11.10 and 3.10.15
+    takes that lock in a forked child before it re-creates it: a fork at that instant never
+    starts (``ForkStarts``). An idle worker sleeps until the trainer queues a collective, which
+    this thread, forking, does not do."""
+    if _FORK_WATCH["parent"] is None:  # not one of ours
+        return
+    deadline = time.monotonic() + FORK_QUIET_BOUND_S
+    waited = False
+    while _torch_workers_busy():
+        if not waited:
+            waited = _count_fork("waited")
+        if time.monotonic() > deadline:
+            _count_fork("unquiet")
+            return
+        time.sleep(0.0005)
+
+
+def _torch_workers_busy() -> bool:
+    """Whether a torch.distributed worker thread of this process is running or runnable (Linux;
+    False where /proc cannot tell)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    me = str(threading.get_native_id())
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # it just exited
+            continue
+        name, _, rest = stat.partition(b" (")[2].rpartition(b") ")
+        if name.startswith(_TORCH_WORKER_PREFIX) and rest[:1] in (b"R", b"D"):
+            return True
+    return False
+
+
+def _count_fork(what: str) -> bool:
+    _FORK_WATCH[what] = fork_waits()[what] + 1
+    return True
+
+
+def fork_waits() -> dict[str, int]:
+    """Forks of ours that found a torch worker busy and waited ("waited"), and those that went
+    ahead with one still busy after ``FORK_QUIET_BOUND_S`` ("unquiet"): for the soak."""
+    return {k: int(_FORK_WATCH.get(k, 0)) for k in ("waited", "unquiet")}  # type: ignore[arg-type]
 
 
 def _watch_forked_child() -> None:
     parent, starts = _FORK_WATCH["parent"], _FORK_WATCH["starts"]
     _FORK_WATCH["parent"] = _FORK_WATCH["starts"] = None  # this child's own forks are its business
     if parent is not None:
+        ignore_job_signals()
         die_with_parent(parent)  # type: ignore[arg-type]
     if isinstance(starts, ForkStarts):
         starts._in_child()
+
+
+# What a job's end sends every process of it (SLURM's job-step SIGTERM, a terminal's Ctrl-C),
+# plus the --exit-signal (note_exit_signal); the choices of --exit-signal bound what a spawned
+# writer may find blocked at its start.
+_JOB_SIGNALS = {"SIGTERM", "SIGINT"}
+_EXIT_SIGNAL_CHOICES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
+def note_exit_signal(name: str) -> None:
+    """The --exit-signal of this job: writers forked or spawned from now on ignore it too."""
+    _JOB_SIGNALS.add(name)
+
+
+def _job_signums() -> set[int]:
+    return {int(getattr(signal, name)) for name in _JOB_SIGNALS if hasattr(signal, name)}
+
+
+def ignore_job_signals() -> None:
+    """In a writer-side process, first thing: ignore the job's termination signals (and those
+    still blocked since its spawn). A job-wide signal must reach only the ranks, which finish
+    the exit checkpoint and then stop their writers; a writer killed by it loses that
+    checkpoint. Writers still die with their rank (:func:`die_with_parent`)."""
+    nums = _job_signums()
+    with contextlib.suppress(OSError, ValueError):
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        nums |= set(map(int, blocked)) & {int(getattr(signal, n)) for n in _EXIT_SIGNAL_CHOICES}
+    for signum in nums:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: off the main thread
+            signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, nums)  # what was pending is dropped, ignored
 
 
 def die_with_parent(trainer_pid: int) -> None:

@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         checks = runner(recipe, run_dir)
         print_table(recipe, checks, run_dir)
         ok = all(c[1] for c in checks)
-        print(f"\n{'PASSED' if ok else 'FAILED'}: {recipe.get('name')}  (run dir {run_dir})")
+        kept = not ok or args.keep or args.run_dir  # the finally below removes it otherwise
+        where = f"run dir {run_dir}" if kept else "its run dir is removed; --keep keeps it"
+        print(f"\n{'PASSED' if ok else 'FAILED'}: {recipe.get('name')}  ({where})")
         return 0 if ok else 1
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"FAILED: {e}\n(run dir {run_dir} kept)", file=sys.stderr)

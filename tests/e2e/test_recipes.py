@@ -52,14 +52,15 @@ def test_bad_recipe_is_a_clear_error_before_anything_starts(tmp_path, text, expe
     assert r.returncode == 2 and expected in r.stderr, r.stderr
 
 
-def _pretrain(*args: str, timeout: int = 200) -> subprocess.CompletedProcess:
-    """scripts/pretrain_gpt.py on one rank (a tiny model, two iterations)."""
+def _pretrain(*args: str, timeout: int = 200, nproc: int = 1) -> subprocess.CompletedProcess:
+    """scripts/pretrain_gpt.py on ``nproc`` ranks (a tiny model, two iterations)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                           "--nproc-per-node", str(nproc),
                            "--master-port", str(port), str(ROOT / "scripts" / "pretrain_gpt.py"),
                            "--train-iters", "2", "--num-layers", "1", "--hidden-size", "32",
                            "--num-attention-heads", "2", "--seq-length", "16", *args],
@@ -94,9 +95,13 @@ def test_exit_on_missing_checkpoint_makes_it_an_error(tmp_path):
 def test_unwritable_save_fails_at_start_up(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    r = _pretrain("--save", str(blocker / "ckpt"), "--save-interval", "2")
+    r = _pretrain("--save", str(blocker / "ckpt"), "--save-interval", "2", nproc=2)
     assert r.returncode != 0
-    assert f"--save {blocker / 'ckpt'}: the checkpoint directory is not writable" in r.stderr, r.stderr[-3000:]
+    # one line, from rank 0 only, no traceback of ours (torchrun's own report follows it)
+    line = f"error: --save {blocker / 'ckpt'}: {blocker} is a file, not a directory. Fix:"
+    assert r.stderr.count(line) == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr.split("ChildFailedError")[0].split(line)[0], r.stderr[-3000:]
+    assert "exitcode  : 2" in r.stderr and "CkptOptionsError" not in r.stderr, r.stderr[-3000:]
     assert "iteration 1 |" not in r.stderr  # refused before training, not at the first save
 
 
@@ -163,3 +168,20 @@ def test_nan_check_off_trains_through_nan(tmp_path):
     r = run(str(recipe), "--run-dir", str(tmp_path / "run"), timeout=250)
     assert "FloatingPointError" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 1 and "FAIL  loss finite" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_pass_line_names_a_run_dir_only_while_it_exists(tmp_path, monkeypatch, capsys, keep):
+    module = _run_recipe_module()
+    made: list[Path] = []
+    monkeypatch.setattr(module, "run_regular", lambda recipe, run_dir: made.append(run_dir)
+                        or [("trained", True, "")])
+    monkeypatch.setattr(module, "print_table", lambda *args: None)
+    monkeypatch.setattr(module.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    assert module.main([str(ROOT / "configs" / "gpt_tiny_sync.yaml"),
+                        *(["--keep"] if keep else [])]) == 0
+    out = capsys.readouterr().out
+    named = re.search(r"\(run dir ([^ )]+)\)", out)
+    assert made and made[0].exists() == keep
+    assert (named is not None) == keep and (not keep or named.group(1) == str(made[0])), out
+    assert keep or "--keep keeps it" in out

@@ -3,11 +3,16 @@ start when another thread held the interpreter's thread-state lock; CI saw a 2-r
 it) is noticed within the start timeout: a temporal writer is forked again and the save commits;
 a persistent worker with nothing but its start-up request is replaced and the save commits; one
 that already holds a save (started after an abandoned save) is stopped and every rank raises,
-and the next save commits. Nothing waits for --ckpt-timeout."""
+and the next save commits. Nothing waits for --ckpt-timeout.
+
+What makes such a fork: a torch.distributed worker thread creating a Python thread state (to free
+a collective's tensor) at the instant of the fork; our forks wait until those threads are idle."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +42,38 @@ def _state_of(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_a_fork_of_ours_waits_until_torch_worker_threads_are_idle():
+    """A thread named as torch.distributed's workers, running outside the GIL (a long hash, as a
+    gloo worker freeing a collective's tensors runs): a fork inside forks_die_with_this_process
+    goes ahead only once it is idle. Seen by a before-fork hook registered first, so it runs
+    after the plugin's, at the fork; in a fresh interpreter, where that order is known."""
+    out = subprocess.run([sys.executable, "-c", _FORK_PROBE], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "worker busy at the fork: [False]" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+_FORK_PROBE = """
+import ctypes, hashlib, os, threading, time
+from megatron_ckpt_ext import _runtime
+_runtime.FORK_QUIET_BOUND_S = 60.0  # the hash below must end within the wait, however loaded
+at_fork = []
+os.register_at_fork(before=lambda: at_fork.append(_runtime._torch_workers_busy()))
+def work():
+    ctypes.CDLL(None).prctl(15, b"pt_test_worker", 0, 0, 0)  # PR_SET_NAME, as torch names
+    hashlib.sha256(bytes(64 << 20)).digest()  # tens of ms or more without the GIL: running
+worker = threading.Thread(target=work)
+worker.start()
+deadline = time.monotonic() + 60
+while not _runtime._torch_workers_busy():  # seen running while this thread holds the GIL
+    assert worker.is_alive() and time.monotonic() < deadline, "the worker never ran"
+with _runtime.forks_die_with_this_process():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+os.waitpid(pid, 0)
+worker.join()
+print("worker busy at the fork:", at_fork)
+"""
