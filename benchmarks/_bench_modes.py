@@ -321,6 +321,20 @@ class HostMemSampler:
 
 
 # -- runners -------------------------------------------------------------------------------------
+def single_process_env() -> None:
+    """Run as a plain script too: without torchrun's variables, a world of one on localhost
+    (torchrun's own are kept)."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._bench_modes import build_state, gpt_shape, sharded, state_bytes  # noqa: E402
+from benchmarks._bench_modes import (build_state, gpt_shape, sharded,  # noqa: E402
+                                      single_process_env, state_bytes)
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 
 _CHUNK = 64 << 20
@@ -180,6 +181,7 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
     args = p.parse_args()
     if not dist.is_initialized():
+        single_process_env()  # a plain `python benchmarks/bench_load.py` is a world of one
         dist.init_process_group("gloo")
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda":

@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._bench_modes import build_state, gpt_shape, sharded, state_bytes  # noqa: E402
-from benchmarks.bench_load import _files, _like, _same, drop_pages, h2d_pinned_s  # noqa: E402
+from benchmarks._bench_modes import (build_state, gpt_shape, sharded,  # noqa: E402
+                                      single_process_env, state_bytes)
+from benchmarks.bench_load import (_files, _like, _same, drop_pages, h2d_pinned_s,  # noqa: E402
+                                   parallel_read_s)
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 from megatron_ckpt_ext.staging.retained import read_seal, seal_path  # noqa: E402
 
@@ -43,10 +45,7 @@ def init_world_1() -> None:
     """One process, with or without torchrun: a world of one."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    single_process_env()
     dist.init_process_group("gloo")
 
 
@@ -122,8 +121,9 @@ def main() -> int:
     root = Path(args.out)
     shutil.rmtree(root, ignore_errors=True)
     child = Path(args.json).with_suffix(".killed_job.json")
-    subprocess.run([sys.executable, *sys.argv, "--child-json", str(child)], check=True,
-                   env={**os.environ, "MASTER_PORT": str(29400 + (os.getpid() + 7) % 1000)})
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}  # its own world
+    subprocess.run([sys.executable, *sys.argv, "--child-json", str(child)], check=True, env=env)
     state = the_state(args.gib, device)
     nbytes = state_bytes(state)
     checkpoint = root / f"iter_{args.saves:07d}"
@@ -139,14 +139,17 @@ def main() -> int:
         for source, tier, cache, load in cases:
             if cache == "cold":
                 drop_pages(checkpoint)
+            elif cache == "warm":  # the writer drops what it wrote from the page cache
+                parallel_read_s(checkpoint, 16)
             seconds, exact, report = load()
             runs.append({"source": source, "tier": report.get("tier"), "expected_tier": tier,
                          "cache": cache, "bytes": nbytes, "load_s": round(seconds, 4),
                          "model": f"synthetic GPT {args.gib:g} GiB", "bit_exact": exact,
-                         "repeat": rep, "phases": report.get("phases")})
+                         "repeat": rep, "phases": report.get("phases"),
+                         "memory_steps": report.get("memory_steps")})
             print(f"[restore] {source:5s} {tier:7s} {cache or '-':4s} {seconds:.3f} s "
                   f"({nbytes / seconds / 1e9:.2f} GB/s) tier={report.get('tier')} "
-                  f"bit_exact={exact}", flush=True)
+                  f"bit_exact={exact} {report.get('memory_steps') or ''}", flush=True)
     h2d = h2d_pinned_s(nbytes, device)
     caps = backend.detect()
     result = {
@@ -163,10 +166,21 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps({"floors": result["floors"], "summary": result["summary"],
                       "save_path": result["save_path"]}))
-    subprocess.run([sys.executable, "-m", "megatron_ckpt_ext", "shm", "clean"], check=False)
+    drop_snapshot(root)
     shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
     return 0
+
+
+def drop_snapshot(root: Path) -> None:
+    """This run's snapshot only (``shm clean`` would remove every job's on the node)."""
+    seal = read_seal(seal_path("/dev/shm", root, 0))
+    if seal is None:
+        return
+    for entry in seal.entries:
+        if entry.path and os.path.exists(entry.path):
+            os.unlink(entry.path)
+    os.unlink(seal.file)
 
 
 def summary(runs: list[dict], floors: dict) -> dict:

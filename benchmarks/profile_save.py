@@ -344,6 +344,7 @@ def main() -> None:
                    help="with --finalize blocking: remove checkpoints older than the last N")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
+    bm.single_process_env()  # a plain `python benchmarks/profile_save.py` is a world of one
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

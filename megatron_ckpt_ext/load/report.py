@@ -34,6 +34,7 @@ class LoadRecord:
     fell_back_from: int | None = None
     tier: str = "storage"  # or "memory": restored from the node's sealed snapshot
     memory_bytes: int = 0
+    memory_steps: dict = field(default_factory=dict)  # this rank's steps of the memory tier
     phases: dict = field(default_factory=dict)
     reads: dict = field(default_factory=dict)  # how items were read (load_reader's stats)
 
@@ -52,6 +53,7 @@ class LoadRecord:
                 "load_s": round(total, 6), "gbps": round(nbytes / max(total, 1e-9) / 1e9, 4),
                 "verified": self.verified, "fell_back_from": self.fell_back_from,
                 "tier": self.tier, "memory_bytes": self.memory_bytes,
+                "memory_steps": self.memory_steps,
                 "world": group.size(), "direct_items": self.reads.get("direct_items", 0),
                 "stock_items": self.reads.get("stock_items", 0),
                 "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}

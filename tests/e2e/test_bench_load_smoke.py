@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.functional
 def test_load_benchmark_smoke(tmp_path):
     out = tmp_path / "load.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "1", str(ROOT / "benchmarks" / "bench_load.py"),
+    # as a plain script (a world of one), as the README shows it; torchrun works alike
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"),
                     "--cpu-smoke", "--repeats", "1", "--out", str(tmp_path / "ckpt"),
                     "--json", str(out)], check=True, cwd=ROOT, timeout=300)
     data = json.loads(out.read_text())
@@ -40,3 +40,21 @@ def test_load_benchmark_smoke(tmp_path):
     from plot_load import throughputs
 
     assert set(throughputs(data)) == {(r["variant"], r["cache"]) for r in runs}
+
+
+@pytest.mark.functional
+def test_memory_restore_benchmark_smoke(tmp_path):
+    """bench_memory_restore.py --cpu-smoke: a killed child's snapshot is restored from memory,
+    every load is bit-exact and takes the tier it should; the JSON has the documented fields."""
+    out = tmp_path / "restore.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
+                    "--cpu-smoke", "--repeats", "1", "--out", str(tmp_path / "ckpt"),
+                    "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+    data = json.loads(out.read_text())
+    assert {"device", "versions", "world_size", "command", "floors", "runs"} <= set(data)
+    assert set(data["floors"]) == {"h2d_pinned_gbps"}
+    assert {(r["source"], r["tier"], r["cache"]) for r in data["runs"]} == {
+        ("ours", "memory", None), ("ours", "storage", "warm"), ("ours", "storage", "cold"),
+        ("stock", "storage", "warm"), ("stock", "storage", "cold")}
+    assert all(r["bit_exact"] and r["bytes"] > 0 for r in data["runs"])
+    assert data["summary"]["tiers_as_expected"] and data["summary"]["all_bit_exact"]
