@@ -13,13 +13,13 @@ import logging
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator
 
 from .. import manifest
+from .._crc import crc32
 from . import direct_read
 from ._imports import MCORE_STRATEGIES
 
@@ -278,7 +278,7 @@ class _Sums:
         if self.enabled and not getattr(item_md, "transform_descriptors", None):
             name = str(item_md.relative_path)
             self._items.setdefault(name, []).append((item_md.offset, item_md.length))
-            self._add(name, item_md.offset, len(raw), zlib.crc32(raw))
+            self._add(name, item_md.offset, len(raw), crc32(raw))
 
     def direct_item(self, plan: _ItemPlan, item_md: Any) -> None:
         """A direct item reading its whole record: its headers now, its record's chunks later."""
@@ -290,8 +290,8 @@ class _Sums:
         name = str(item_md.relative_path)
         self._items.setdefault(name, []).append((item_md.offset, item_md.length))
         head, tail = layout.edges
-        self._add(name, item_md.offset, len(head), zlib.crc32(head))
-        self._add(name, layout.record[0] + layout.record[1], len(tail), zlib.crc32(tail))
+        self._add(name, item_md.offset, len(head), crc32(head))
+        self._add(name, layout.record[0] + layout.record[1], len(tail), crc32(tail))
 
     def chunk(self, plan: _ItemPlan, offset: int, view: memoryview,
               then: Callable[[], None] | None = None) -> None:
@@ -312,7 +312,7 @@ class _Sums:
     def _sum(self, name: str, offset: int, view: memoryview,
              then: Callable[[], None] | None) -> None:
         try:
-            self._add(name, offset, len(view), zlib.crc32(view))
+            self._add(name, offset, len(view), crc32(view))
         finally:
             if then is not None:
                 then()
@@ -340,7 +340,7 @@ class _Sums:
             read = [(offset, os.pread(fd, n, offset)) for offset, n in gaps]
             if all(len(data) == n for (_, n), (_, data) in zip(gaps, read)):
                 for offset, data in read:
-                    self._add(name, offset, len(data), zlib.crc32(data))
+                    self._add(name, offset, len(data), crc32(data))
                 covered.add(name)
         return covered
 

@@ -11,11 +11,11 @@ import os
 import queue
 import sys
 import threading
-import zlib
 from functools import partial
 from typing import Any, Callable, Iterator
 
 from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
+from .._crc import crc32
 
 __all__ = ["checksummed_writes"]
 
@@ -28,7 +28,7 @@ class _SummingFile:
     ``on_close(path, nbytes, crc)`` once it is closed (after the writer's fsync).
 
     The CRC runs on a thread of its own, in write order, so it overlaps the writer's next writes
-    and its fsync instead of adding to them (zlib releases the GIL). Large buffers are summed in
+    and its fsync instead of adding to them (the CRC releases the GIL). Large buffers are summed in
     place (they are the save's staged tensors, alive until the commit); small ones, which the
     serializer may reuse once ``write`` returns, are copied first."""
 
@@ -55,7 +55,7 @@ class _SummingFile:
             part = self._pending.get()
             if part is None:
                 return
-            self.crc = zlib.crc32(part, self.crc)
+            self.crc = crc32(part, self.crc)
 
     def _join(self) -> None:
         self._pending.put(None)

@@ -50,26 +50,35 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
                         group: Group, *, load_strategy: Callable[[], Any]) -> dict | None:
     """Collective: the loaded state restored from this node's sealed snapshots on every rank,
     or None on every rank (storage is read then; rank 0 has said why)."""
-    t = time.perf_counter()
+    t = t0 = time.perf_counter()
     iteration = int(path.name[len("iter_"):])
     record.path, record.iteration = path, iteration
+    steps: dict[str, float] = {}
     tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
+    t = _step(steps, "adopt_s", t)
     if tensors is not None:  # checked and copied into the targets in one pass (a refusal
         why = _check_and_copy(stager, tensors, sharded_state_dict)  # is overwritten by storage)
+    t = _step(steps, "check_and_copy_s", t)
     views = group.all_gather((socket.gethostname(), why))
+    record.memory_steps = steps
     if any(w for _, w in views):
-        if tensors is not None:  # kept as this job's staging; the seal stays valid
-            tensors = None
         _say(views, iteration, used=False)
-        record.phase("memory_s", t)
+        record.phase("memory_s", t0)
         return None
-    state = _load_rest_and_fill(sharded_state_dict, path, tensors, load_strategy)
+    state = _load_rest_and_fill(sharded_state_dict, path, load_strategy)
+    _step(steps, "rest_from_storage_s", t)
     record.tier = "memory"
     record.memory_bytes = sum(b.numel() * b.element_size() for b, _ in tensors)
     record.verified = True
     _say(views, iteration, used=True)
-    record.phase("memory_s", t)
+    record.phase("memory_s", t0)
     return state
+
+
+def _step(steps: dict[str, float], name: str, since: float) -> float:
+    now = time.perf_counter()
+    steps[name] = round(now - since, 6)
+    return now
 
 
 def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
@@ -130,9 +139,8 @@ def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration:
     return ""
 
 
-def _load_rest_and_fill(sharded_state_dict: Any, path: Path, buffers: list,
+def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
                         load_strategy: Callable[[], Any]) -> dict:
-    del buffers  # already copied into the targets
     """megatron-core's load of everything but the tensors (its files checked first), the
     tensors copied from the snapshot into their targets."""
     manifest = read_manifest(path) or {"files": {}}

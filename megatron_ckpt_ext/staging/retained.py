@@ -19,12 +19,13 @@ import os
 import socket
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from .._crc import crc32 as _crc32
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean",
            "list_seals", "read_seal", "remove_seal", "seal_path", "sealed_segments",
@@ -37,10 +38,6 @@ MAX_AGE_S = 24 * 3600.0  # a seal older than this no longer protects its segment
 _FORMAT = "megatron-ckpt-ext/seal/1"
 _CRC_CHUNK = 64 << 20
 
-try:  # zlib's CRC-32 (same polynomial and values), several times faster where installed
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - the plain one
-    _crc32 = zlib.crc32
 
 
 @dataclass
