@@ -74,8 +74,11 @@ class Group:
             raise CheckpointWriteError(
                 "a checkpoint collective did not complete within --distributed-timeout-minutes "
                 f"{self.options.distributed_timeout_minutes} (config key "
-                "'distributed_timeout_minutes'): some rank stopped calling save() or "
-                f"maybe_finalize() ({e}).") from e
+                "'distributed_timeout_minutes'): some rank did not reach it, either because "
+                "it is still inside an earlier step of a checkpoint (its stack shows where: "
+                "py-spy dump --pid <pid>; please report it) or because the training loop does "
+                "not call save() and maybe_finalize() on every rank alike "
+                f"({e}).") from e
 
     def _all_reduce(self, values: list[float], op: Any) -> list[float]:
         if op is None:

@@ -39,7 +39,8 @@ Fallback policy, one line per feature (a warning only where the user asked for t
 from __future__ import annotations
 
 from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
-from .async_queue import (async_writer_state, forked_writer, new_async_calls_queue,
+from .async_queue import (async_writer_state, forked_writer, lone_writes_deferred,
+                          new_async_calls_queue,
                           newest_writer_pid, persistent_caller, persistent_worker_forks,
                           refork_temporal_writer, remember_process_calls,
                           spawn_skips_main, stop_async_writers,
@@ -95,6 +96,7 @@ __all__ = [
     "fully_parallel_save_wrapper_cls",
     "get_write_results_queue",
     "load_with_tensors_from",
+    "lone_writes_deferred",
     "map_sharded_tensors",
     "mcore_content_metadata_key",
     "megatron_fsdp_api",

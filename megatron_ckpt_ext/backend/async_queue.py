@@ -5,6 +5,7 @@ writer's first save fast (fork instead of spawn, no re-import of ``__main__``, n
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import queue as queue_mod
@@ -13,10 +14,10 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from .._runtime import rank
+from .._runtime import ignore_job_signals, rank
 from ..debug import env_switch
 from ..errors import BackendUnavailable
-from ._imports import MCORE_STRATEGIES, NVRX_ASYNC
+from ._imports import MCORE_DC, MCORE_STRATEGIES, NVRX_ASYNC
 from .introspect import _source_has, call_with_supported
 from .mcore import async_calls_queue_cls, filesystem_writer_async_cls
 
@@ -94,6 +95,7 @@ def persistent_worker_forks(queue: Any, *, cpu_shm_mode: bool) -> Any:
     mp = getattr(module, "mp", None)
     safe = cpu_shm_mode or not (torch.cuda.is_available() and torch.cuda.is_initialized())
     if mp is None or not hasattr(mp, "get_context") or not safe:
+        _start_resource_tracker()
         yield False
         return
 
@@ -110,6 +112,16 @@ def persistent_worker_forks(queue: Any, *, cpu_shm_mode: bool) -> Any:
         yield True
     finally:
         module.mp = mp
+
+
+def _start_resource_tracker() -> None:
+    """Before a worker is spawned: start multiprocessing's resource tracker, whose start-up
+    (inside the spawn otherwise) unblocks SIGTERM and SIGINT on this thread, so the worker would
+    start without the job's signals blocked (``forks_die_with_this_process``) and die of them."""
+    from multiprocessing import resource_tracker
+
+    with contextlib.suppress(Exception):  # noqa: BLE001 - the signals' block is best effort
+        resource_tracker.ensure_running()
 
 
 @contextlib.contextmanager
@@ -192,7 +204,10 @@ def writer_keeps_snapshots(is_snapshot: Callable[[Any], bool]) -> Any:
 
 def warm_up_writer_imports() -> None:
     """Import, in a writer process, the modules a save request's functions live in (run by the
-    persistent worker's warm-up request, so the first save does not wait for these imports)."""
+    persistent worker's warm-up request, so the first save does not wait for these imports).
+    A spawned worker ran no after-fork hook: it ignores the job's termination signals here (they
+    were blocked from its first instant: ``forks_die_with_this_process``)."""
+    ignore_job_signals()
     for name in (f"{MCORE_STRATEGIES}.filesystem_async", f"{MCORE_STRATEGIES}.torch",
                  f"{NVRX_ASYNC}.filesystem_async", "megatron_ckpt_ext.strategy"):
         try:
@@ -351,3 +366,47 @@ def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05,
     finally:
         stop.set()
         watcher.join()
+
+
+# What one rank writes alone between megatron-core's collectives: in a save's planning, rank 0's
+# common state and each rank's sharded objects; in its finalization, rank 0's global metadata (the
+# storage writer's ``finish``, before a broadcast) and ``metadata.json`` (``save_config``, before
+# a barrier).
+_LONE_WRITES = ((f"{MCORE_STRATEGIES}.common", "TorchCommonSaveStrategy", "save_common"),
+                (f"{MCORE_STRATEGIES}.common", "TorchCommonSaveStrategy", "save_sharded_objects"),
+                (f"{MCORE_STRATEGIES}.filesystem_async", "FileSystemWriterAsync", "finish"),
+                (f"{NVRX_ASYNC}.filesystem_async", "FileSystemWriterAsync", "finish"),
+                (f"{MCORE_DC}.serialization", None, "save_config"))
+
+
+@contextlib.contextmanager
+def lone_writes_deferred(errors: list[BaseException]) -> Iterator[None]:
+    """Within this block, the writes one rank makes alone inside megatron-core's save and
+    finalization do not raise: their error is appended to ``errors`` and megatron-core goes on to
+    its next collective. Raised there, the error would leave the other ranks waiting in that
+    collective (a full disk under rank 0); the caller agrees over ranks on ``errors`` afterwards
+    and fails every rank."""
+    patched = []
+    for module_name, cls_name, name in _LONE_WRITES:
+        module = sys.modules.get(module_name)  # not imported: not what this save runs
+        owner = getattr(module, cls_name, None) if cls_name else module
+        original = vars(owner).get(name) if owner is not None else None
+        if callable(original):
+            setattr(owner, name, _deferring(original, errors))
+            patched.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+
+
+def _deferring(fn: Callable[..., Any], errors: list[BaseException]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any of them: the caller raises it on every rank
+            errors.append(e)
+            return None
+    return call

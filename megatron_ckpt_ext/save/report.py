@@ -113,8 +113,12 @@ def log_report(record: SaveRecord, entry: dict, ranks: dict) -> None:
                 "%.1f MB", record.iteration, record.mode, nbytes_max / 1e6,
                 entry["blocking_s"], slowest[:-2], entry["phases"][slowest],
                 entry["staging_s"], entry["durable_s"], entry["write_gbps"], host / 1e6)
-    with open(record.root / REPORT, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(entry) + "\n")
+    try:
+        with open(record.root / REPORT, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+    except OSError as e:  # the checkpoint is committed: a report line is not worth failing it
+        logger.warning("checkpoint iter %d is committed, but its line could not be appended to "
+                       "%s (%s: %s)", record.iteration, record.root / REPORT, type(e).__name__, e)
 
 
 def _sig(x: float, digits: int = 4) -> float:

@@ -6,6 +6,11 @@ all-reduce, which replaces the queue's own "is everyone done" all-reduce while a
 any rank's writer died or stayed alive past ``--ckpt-timeout``, every rank abandons the save and
 raises :class:`CheckpointWriteError`; the writers are restarted at the next save and the last
 committed checkpoint stays the latest.
+
+Agreed failures: each step of a save's finalization (megatron-core's metadata, our commit) and
+its planning end in one small all-reduce (:func:`run_agreed`), so a step that fails on one rank
+alone (a full disk under rank 0's metadata or commit) fails on every rank at the same point,
+instead of leaving the others in the step's next collective.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import gc
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import backend, preflight
 from .._runtime import (ForkStarts, die_with_parent, forks_die_with_this_process, rank,
@@ -27,15 +33,18 @@ from ..options import CkptOptions
 from .layout import tracker_text
 from .report import SaveRecord
 
-__all__ = ["POLL_S", "WRITER_START_TIMEOUT_S", "WriterPool"]
+__all__ = ["POLL_S", "SaveStepFailed", "WRITER_START_TIMEOUT_S", "WriterPool", "agreed_finalize",
+           "run_agreed"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a blocking finalize re-checks the writers
 # A forked writer that has not finished Python's after-fork start this long after its fork never
 # will (see ForkStarts): a temporal one is forked again (MAX_REFORKS times), a persistent one is
-# stopped and the save fails on every rank as for a dead writer. Starting takes milliseconds.
-WRITER_START_TIMEOUT_S = 30.0
+# stopped and the save fails on every rank as for a dead writer. A start takes milliseconds, so
+# this bounds what a stuck fork costs a save; forking again a writer that was only slow to start
+# loses nothing: it had run none of the save.
+WRITER_START_TIMEOUT_S = 5.0
 MAX_REFORKS = 2
 
 
@@ -148,6 +157,7 @@ class WriterPool:
 
     def schedule(self, request: Any, record: SaveRecord) -> None:
         """Hand ``request`` to a writer; its finalization (run by :meth:`poll`) commits."""
+        request = agreed_finalize(request, self.group)
         with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=POLL_S,
                                                       give_up=self._gave_up_on_start), \
                 forks_die_with_this_process(self.fork_starts), backend.remember_process_calls():
@@ -213,9 +223,10 @@ class WriterPool:
 
     def _start_failure_text(self, pid: int) -> str:
         return (f"rank {rank()}: the checkpoint writer forked as pid {pid} did not start within "
-                f"{WRITER_START_TIMEOUT_S:g} s (blocked in Python's after-fork start, a CPython "
-                "fork hazard when another thread holds the interpreter's thread-state lock at "
-                "the fork)")
+                f"{WRITER_START_TIMEOUT_S:g} s (blocked in Python's after-fork start: CPython "
+                "before 3.12, 3.11.10 and 3.10.15 can leave a forked child waiting forever for "
+                "the interpreter's thread-state lock that another thread held at the fork; "
+                "upgrading Python removes this)")
 
     def _gave_up_on_start(self) -> bool:
         """For the hand-over's watcher: the persistent worker never started (it is then
@@ -267,11 +278,11 @@ class WriterPool:
             self._queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
         except (KeyboardInterrupt, SystemExit):
             raise
-        # a write that raised: raised on every rank, as torch's CheckpointException (a
-        # BaseException) from nvrx 0.7's finalize, else as a RuntimeError
+        # a write or commit that raised: raised on every rank by agreed_finalize (a write's
+        # error also as torch's CheckpointException, a BaseException, from nvrx 0.7's finalize)
         except BaseException as e:  # noqa: BLE001
-            raise self.abandon(
-                f"its write or commit failed: {backend.checkpoint_failure_text(e)}") from e
+            text = str(e) if isinstance(e, SaveStepFailed) else backend.checkpoint_failure_text(e)
+            raise self.abandon(f"its write or commit failed: {text}") from e
         # Count, do not trust the returned indices: the providers return each request's own
         # call_idx, which the queue never sets. Calls finalize in schedule order.
         finished = before - self._queue.get_num_unfinalized_calls()
@@ -294,15 +305,24 @@ class WriterPool:
                           "started)", before[1])
         else:
             what, root = "the persistent checkpoint writer's start-up", None
-        latest = tracker_text(root) if root is not None else ""
-        needed = max([record.nbytes if record is not None else 0]
-                     + [r.get("bytes", 0) for r in self.reports[-1:]])
-        space = preflight.disk_full_hint(root, needed) if root is not None else ""
+        error = self._failure(what, root, why, record.nbytes if record is not None else 0,
+                              "; the async writers are restarted at the next save().")
         self.kill()
+        return error
+
+    def failed(self, record: SaveRecord, why: str, *, after: str = ".") -> CheckpointWriteError:
+        """A save that failed on every rank in the trainer (its planning, or a synchronous
+        save's write or commit): what happened; the writers are untouched."""
+        return self._failure(f"checkpoint iteration {record.iteration} under {record.root}",
+                             record.root, why, record.nbytes, after)
+
+    def _failure(self, what: str, root: Path | None, why: str, nbytes: int,
+                 after: str) -> CheckpointWriteError:
+        latest = tracker_text(root) if root is not None else ""
+        needed = max([nbytes] + [r.get("bytes", 0) for r in self.reports[-1:]])
+        space = preflight.disk_full_hint(root, needed) if root is not None else ""
         return CheckpointWriteError(
-            f"{what} failed on every rank: {why}.{space} The save is abandoned{latest}; the async "
-            "writers are restarted at the next save()."
-        )
+            f"{what} failed on every rank: {why}.{space} The save is abandoned{latest}{after}")
 
     def kill(self) -> None:
         """Stop the writers at once and release what the pending saves staged."""
@@ -335,6 +355,68 @@ class WriterPool:
         if self.froze_gc:
             self.froze_gc = False
             gc.unfreeze()
+
+
+# -- finalization that fails on every rank alike ---------------------------------------------------
+class SaveStepFailed(CheckpointWriteError):
+    """A step of a save (its planning, a step of its finalization) failed on some rank; raised
+    on every rank, naming it. ``raised``: what the step raised on this rank, if it did (None:
+    a deferred write of its, or another rank, failed)."""
+
+    def __init__(self, text: str, raised: BaseException | None = None) -> None:
+        super().__init__(text)
+        self.raised = raised
+
+
+def agreed_finalize(request: Any, group: Group) -> Any:
+    """``request`` whose finalization steps (megatron-core's metadata, our commit) each end in
+    :func:`run_agreed`, so a step one rank alone fails in fails on every rank at the same point:
+    the save is then abandoned everywhere before the next save's first collective."""
+    return request._replace(finalize_fns=[partial(run_agreed, fn, group)
+                                          for fn in request.finalize_fns])
+
+
+def run_agreed(fn: Callable[[], Any], group: Group) -> Any:
+    """Collective: run ``fn`` on every rank, then one small all-reduce says whether it raised on
+    any; if so raise :class:`SaveStepFailed` on every rank, naming the failing ranks' errors.
+    ``fn`` must reach its own collectives on every rank: the writes one rank makes alone inside
+    megatron-core's save and finalization (a full disk under rank 0) are deferred to here
+    (:func:`backend.lone_writes_deferred`), and our commit agrees itself."""
+    errors: list[BaseException] = []
+    result, raised = None, None
+    with backend.lone_writes_deferred(errors):
+        try:
+            result = fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is one
+            raised = e
+    errors = [raised, *errors] if raised is not None else errors
+    if not group.all_max([float(bool(errors))])[0]:
+        return result
+    texts = group.all_gather(_failure_text(errors[0]) if errors else None)
+    raise SaveStepFailed(_agreed_text(texts), raised) from (errors[0] if errors else None)
+
+
+def _failure_text(e: BaseException) -> tuple[int, str]:
+    """(rank: 0 its own failure, 1 an agreed one, 2 an echo of a peer's; the text). A
+    CheckpointException names each failing rank itself; its empty copy on the other ranks only
+    echoes the coordinator's."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, SaveStepFailed):
+        return 1, str(e)
+    if isinstance(failures, dict):
+        return (0 if failures else 2), backend.checkpoint_failure_text(e)
+    return 0, f"rank {rank()}: {backend.checkpoint_failure_text(e)}"
+
+
+def _agreed_text(texts: list[tuple[int, str] | None]) -> str:
+    """The failing ranks' texts, the most telling kind first, each once (at most three)."""
+    found = [t for t in texts if t is not None]
+    best = min(kind for kind, _ in found)
+    chosen = list(dict.fromkeys(text for kind, text in found if kind == best))
+    more = f" (and {len(chosen) - 3} more ranks)" if len(chosen) > 3 else ""
+    return "; ".join(chosen[:3]) + more
 
 
 def _warm_up(trainer_pid: int | None = None) -> None:
