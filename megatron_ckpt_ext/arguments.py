@@ -76,7 +76,7 @@ def _int_type(knob: Knob) -> Callable[[str], int]:
             ) from None
         too_low = knob.minimum is not None and value < knob.minimum
         too_high = knob.maximum is not None and value > knob.maximum
-        if too_low or too_high:
+        if too_low or too_high or value in knob.excluded:
             raise argparse.ArgumentTypeError(f"must be an integer{_range_text(knob)}, got {value}")
         return value
 

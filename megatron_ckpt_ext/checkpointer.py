@@ -43,7 +43,7 @@ from .save.retention import Retention, finish_interrupted
 from .preempt import Preemption
 from .save.stage import choose_stager, stage
 from .save.write_path import WriteContext, build
-from .save.writers import WriterPool
+from .save.writers import SaveStepFailed, WriterPool, agreed_finalize, run_agreed
 from .validation import check
 
 # TRACKER, checkpoint_name and read_tracker (save.layout) are public from here as well.
@@ -58,7 +58,8 @@ class Checkpointer:
     """Save / load megatron-core sharded state dicts with the options' strategies.
 
     ``process_group`` is used for the commit barriers (default: the world), ``dp_group`` for the
-    fully-parallel save/load wrappers; ``save_dir``, when given, is checked for writability here;
+    fully-parallel save/load wrappers; ``save_dir``, when given, is checked for writability and
+    its job lock taken here (else at the first save into a directory: one job per directory);
     ``hooks`` act at the points of a save (:mod:`megatron_ckpt_ext.hooks`). Construction
     validates the options against the installed backend (raising on errors, warning once on
     rank 0), starts the persistent worker and the writers' write-results queue; :meth:`prepare`
@@ -73,6 +74,7 @@ class Checkpointer:
         if options.logging_level is not None:
             for name in _LOGGERS:
                 logging.getLogger(name).setLevel(options.logging_level)
+            _show_our_logs()
         self.caps = caps or backend.detect()
         check(options, self.caps)
         if save_dir is not None:  # fail now, not at the first save hours later
@@ -182,12 +184,15 @@ class Checkpointer:
         3. stage: issue the device-to-host copies into memory owned by this save ((C) before the
            first staging: node-level admission, :func:`preflight.admit_node`).
         4. plan: megatron-core's save request ((C) when the structure is new: it validates the
-           sharding), changed by the write path.
+           sharding), changed by the write path; (C) all agree whether rank 0 could write the
+           common state (a failure fails every rank alike, as each finalization step does).
         5. hand over: async, schedule it on the writer and publish the copies once they landed
            (save() returns; :meth:`maybe_finalize` commits); sync, write and (C) commit now.
         """
         self._check_open()
         self._joblock.hold(checkpoint_dir)  # (C) the first save into a root takes its lock
+        if self._preemption is not None:  # the first save started after the signal is the exit's
+            self._preemption.save_started(iteration, self._group)
         record = SaveRecord(iteration=iteration, root=Path(checkpoint_dir),
                             started=time.perf_counter(), mode=self._mode)
         self._finish_previous(record)
@@ -206,6 +211,8 @@ class Checkpointer:
         t = record.phase("stage_s", t)
         request = self._plan(state, workdir, record)
         del state
+        if request is None:  # failed on every rank, under --ckpt-failure-policy warn
+            return
         t = record.phase("plan_s", t)
         self._hand_over(request, record, t)
         record.blocking_s = time.perf_counter() - record.started
@@ -228,7 +235,7 @@ class Checkpointer:
                                plain=backend.plain_tensors(sharded_state_dict))
         self._planner.use(structure, record)
         if self.reports and rank() == 0:
-            preflight.check_disk(record.root, self.reports[-1]["bytes"])
+            preflight.check_disk(record.root, self.reports[-1]["bytes_total"])
         return copy_structure(sharded_state_dict), workdir
 
     def _plan(self, state: Any, workdir: Path, record: SaveRecord) -> Any:
@@ -240,22 +247,42 @@ class Checkpointer:
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps:
             if not keeps and backend.writer_clones_cpu_tensors():
                 self._publisher.wait_staged(record)
-            request = backend.dist_checkpointing().save(
-                state, str(workdir), self._planner.strategy(), async_sharded_save=True,
-                validate_access_integrity=record.new_structure)
+            try:  # the common state is rank 0's write alone: fail every rank alike
+                request = run_agreed(lambda: backend.dist_checkpointing().save(
+                    state, str(workdir), self._planner.strategy(), async_sharded_save=True,
+                    validate_access_integrity=record.new_structure), self._group)
+            except SaveStepFailed as e:
+                if e.raised is not None:  # megatron-core's own error (a sharding it rejects)
+                    raise e.raised from e.raised.__cause__
+                self._not_planned(record, e)
+                return None
         self._hooks.at("planned", record)
         return build(request, WriteContext(
             options=self.options, is_async=self._async, persistent=self._writers.persistent,
             cpu_shim=self._cpu_shim, stager=self._stager, hooks=self._hooks, record=record,
             rank=rank()))
 
+    def _not_planned(self, record: SaveRecord, error: SaveStepFailed) -> None:
+        """The save failed on every rank while megatron-core planned it: its staging goes back;
+        raise, or with --ckpt-failure-policy warn (async saves) log it and go on."""
+        self._publisher.wait_staged(record)  # the copies land before their buffers go back
+        record.release()
+        failure = self._writers.failed(record, f"its planning failed: {error}",
+                                       after="; nothing of it was handed to the writers.")
+        if not self._async:
+            raise failure from error
+        self._failed(failure)
+
     def _hand_over(self, request: Any, record: SaveRecord, t: float) -> None:
         if not self._async:
-            request.execute_sync()
-            del request
-            self._hooks.at("scheduled", record)
-            record.phase("write_commit_s", t)  # before the commit, which reports the phases
-            self._commit(record)
+            try:
+                agreed_finalize(request, self._group).execute_sync()
+                del request
+                self._hooks.at("scheduled", record)
+                record.phase("write_commit_s", t)  # before the commit, which reports the phases
+                self._commit(record)
+            except SaveStepFailed as e:  # on every rank alike
+                raise self._writers.failed(record, f"its write or commit failed: {e}") from e
             return
         request.add_finalize_fn(lambda: self._commit(record))
         self._writers.schedule(request, record)
@@ -269,10 +296,11 @@ class Checkpointer:
         """Collective: make ``record``'s checkpoint visible and name it in the tracker."""
         self._hooks.at("before_commit", record)
         ranks = gather(record, self._group)  # also the commit's first barrier
-        if rank() == 0:
-            commit_on_disk(record.root, record.iteration,
-                           on_step=lambda step: self._hooks.at(step, record))
-        self._group.barrier()
+        # rank 0 commits; agreeing on whether it could (in place of a barrier) fails every
+        # rank alike when it could not (a full disk), instead of leaving them in a barrier
+        run_agreed(lambda: rank() == 0 and commit_on_disk(
+            record.root, record.iteration, on_step=lambda step: self._hooks.at(step, record)),
+            self._group)
         self._hooks.at("committed", record)
         if self._memory_tier:
             self._seal(record)
@@ -369,7 +397,8 @@ class Checkpointer:
         stages like a steady one."""
         record = LoadRecord(root=Path(checkpoint_dir))
         path = locate(checkpoint_dir, iteration=iteration,
-                      exit_on_missing=self.options.exit_on_missing_checkpoint)
+                      exit_on_missing=self.options.exit_on_missing_checkpoint,
+                      fallback=self.options.ckpt_load_fallback)
         if path is None:
             return None
         record.phase("locate_s", record.started)
@@ -424,6 +453,19 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
+
+
+def _show_our_logs() -> None:
+    """--logging-level asked for our lines: where the script configured no logging (no handler
+    on the way to the root), print them to stderr, those below WARNING from rank 0 only;
+    Python's last-resort handler would drop everything below WARNING."""
+    ours = logging.getLogger("megatron_ckpt_ext")
+    if ours.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or rank() == 0)
+    ours.addHandler(handler)
 
 
 def _mode(is_async: bool, persistent: bool, cpu_shm: bool, overlap: bool) -> str:

@@ -12,12 +12,14 @@ __all__ = [
     "BackendMismatch",
     "BackendUnavailable",
     "CheckpointIntegrityError",
+    "CheckpointNotFound",
     "CheckpointWriteError",
     "CkptError",
     "CkptOptionsError",
     "InsufficientHostMemory",
     "InsufficientSharedMemory",
     "MegatronAdapterError",
+    "SaveDirectoryInUse",
     "StagingFailed",
 ]
 
@@ -58,6 +60,16 @@ class CheckpointWriteError(CkptError, RuntimeError):
 class CheckpointIntegrityError(CkptError, ValueError):
     """A checkpoint's files do not match its integrity manifest (flipped bits, a truncated or
     missing file); the message names each file. Nothing was loaded."""
+
+
+class CheckpointNotFound(CkptError, FileNotFoundError):
+    """The checkpoint to load is not there (the tracker names a deleted directory, or one that
+    was never committed); the message names it and what can be loaded instead."""
+
+
+class SaveDirectoryInUse(CkptError, RuntimeError):
+    """Another job holds the ``--save`` directory (its lock file names the host, pid and start
+    time): two jobs saving into one directory replace each other's checkpoints."""
 
 
 class StagingFailed(CkptError, RuntimeError):

@@ -18,24 +18,26 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["ALGORITHM", "MANIFEST", "SUMS_DIR", "ManifestError", "Problem", "crc32_combine",
-           "file_crc32", "read_manifest", "record_sum", "tiled_crc32", "verify_files",
-           "write_manifest"]
+from ._crc import crc32
+
+__all__ = ["ALGORITHM", "MANIFEST", "MARKER", "SUMS_DIR", "ManifestError", "Problem",
+           "crc32_combine", "file_crc32", "read_manifest", "record_sum", "tiled_crc32",
+           "verify_files", "write_manifest", "write_marker"]
 
 MANIFEST = "mcx_manifest.json"
+MARKER = ".mcx_checkpoint"  # written at the commit: this directory is ours, manifest or not
 SUMS_DIR = ".mcx_sums"
 ALGORITHM = "crc32"
 FORMAT = "megatron-ckpt-ext/manifest/2"  # /2: the manifest carries its own CRC-32
 _FORMATS = ("megatron-ckpt-ext/manifest/1", FORMAT)
 _SELF = "manifest_crc32"
 _UNSET = "00000000"
-_CHUNK = 16 << 20  # bytes read per call when verifying (zlib releases the GIL on large buffers)
+_CHUNK = 16 << 20  # bytes read per call when verifying (the CRC releases the GIL on large buffers)
 _SMALL = 256 << 20  # files no writer summed are summed at the commit only up to this size
 
 
@@ -47,6 +49,14 @@ def record_sum(path: str, nbytes: int, crc: int) -> None:
     tmp = record.with_name(f".{record.name}.{os.getpid()}")
     tmp.write_text(json.dumps({"file": Path(path).name, "bytes": nbytes, "crc32": crc}))
     os.replace(tmp, record)
+
+
+def write_marker(workdir: Path, iteration: int) -> None:
+    """Rank 0, at the commit, before the manifest (which then lists it): the mark that the
+    plugin wrote ``workdir``, so a checkpoint whose manifest was deleted is told apart from a
+    stock one (which loads unverified). Same bytes for the same iteration in every run."""
+    (workdir / MARKER).write_text(json.dumps({"written_by": "megatron-ckpt-ext",
+                                              "iteration": iteration}) + "\n")
 
 
 def write_manifest(workdir: Path, iteration: int) -> dict:
@@ -84,7 +94,7 @@ def _sealed(data: dict) -> str:
     value written as eight zeros, so a change of any byte of the file is detected."""
     text = json.dumps({**data, _SELF: _UNSET}, indent=1, sort_keys=True)
     field = f'"{_SELF}": "{_UNSET}"'
-    return text.replace(field, f'"{_SELF}": "{zlib.crc32(text.encode()):08x}"', 1)
+    return text.replace(field, f'"{_SELF}": "{crc32(text.encode()):08x}"', 1)
 
 
 def read_manifest(checkpoint: Path) -> dict | None:
@@ -106,7 +116,7 @@ def read_manifest(checkpoint: Path) -> dict | None:
         raise ManifestError(f"{MANIFEST} has lost its own checksum ({_SELF})")
     if stored is not None:
         unset = text.replace(f'"{_SELF}": "{stored}"', f'"{_SELF}": "{_UNSET}"', 1)
-        if f"{zlib.crc32(unset.encode()):08x}" != stored:
+        if f"{crc32(unset.encode()):08x}" != stored:
             raise ManifestError(f"{MANIFEST} does not match its own CRC-32 ({_SELF})")
     files = data.get("files")
     if not isinstance(files, dict) or not all(
@@ -123,7 +133,7 @@ def file_crc32(path: Path, progress: Callable[[int], None] | None = None) -> int
             chunk = fh.read(_CHUNK)
             if not chunk:
                 return crc
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             if progress is not None:
                 progress(len(chunk))
 

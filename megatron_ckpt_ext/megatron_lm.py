@@ -242,7 +242,18 @@ def _real_modules() -> dict[str, Any]:
 def _default_factory(options: CkptOptions) -> Any:
     from .checkpointer import Checkpointer
 
-    return Checkpointer(options, dp_group=_dp_group())
+    return Checkpointer(options, dp_group=_dp_group(), save_dir=_save_dir())
+
+
+def _save_dir() -> str | None:
+    """Megatron's ``--save``, so the Checkpointer checks it and takes its job lock at start-up
+    (else at the first save), or None."""
+    get_args = getattr(_state.modules.get("checkpointing"), "get_args", None)
+    try:
+        save = getattr(get_args(), "save", None) if callable(get_args) else None
+    except Exception:  # noqa: BLE001 - Megatron's args not parsed yet: the first save locks
+        return None
+    return save if isinstance(save, (str, os.PathLike)) else None
 
 
 def _dp_group() -> Any:

@@ -43,6 +43,8 @@ class Knob:
     maximum: int | None = None
     optional: bool = False  # None is a valid value ("backend/torch default")
     choices: tuple[str, ...] | None = None  # a text knob's valid values
+    excluded: tuple[int, ...] = ()  # integers in [minimum, maximum] that are not valid
+    valid: str | None = None  # the valid values in words, where a range does not say it
 
     @property
     def arg_dest(self) -> str:
@@ -241,6 +243,8 @@ class CkptOptions:
         -1,
         flag="--most-recent-k",
         minimum=-1,
+        excluded=(0,),  # it would delete the newest checkpoint
+        valid="-1 to keep every checkpoint, or K >= 1 to keep the K newest",
         help="Keep only the K most recent committed checkpoints under --save (-1: keep all; "
         "Megatron's CheckpointConfig name). Older ones are deleted in the background once the "
         "new checkpoint and its tracker are durable; never the tracker's target, a newer "
@@ -306,10 +310,6 @@ class CkptOptions:
             object.__setattr__(self, "exit_signal", self.exit_signal.name)  # Megatron's Signals
         for knob in knobs():
             _check_value(knob, getattr(self, knob.name))
-        if self.most_recent_k == 0:
-            raise CkptOptionsError("--most-recent-k (config key 'most_recent_k') must be -1 (keep "
-                                   "all) or at least 1, got 0: it would delete the newest "
-                                   "checkpoint")
 
     # -- constructors -----------------------------------------------------------------------
     @classmethod
@@ -390,7 +390,7 @@ def _check_value(knob: Knob, value: Any) -> None:
         )
     if (knob.minimum is not None and value < knob.minimum) or (
         knob.maximum is not None and value > knob.maximum
-    ):
+    ) or value in knob.excluded:
         raise CkptOptionsError(f"{knob.describe()} must be an integer{_range_text(knob)}, got {value}")
 
 
@@ -399,6 +399,8 @@ def _field_default(name: str) -> Any:
 
 
 def _range_text(knob: Knob) -> str:
+    if knob.valid is not None:
+        return f" ({knob.valid})"
     if knob.minimum is not None and knob.maximum is not None:
         return f" in [{knob.minimum}, {knob.maximum}]"
     if knob.minimum is not None:
@@ -499,8 +501,10 @@ def load_yaml(path: str | os.PathLike[str]) -> Any:
 
 def _config_section(doc: Any, path: Any) -> tuple[Mapping[str, Any], str]:
     """The mapping that holds the knobs, and where it is (" (policy.megatron_cfg)" or "")."""
-    if doc is None:
-        return {}, ""
+    if doc is None or (isinstance(doc, Mapping) and not doc):
+        raise CkptOptionsError(f"{path}: the config file is empty. Fix: write the checkpoint "
+                               "knobs in it (at the top level, or under policy.megatron_cfg or "
+                               "megatron_cfg), or do not pass it.")
     if not isinstance(doc, Mapping):
         raise CkptOptionsError(f"{path}: expected a mapping at top level, got {type(doc).__name__}")
     policy = doc.get("policy")
@@ -508,5 +512,38 @@ def _config_section(doc: Any, path: Any) -> tuple[Mapping[str, Any], str]:
         return policy["megatron_cfg"] or {}, " (policy.megatron_cfg)"
     if "megatron_cfg" in doc:
         return doc["megatron_cfg"] or {}, " (megatron_cfg)"
-    return doc, ""
+    by_key = {k.key: k for k in knobs()}
+    if any(key in by_key or _misspelt_key(key, by_key) is not None for key in doc):
+        return doc, ""
+    raise CkptOptionsError(_no_section_message(doc, path, by_key))
+
+
+def _sections(doc: Mapping[str, Any], prefix: str = "",
+              depth: int = 3) -> Iterator[tuple[str, Any]]:
+    """Every mapping-valued key of ``doc`` (dotted path, value), ``depth`` levels down."""
+    for key, value in doc.items():
+        if isinstance(value, Mapping) and depth > 0:
+            yield f"{prefix}{key}", value
+            yield from _sections(value, f"{prefix}{key}.", depth - 1)
+
+
+def _no_section_message(doc: Mapping[str, Any], path: Any, by_key: Mapping[str, Knob]) -> str:
+    """No knobs where they are read: name the section that most likely holds them (one with
+    our keys, or named like megatron_cfg), and where it belongs."""
+    def score(item: tuple[str, Any]) -> float:
+        name, value = item
+        ours = any(k in by_key for k in value)
+        return ours + difflib.SequenceMatcher(None, name.rsplit(".", 1)[-1],
+                                              "megatron_cfg").ratio()
+
+    found = sorted(_sections(doc), key=score, reverse=True)
+    hint = ""
+    if found and score(found[0]) >= _LOOSE_CUTOFF + 0.1:
+        name = found[0][0]
+        want = "megatron_cfg" if "." not in name else "policy.megatron_cfg"
+        hint = f" It has '{name}': did you mean '{want}'?"
+    return (f"{path}: no checkpoint knobs found: they are read from 'policy.megatron_cfg', "
+            "'megatron_cfg' or the top level of the file, and none of its top-level keys "
+            f"({', '.join(map(str, list(doc)[:8]))}) is a knob.{hint} Fix: name the section "
+            "'policy.megatron_cfg' (or 'megatron_cfg'); every knob elsewhere is dropped.")
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, NamedTuple
 from ._runtime import rank, warn_once
 from .errors import CkptOptionsError, InsufficientHostMemory, InsufficientSharedMemory
 
-__all__ = ["DiskUsage", "HostBudget", "admit_node", "check_disk", "check_writable", "host_budget"]
+__all__ = ["DiskUsage", "HostBudget", "admit_node", "check_disk", "check_writable",
+           "checkpoint_bytes_on_disk", "host_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--sav
     directory fails at start-up, naming it, instead of at the first save hours later."""
     root = Path(checkpoint_dir)
     probe = root / f".mcx-write-probe.{os.getpid()}"
+    blocker = next((p for p in (root, *root.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise CkptOptionsError(
+            f"{flag} {root}: {'it' if blocker == root else blocker} is a file, not a "
+            f"directory. Fix: point {flag} at a directory (a new path is created), not at a "
+            "file.")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
@@ -55,7 +62,9 @@ def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--sav
 def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: int, *,
                probe: Probe | None = None) -> bool:
     """Warn (rank 0, once per directory) when the checkpoint directory has less free space than
-    the last checkpoint took. Returns True when there is enough."""
+    the last checkpoint took (``last_checkpoint_bytes``, or what the latest committed checkpoint
+    there takes on disk, whichever is more). Returns True when there is enough."""
+    last_checkpoint_bytes = max(last_checkpoint_bytes, checkpoint_bytes_on_disk(checkpoint_dir))
     free = _free_bytes(checkpoint_dir, probe)[1]
     if free >= last_checkpoint_bytes:
         return True
@@ -75,11 +84,39 @@ def disk_full_hint(checkpoint_dir: str | os.PathLike[str], needed: int, *,
         where, free = _free_bytes(checkpoint_dir, probe)
     except OSError:
         return ""
+    needed = max(needed, checkpoint_bytes_on_disk(checkpoint_dir))  # every rank's files
     if needed <= 0 or free >= needed:
         return ""
     return (f" {where} has {_size(free)} free and a checkpoint here takes about {_size(needed)}:"
             " the disk is likely full. Fix: free space there, or point --save at a larger file "
             "system.")
+
+
+_ON_DISK: dict[str, tuple[int, int]] = {}  # root -> (iteration, bytes), measured once each
+
+
+def checkpoint_bytes_on_disk(checkpoint_dir: str | os.PathLike[str]) -> int:
+    """The bytes of every file of the latest committed checkpoint under ``checkpoint_dir`` (all
+    ranks' files, metadata and manifest: what the next save will take), or 0."""
+    from .save.layout import checkpoint_name, read_tracker
+
+    try:
+        iteration = read_tracker(checkpoint_dir)
+    except (OSError, ValueError):
+        return 0
+    if iteration is None:
+        return 0
+    cached = _ON_DISK.get(str(checkpoint_dir))
+    if cached is not None and cached[0] == iteration:
+        return cached[1]
+    total = 0
+    for path in checkpoint_name(checkpoint_dir, iteration).rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except OSError:
+            pass
+    _ON_DISK[str(checkpoint_dir)] = (iteration, total)
+    return total
 
 
 def _free_bytes(checkpoint_dir: str | os.PathLike[str], probe: Probe | None) -> tuple[Path, int]:

@@ -1,6 +1,7 @@
 """``python -m megatron_ckpt_ext verify DIR``: check a checkpoint against its manifest, in
 parallel, with progress on stderr; exit 0 when every file matches, 1 naming each bad file, 2 when
-there is nothing to check (no checkpoint, or a checkpoint without a manifest)."""
+there is nothing to check (no checkpoint, or a stock checkpoint without a manifest); a checkpoint
+the plugin wrote whose manifest is missing is bad (1)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 from .manifest import MANIFEST, ManifestError, read_manifest, unlisted, verify_files
+from .load.verify import missing_manifest
 from .save.layout import checkpoint_name, read_tracker
 
 __all__ = ["run"]
@@ -24,6 +26,11 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
         print(f"BAD {path / MANIFEST}: {e}")
         print(f"{path}: the manifest is damaged: nothing in the checkpoint can be trusted to "
               "match it", file=sys.stderr)
+        return 1
+    if manifest is None and (missing := missing_manifest(path)):
+        print(f"BAD {path / MANIFEST}: {missing}")
+        print(f"{path}: restore {MANIFEST} from a copy of this checkpoint; without it nothing "
+              "here can be verified", file=sys.stderr)
         return 1
     if manifest is None:
         print(f"{path}: no {MANIFEST} (saved by stock Megatron or an older plugin): nothing to "

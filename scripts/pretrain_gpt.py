@@ -109,8 +109,8 @@ def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
         like["rng_state"] = _gpt.rng_sharded_state(rank, world)
     try:
         loaded = ckpt.load(like, args.load)
-    except FileNotFoundError as e:
-        raise SystemExit(f"--load {args.load}: {e}") from None
+    except (FileNotFoundError, mcx.errors.CheckpointIntegrityError) as e:
+        startup_error(f"--load {args.load}: {e}")
     if loaded is None:
         return 0
     model.load_state_dict(loaded["model"], strict=False)
@@ -122,6 +122,14 @@ def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
     if options.load_rng:
         _gpt.restore_rng(loaded["rng_state"])
     return int(loaded["iteration"])
+
+
+def startup_error(error: object) -> None:
+    """A start-up error (a bad knob, an unusable --save or --load): every rank fails alike and
+    the message names the fix, so rank 0 prints it once, with no traceback; exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 NAN_CHECK_FLAG = "--no-check-for-nan-in-loss-and-grad"
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         options = (mcx.CkptOptions.from_yaml(args.ckpt_config, extra="ignore") if args.ckpt_config
                    else mcx.CkptOptions.from_args(args))
     except mcx.CkptOptionsError as e:
-        raise SystemExit(f"error: {e}") from None
+        startup_error(e)
     logging.basicConfig(level=options.logging_level or logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
@@ -191,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     # An unwritable --save fails here, at start-up, not at the first save.
     try:
         checkpointer = mcx.Checkpointer(options, save_dir=args.save)
-    except mcx.CkptOptionsError as e:
-        raise SystemExit(f"error: {e}") from None
+    except (mcx.CkptOptionsError, mcx.errors.SaveDirectoryInUse) as e:
+        startup_error(e)
     model = _gpt.build_model(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     _gpt.init_optimizer_state(model, optimizer)

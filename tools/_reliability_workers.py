@@ -39,6 +39,8 @@ MODES: dict[str, dict[str, Any]] = {
                        "async_ckpt_use_cpu_shm": True, "ckpt_assume_constant_structure": True},
     # plain async: a fresh forked writer per save, plain CPU copies
     "temporal": {"async_save": True},
+    # a fresh forked writer per save, shm staging (a new buffer set per save, sealed at commit)
+    "temporal-shm": {"async_save": True, "async_ckpt_use_cpu_shm": True},
 }
 # Where a crash job holds (so the harness SIGKILLs it exactly there), in save order.
 PHASES = ("before_save", "staging", "write", "before_rename", "after_rename", "after_tracker")
@@ -78,6 +80,8 @@ def verify_committed(ck: Checkpointer, rank: int, world: int, root: Path) -> dic
             out["torn"].append(label)
             out["errors"].append(f"iteration {label}: {type(e).__name__}: {e}"[:400])
             continue
+        if it is None:  # the resume: from the node's sealed snapshot, or from storage
+            out["tier"] = ck.load_reports[-1].get("tier")
         want = trial_state(label, rank)
         if not all(torch.equal(got[k], want[k]) for k in want):
             out["torn"].append(label)
@@ -109,7 +113,7 @@ def dead_owner_segments(job_prefix: str) -> list[str]:
     sweep at start-up should have removed (other runs sharing /dev/shm are not counted)."""
     from megatron_ckpt_ext.staging import SEGMENT_PREFIX, sweep_orphans
 
-    return sweep_orphans(dry_run=True, prefix=SEGMENT_PREFIX + job_prefix)
+    return sweep_orphans(dry_run=True, prefix=SEGMENT_PREFIX + job_prefix)  # sealed ones kept
 
 
 # -- hooks: hold a rank (or its writer) where the harness will SIGKILL it ---------------------
@@ -201,14 +205,18 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
         run_saves(ck, rank, world, root, range(start + 1, start + 1 + spec["saves"]), now,
                   hold_before_save=(spec.get("phase") == "before_save"
                                     and rank == spec.get("hook_rank", 0)),
-                  kill_iter=kill_iter, marker_dir=str(out))
+                  kill_iter=kill_iter, marker_dir=str(out), step_s=spec.get("step_s", 0.0))
         ck.maybe_finalize(blocking=True)
     if rank == 0:
         _write_json(out / "finished.json", {"tracker": read_tracker(root), "time": time.time()})
 
 
 def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: range, now: dict,
-              *, hold_before_save: bool = False, kill_iter: int = -1, marker_dir: str = "") -> None:
+              *, hold_before_save: bool = False, kill_iter: int = -1, marker_dir: str = "",
+              step_s: float = 0.0) -> None:
+    """One save per iteration; with ``step_s`` a training step of that long after each (half
+    before a commit check, half after: the committed save is sealed meanwhile), so that kills
+    also land between saves, where a sealed memory snapshot exists."""
     live = trial_state(0, rank)
     for it in iterations:
         now["it"] = it
@@ -220,6 +228,10 @@ def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: r
         for v in live.values():
             v.fill_(-1)  # training moves on at once: the checkpoint must not see this
         ck.maybe_finalize()
+        if step_s:
+            time.sleep(step_s / 2)
+            ck.maybe_finalize()
+            time.sleep(step_s / 2)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -426,15 +438,20 @@ def rank_main(spec_path: str) -> None:
 
 # -- fork soak: writers forked many times; count the ones stuck in Python's after-fork start ---
 def fork_soak(rank: int, world: int, root: str, out_dir: str, mode: str, saves: int,
-              start_timeout_s: float) -> None:
+              start_timeout_s: float | None) -> None:
     """``saves`` async saves in one Checkpointer (a temporal writer is forked per save); counts
-    the writers the WriterPool found stuck at start and forked again (its WARNING), and whether
-    every save committed. Results: ``<out_dir>/forks_r<rank>.json``."""
+    the writers the WriterPool found stuck at start and forked again (its WARNING), the forks
+    made while a torch.distributed worker thread was still busy after the wait, each save's wall
+    time (save + blocking finalize), and whether every save committed. ``start_timeout_s`` None:
+    the product's. Results: ``<out_dir>/forks_r<rank>.json``."""
     import logging
+    import statistics
 
+    from megatron_ckpt_ext import _runtime
     from megatron_ckpt_ext.save import writers
 
-    writers.WRITER_START_TIMEOUT_S = start_timeout_s
+    if start_timeout_s is not None:
+        writers.WRITER_START_TIMEOUT_S = start_timeout_s
     stuck: list[str] = []
 
     class Count(logging.Handler):
@@ -444,12 +461,21 @@ def fork_soak(rank: int, world: int, root: str, out_dir: str, mode: str, saves: 
 
     logging.getLogger("megatron_ckpt_ext").addHandler(Count(logging.WARNING))
     state = trial_state(1, rank)
+    walls: list[float] = []
     t0 = time.perf_counter()
     with Checkpointer(CkptOptions(**MODES[mode], most_recent_k=2)) as ck:
         for it in range(1, saves + 1):
+            t = time.perf_counter()
             ck.save(sharded(rank, world, state), root, iteration=it)
             ck.maybe_finalize(blocking=True)
+            walls.append(time.perf_counter() - t)
         committed = len(ck.reports)
     Path(out_dir, f"forks_r{rank}.json").write_text(json.dumps({
         "rank": rank, "saves": saves, "committed": committed, "reforks": len(stuck),
+        "forks_waited": _runtime.fork_waits()["waited"],
+        "forks_unquiet": _runtime.fork_waits()["unquiet"],
+        "start_timeout_s": writers.WRITER_START_TIMEOUT_S,
+        "save_wall_s": {"median": round(statistics.median(walls), 4),
+                        "max": round(max(walls), 3),
+                        "over_1s": sum(w > 1.0 for w in walls)},
         "seconds": round(time.perf_counter() - t0, 1), "warnings": stuck[:5]}))

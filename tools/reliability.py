@@ -104,6 +104,26 @@ class CrashCampaign:
         self.random_window_s = random_window_s
         self.tag = f"mcxrel{os.getpid()}"
         self.log = log
+        self.flip_every = 0  # every Nth killed job: flip a byte of its sealed snapshot
+        self.step_s = 0.0  # a training step between saves (kills then land between saves too)
+
+    def _flip_sealed_byte(self) -> str | None:
+        """Damage the snapshot the killed job left (one byte of one buffer of one rank): the
+        next job must not restore it. Returns the segment flipped (None: nothing sealed)."""
+        from megatron_ckpt_ext.staging.retained import read_seal, seal_path
+
+        seals = [read_seal(seal_path("/dev/shm", self.root, r)) for r in range(self.world)]
+        entries = [e for s in seals if s is not None for e in s.entries if e.path and e.nbytes]
+        if not entries:
+            return None
+        entry = self.rng.choice(entries)
+        at = self.rng.randrange(entry.nbytes)
+        with open(entry.path, "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        return f"{entry.path}@{at}"
 
     def run(self, plan: list[tuple[str, str]]) -> dict:
         trials = [self.trial(i, mode, phase) for i, (mode, phase) in enumerate(plan)]
@@ -119,7 +139,7 @@ class CrashCampaign:
         out.mkdir(parents=True)
         spec = {"root": str(self.root), "out": str(out), "mode": mode, "phase": phase,
                 "job_id": f"{self.tag}t{i}", "campaign": self.tag, "saves": self.saves if saves is None else saves,
-                "kill_offset": self.rng.choice([2, 3]),
+                "kill_offset": self.rng.choice([2, 3]), "step_s": self.step_s,
                 "hook_rank": 0 if phase in ("before_rename", "after_rename", "after_tracker")
                 else i % self.world}
         (out / "spec.json").write_text(json.dumps(spec))
@@ -127,6 +147,8 @@ class CrashCampaign:
         procs = self._launch(out, tag)
         result = {"trial": i, "mode": mode, "phase": phase, **self._drive(procs, out, phase)}
         result["orphans"] = self._reap_orphans(tag)
+        if self.flip_every and i % self.flip_every == self.flip_every - 1:
+            result["flipped"] = self._flip_sealed_byte()
         result["found"] = _found(out, self.world)
         ready = _read_json(out / "ready.json") or {}
         result["start"] = ready.get("start")
@@ -225,14 +247,16 @@ def _found(out: Path, world: int) -> dict:
             "torn": sorted({it for v in per_rank for it in v["torn"]}),
             "errors": [e for v in per_rank for e in v["errors"]],
             "incomplete": per_rank[0]["incomplete"],
-            "shm_dead_owner_after_start": max(v["shm_dead_owner_after_start"] for v in per_rank)}
+            "shm_dead_owner_after_start": max(v["shm_dead_owner_after_start"] for v in per_rank),
+            "tier": per_rank[0].get("tier")}
 
 
 def _trial_line(t: dict) -> str:
     f = t["found"]
     return (f"trial {t['trial']:3d} {t['mode']:15s} {t['phase']:14s} killed={t['killed']!s:5s} "
             f"hit={t.get('hit')} start={t['start']} kill_iter={t['kill_iter']} | job found "
-            f"tracker={f.get('tracker')} torn={f.get('torn')} orphans={len(t['orphans'])}")
+            f"tracker={f.get('tracker')} tier={f.get('tier')} torn={f.get('torn')} "
+            f"orphans={len(t['orphans'])}{' flipped' if t.get('flipped') else ''}")
 
 
 def summarize(trials: list[dict], final: dict, leftover_shm: list[str]) -> dict:
@@ -253,12 +277,18 @@ def summarize(trials: list[dict], final: dict, leftover_shm: list[str]) -> dict:
         "unverified": sum(not o["verified"] for o in outcomes),
         "tracker_mismatches": sum(not t["tracker_ok"] for t in trials),
         "committed_checkpoints_checked": sum(len(o.get("checked", [])) for o in outcomes),
+        "resumes_from_memory": sum(o.get("tier") == "memory" for o in outcomes),
+        "resumes_from_storage": sum(o.get("tier") == "storage" for o in outcomes),
+        "sealed_snapshots_damaged": sum(bool(t.get("flipped")) for t in trials),
+        "damaged_snapshots_restored": sum(bool(t.get("flipped")) and t["after"].get("tier") == "memory"
+                                          for t in trials),
         "leftover_processes": sum(len(t["orphans"]) for t in trials),
         "shm_dead_owner_segments_after_next_start": sum(o.get("shm_dead_owner_after_start", 0)
                                                         for o in outcomes),
         "leftover_shm_segments_at_end": len(leftover_shm),
     }
     summary["failures"] = (summary["torn_loads"] + summary["unverified"]
+                           + summary["damaged_snapshots_restored"]
                            + summary["tracker_mismatches"] + summary["leftover_processes"]
                            + summary["shm_dead_owner_segments_after_next_start"]
                            + summary["leftover_shm_segments_at_end"])
@@ -271,6 +301,7 @@ def cmd_crash(args: argparse.Namespace) -> dict:
     plan = plan_trials(args.trials, modes)
     campaign = CrashCampaign(work, world=world_for(args.device, args.world), device=args.device,
                              saves=args.saves, seed=args.seed, random_window_s=args.random_window)
+    campaign.flip_every, campaign.step_s = args.flip_every, args.step_s
     t0 = time.perf_counter()
     result = campaign.run(plan)
     result["summary"]["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -397,7 +428,12 @@ def cmd_forks(args: argparse.Namespace) -> dict:
           f"again; {failures} rank(s) with a save not committed")
     return {"summary": {"failures": failures, "saves": args.saves, "world": world,
                         "writer_forks": args.saves * world, "reforked": reforks,
-                        "start_timeout_s": args.start_timeout,
+                        "forks_waited": sum(r["forks_waited"] for r in ranks),
+                        "forks_unquiet": sum(r["forks_unquiet"] for r in ranks),
+                        "start_timeout_s": ranks[0]["start_timeout_s"],
+                        "save_wall_median_s": max(r["save_wall_s"]["median"] for r in ranks),
+                        "save_wall_max_s": max(r["save_wall_s"]["max"] for r in ranks),
+                        "saves_over_1s": max(r["save_wall_s"]["over_1s"] for r in ranks),
                         "seconds": max(r["seconds"] for r in ranks),
                         "python": sys.version.split()[0]},
             "ranks": ranks}
@@ -477,8 +513,8 @@ BAD_CASES = [
             r".*(Permission denied|No such file or directory|Read-only).*Fix: point --save"),
     BadCase("--save under a regular file", ["--save", "{work}/afile/ckpt", "--save-interval", "1",
                                             "--train-iters", "2", *TINY],
-            r"--save \S*afile/ckpt: the checkpoint directory is not writable "
-            r"\(NotADirectoryError: ",
+            r"--save \S*afile/ckpt: \S*afile is a file, not a directory\. Fix: point --save at "
+            r"a directory",
             setup=_write("afile", "not a directory\n")),
     # without --exit-on-missing-checkpoint these start from scratch, as Megatron-LM does
     BadCase("missing --load directory (--exit-on-missing-checkpoint)",
@@ -610,6 +646,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--random-window", type=float, default=2.5,
                    help="random kills land uniformly within this many seconds of the job's start")
+    c.add_argument("--flip-every", type=int, default=0,
+                   help="every Nth trial, flip a byte of the snapshot the killed job sealed in "
+                   "/dev/shm (the next job must not restore it)")
+    c.add_argument("--step-s", type=float, default=0.0,
+                   help="seconds of 'training' after each save (the crash jobs save every step)")
     c.add_argument("--out", default=None)
     c.add_argument("--keep", action="store_true")
     d = sub.add_parser("death", help="kill, hang or fail the async writer mid-save")
@@ -621,8 +662,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub.add_parser("badinput", help="bad flags, values, configs and paths: the messages")
     f = sub.add_parser("forks", help="many temporal writer forks: the ones stuck at start")
     f.add_argument("--saves", type=int, default=2000)
-    f.add_argument("--start-timeout", type=float, default=5.0,
-                   help="seconds before a silent writer counts as stuck (the product's is 30)")
+    f.add_argument("--start-timeout", type=float, default=None,
+                   help="seconds before a silent writer counts as stuck (default: the product's)")
     args = p.parse_args(argv)
     if args.cmd == "soak" and args.saves < 40:
         p.error("soak --saves: at least 40 (20 warm-up saves, then samples every 10)")

@@ -20,7 +20,9 @@ from ..options import CkptOptions
 from ..save.planner import copy_structure
 from .report import LoadRecord
 from .verify import agree as verify_agree
-from .verify import committed_before, verify_collectively
+from ..manifest import MANIFEST
+from .locate import another_iteration
+from .verify import committed_before, missing_manifest, verify_collectively
 from .verify import start as verify_start
 
 __all__ = ["Loader"]
@@ -42,6 +44,9 @@ class Loader:
         record.path, record.iteration = path, int(path.name[len("iter_"):])
         t = time.perf_counter()
         verify = self.options.ckpt_verify_load
+        if not verify and rank() == 0 and (missing := missing_manifest(path)):
+            warn_once(f"unverified:{path}", f"checkpoint iteration {record.iteration}: {missing};"
+                      " loading it unverified (--no-ckpt-verify-load).")
         # the files the load's own reads sum as they pass are not read a second time
         pending = (verify_start(path, self._group, rank=rank(),
                                 defer=self.options.ckpt_load_threads > 1) if verify else None)
@@ -93,13 +98,21 @@ class Loader:
 
     def _fall_back(self, sharded_state_dict: Any, path: Path, record: LoadRecord,
                    problems: list[str], *, explicit: bool) -> dict:
-        what = (f"checkpoint iteration {record.iteration} ({path}) does not match its integrity "
-                f"manifest: {'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}")
+        unverifiable = any(p.startswith(f"{MANIFEST}: missing") for p in problems)
+        what = (f"checkpoint iteration {record.iteration} ({path}) "
+                + ("cannot be verified" if unverifiable else
+                   "does not match its integrity manifest")
+                + f": {'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}")
         if explicit or not self.options.ckpt_load_fallback:
+            fixes = ([f"restore {MANIFEST}", "pass --no-ckpt-verify-load to load it unverified"]
+                     if unverifiable else ["restore those files"])
+            if not explicit:
+                fixes.append("pass --ckpt-load-fallback to load the newest older checkpoint "
+                             "that verifies")
+            fixes.append(another_iteration(path.parent, below=record.iteration))
             raise CheckpointIntegrityError(
-                f"{what}. The loaded values are not to be trusted. Fix: restore those files, "
-                "load another iteration (load(iteration=N)), or pass --ckpt-load-fallback to "
-                "load the newest older checkpoint that verifies.")
+                f"{what}. The loaded values are not to be trusted. Fix: "
+                f"{', '.join(fixes[:-1])}, or {fixes[-1]}")
         for older in committed_before(path.parent, record.iteration):
             candidate = path.parent / f"iter_{older:07d}"
             has_manifest, bad = verify_collectively(candidate, self._group, rank=rank())
@@ -110,8 +123,10 @@ class Loader:
                 state = self.load(sharded_state_dict, candidate, record, explicit=True)
                 record.fell_back_from = fell_back_from
                 return state
-        raise CheckpointIntegrityError(f"{what}, and no older committed checkpoint under "
-                                       f"{path.parent} verifies (--ckpt-load-fallback).")
+        raise CheckpointIntegrityError(
+            f"{what}, and no older committed checkpoint under {path.parent} verifies "
+            "(--ckpt-load-fallback). Fix: restore the files the errors name (their checkpoints "
+            "then verify), or pass --no-ckpt-verify-load to load the latest unverified.")
 
 
 @contextlib.contextmanager

@@ -8,19 +8,23 @@ from pathlib import Path
 
 from .. import backend
 from .._runtime import warn_once
+from ..errors import CheckpointNotFound
 from ..save.layout import TRACKER, checkpoint_name, read_tracker, warn_incomplete
+from .verify import committed_before
 
-__all__ = ["locate"]
+__all__ = ["another_iteration", "locate"]
 
 
 def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = None,
-           exit_on_missing: bool = False) -> Path | None:
+           exit_on_missing: bool = False, fallback: bool = False) -> Path | None:
     """The directory of the checkpoint to load, or None where ``checkpoint_dir`` holds no
     committed checkpoint (no tracker: a missing or empty directory) after a rank-0 warning, as
     Megatron-LM starts from scratch; ``exit_on_missing`` raises FileNotFoundError instead. A
-    checkpoint that was never committed or lacks its common state is an error."""
+    checkpoint that was never committed (or was deleted) or lacks its common state is an error;
+    with ``fallback`` the tracker's missing target gives way to the newest older committed one."""
     root = Path(checkpoint_dir)
     warn_incomplete(root)
+    explicit = iteration is not None
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
@@ -28,20 +32,49 @@ def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = No
             return None
     path = checkpoint_name(root, iteration)
     if not (path / "metadata.json").exists():
-        raise FileNotFoundError(f"checkpoint {path} is missing or was never committed")
+        path = _not_committed(root, path, iteration, explicit=explicit, fallback=fallback)
     if backend.common_state_present(path) is False:  # None: unreadable, the load says why
-        raise FileNotFoundError(
+        raise CheckpointNotFound(
             f"checkpoint {path} has no common state: neither common.pt (megatron-core "
             "<= 0.16) nor a 'common_state' entry in its .metadata (0.19), both written by "
-            "rank 0. The copy is incomplete or damaged: load another iteration "
-            "(load(iteration=N)) or restore the file.")
+            "rank 0. The copy is incomplete or damaged. Fix: restore the file, or "
+            f"{another_iteration(root, below=int(path.name[5:]))}")
     return path
+
+
+def _not_committed(root: Path, path: Path, iteration: int, *, explicit: bool,
+                   fallback: bool) -> Path:
+    """The tracker's (or the asked) iteration has no committed directory: with ``fallback``
+    (tracker only) the newest older committed one, said on rank 0; else an error."""
+    what = "does not exist" if not path.exists() else "was never committed (no metadata.json)"
+    named = ("the load asked for this iteration" if explicit
+             else f"the tracker {root / TRACKER} names it")
+    older = committed_before(root, iteration)
+    if fallback and not explicit and older:
+        warn_once(f"fallback-missing:{path}", f"checkpoint {path} {what}; {named}; "
+                  f"--ckpt-load-fallback: loading iteration {older[0]} instead.")
+        return checkpoint_name(root, older[0])
+    fix = ("pass --ckpt-load-fallback to load the newest older committed checkpoint "
+           f"(iteration {older[0]}), or " if older and not explicit else "")
+    raise CheckpointNotFound(
+        f"checkpoint {path} {what}; {named}. Fix: restore it, or {fix}"
+        f"{another_iteration(root, below=iteration)}")
+
+
+def another_iteration(root: Path, *, below: int | None = None) -> str:
+    """How each entry point loads another iteration, and which are committed (a fix sentence)."""
+    committed = committed_before(root, below if below is not None else 1 << 62)
+    shown = ", ".join(map(str, committed[:6])) + (" ..." if len(committed) > 6 else "")
+    return ("load another iteration N: Megatron-LM --ckpt-step N; other scripts: write N into "
+            f"the tracker ('echo N > {root / TRACKER}'); Python: load(iteration=N)"
+            + (f" (committed here: {shown})." if committed else
+               " (no other committed checkpoint here)."))
 
 
 def _missing(root: Path, exit_on_missing: bool) -> None:
     what = f"{root} does not exist" if not root.exists() else f"{root} holds no {TRACKER}"
     if exit_on_missing:
-        raise FileNotFoundError(
+        raise CheckpointNotFound(
             f"no committed checkpoint to load: {what} (--exit-on-missing-checkpoint "
             "is set). Fix: point --load at a directory saved by this plugin or "
             "Megatron, or drop --exit-on-missing-checkpoint to start from scratch.")

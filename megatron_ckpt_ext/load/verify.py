@@ -10,9 +10,10 @@ import threading
 from pathlib import Path
 
 from ..collectives import Group
-from ..manifest import MANIFEST, ManifestError, read_manifest, unlisted, verify_files
+from ..manifest import MANIFEST, MARKER, ManifestError, read_manifest, unlisted, verify_files
 
-__all__ = ["Pending", "agree", "committed_before", "start", "verify_collectively"]
+__all__ = ["Pending", "agree", "committed_before", "missing_manifest", "start",
+           "verify_collectively", "written_by_plugin"]
 
 _ITER = re.compile(r"iter_(\d{7})")
 
@@ -103,6 +104,8 @@ def start(path: Path, group: Group, *, rank: int, workers: int = 8,
         manifest = read_manifest(path)
     except ManifestError as e:  # every rank reads it: every rank reports it
         return Pending(path, {"files": {}}, [], workers, problems=[str(e)])
+    if manifest is None and (missing := missing_manifest(path)):  # ours, yet no manifest
+        return Pending(path, {"files": {}}, [], workers, problems=[missing])
     names = sorted(manifest["files"]) if manifest is not None else []
     match = _ITER.fullmatch(Path(path).name)
     if manifest is not None and match and manifest.get("iteration") != int(match.group(1)):
@@ -120,7 +123,8 @@ def agree(pending: Pending, group: Group) -> tuple[bool, list[str]]:
     problems = pending.problems()
     if group.all_max([float(len(problems))])[0] == 0:
         return pending.manifest is not None, []
-    return True, sorted(p for found in group.all_gather(problems) for p in found)
+    # a file two ranks judged (both read it) is one problem
+    return True, sorted({p for found in group.all_gather(problems) for p in found})
 
 
 def verify_collectively(path: Path, group: Group, *, rank: int,
@@ -138,3 +142,23 @@ def committed_before(root: Path, iteration: int) -> list[int]:
         if match and int(match.group(1)) < iteration and (entry / "metadata.json").exists():
             found.append(int(match.group(1)))
     return sorted(found, reverse=True)
+
+
+def written_by_plugin(path: Path) -> str | None:
+    """How we know the plugin wrote the checkpoint ``path`` (the mark its commit leaves), or
+    None: a stock checkpoint (or one of ours from before the mark)."""
+    if (Path(path) / MARKER).is_file():
+        return f"it holds {MARKER}, which the plugin writes at the commit"
+    return None
+
+
+def missing_manifest(path: Path) -> str | None:
+    """The problem to report when the plugin wrote ``path`` but its manifest is gone, else None
+    (a checkpoint with a manifest, or a stock one)."""
+    if (Path(path) / MANIFEST).exists():
+        return None
+    evidence = written_by_plugin(path)
+    if evidence is None:
+        return None
+    return (f"{MANIFEST}: missing, but megatron-ckpt-ext wrote this checkpoint ({evidence}): "
+            "its files cannot be verified")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .._runtime import rank, warn_once
 from ..collectives import Group
 from ..errors import CheckpointWriteError
-from ..manifest import MANIFEST, write_manifest
+from ..manifest import MANIFEST, write_manifest, write_marker
 
 __all__ = ["INCOMPLETE", "REPORT", "TRACKER", "checkpoint_name", "commit_on_disk",
            "incomplete_name", "is_committed", "open_workdir", "read_tracker", "tracker_text",
@@ -73,6 +73,7 @@ def commit_on_disk(root: Path, iteration: int, *,
     ``on_step`` is called with ``"renamed"`` and ``"tracker_written"`` (the save's hooks)."""
     on_step = on_step or (lambda step: None)
     src, dst = incomplete_name(root, iteration), checkpoint_name(root, iteration)
+    write_marker(src, iteration)
     write_manifest(src, iteration)
     for path in sorted(src.rglob("*")):  # megatron-core writes metadata and common.pt unsynced
         if path.is_file():

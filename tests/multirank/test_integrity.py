@@ -112,6 +112,8 @@ def test_verify_command_names_each_bad_file(tmp_path, capsys):
     assert f"BAD {bad}: CRC-32" in out
     assert main(["verify", str(tmp_path), "--iteration", "1"]) == 0
     (tmp_path / "iter_0000001" / manifest.MANIFEST).unlink()
+    assert main(["verify", str(tmp_path / "iter_0000001")]) == 1  # ours, its manifest deleted
+    (tmp_path / "iter_0000001" / manifest.MARKER).unlink()
     assert main(["verify", str(tmp_path / "iter_0000001")]) == 2  # stock: nothing to check
     assert main(["verify", str(tmp_path / "nothing")]) == 2
 
@@ -172,7 +174,8 @@ def test_a_truncated_file_is_named_and_a_stock_checkpoint_loads(tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="bytes, the manifest says"):
         _load(tmp_path)
     data.write_bytes(raw)
-    (path / manifest.MANIFEST).unlink()  # as stock megatron-core writes it
+    (path / manifest.MANIFEST).unlink()  # as stock megatron-core writes it: no manifest
+    (path / manifest.MARKER).unlink()  # and no mark of ours
     with Checkpointer(CkptOptions()) as ck:
         like = {k: torch.zeros_like(v) for k, v in _state(0).items()}
         assert torch.equal(ck.load(sharded(0, 1, like), tmp_path)["w"], _state(1)["w"])

@@ -99,12 +99,12 @@ def test_commit_order_fsyncs_files_then_renames_then_writes_the_tracker(tmp_path
 
     work, final = "iter_0000005.incomplete", "iter_0000005"
     assert events[0] == ("rename", f"{work}/.mcx_manifest.json.tmp->{work}/mcx_manifest.json")
-    files = {("fsync", f"{work}/{n}")
-             for n in ("__0_0.distcp", "common.pt", "metadata.json", "mcx_manifest.json")}
-    assert set(events[1:5]) == files, events
+    files = {("fsync", f"{work}/{n}") for n in ("__0_0.distcp", "common.pt", "metadata.json",
+                                                "mcx_manifest.json", ".mcx_checkpoint")}
+    assert set(events[1:6]) == files, events
     tmp = next(path for op, path in events if op == "write")
     assert tmp.startswith(f".{TRACKER}.tmp"), events
-    assert events[5:] == [
+    assert events[6:] == [
         ("fsync", work),
         ("rename", f"{work}->{final}"),
         ("fsync", "."),

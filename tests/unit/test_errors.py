@@ -26,6 +26,8 @@ BUILTIN_BASE = {
     errors.CheckpointIntegrityError: ValueError,
     errors.StagingFailed: RuntimeError,
     errors.MegatronAdapterError: RuntimeError,
+    errors.CheckpointNotFound: FileNotFoundError,
+    errors.SaveDirectoryInUse: RuntimeError,
 }
 
 

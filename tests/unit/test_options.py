@@ -276,3 +276,60 @@ def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):
     f.write_text("- async_save\n")
     with pytest.raises(CkptOptionsError, match="expected a mapping"):
         CkptOptions.from_yaml(f)
+
+
+@pytest.mark.parametrize("text,found,want", [
+    ("policy:\n  megatron_config:\n    async_save: true\n  generation: {x: 1}\n",
+     "policy.megatron_config", "policy.megatron_cfg"),
+    ("megatron_config:\n  async_save: true\n", "megatron_config", "megatron_cfg"),
+])
+def test_a_misspelt_section_is_an_error_naming_the_closest(tmp_path, text, found, want):
+    """Every knob of a misspelt section would be dropped silently (defaults, exit 0)."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    for extra in ("ignore", "error"):
+        with pytest.raises(CkptOptionsError) as e:
+            CkptOptions.from_yaml(cfg, extra=extra)
+        assert str(cfg) in str(e.value) and f"It has '{found}': did you mean '{want}'?" in str(
+            e.value), str(e.value)
+
+
+@pytest.mark.parametrize("text", ["", "# nothing\n", "{}\n"])
+def test_an_empty_config_file_is_an_error_naming_it(tmp_path, text):
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text(text)
+    with pytest.raises(CkptOptionsError, match=r"empty\.yaml: the config file is empty\. Fix:"):
+        CkptOptions.from_yaml(cfg, extra="ignore")
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_most_recent_k_out_of_range_is_an_argparse_error_with_the_fix(value, capsys):
+    """0 (it would delete the newest checkpoint) is refused like -5: one usage line, no
+    traceback."""
+    import argparse
+
+    from megatron_ckpt_ext import add_arguments
+
+    with pytest.raises(SystemExit) as e:
+        add_arguments(argparse.ArgumentParser()).parse_args(["--most-recent-k", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --most-recent-k: must be an integer (-1 to keep every checkpoint, or K >= " \
+           f"1 to keep the K newest), got {value}" in err, err
+    with pytest.raises(CkptOptionsError, match=r"--most-recent-k \(config key 'most_recent_k'\)"):
+        CkptOptions.from_config({"most_recent_k": int(value)})
+
+
+def test_ckpt_max_consecutive_failures_takes_one_or_more(capsys):
+    import argparse
+
+    from megatron_ckpt_ext import add_arguments
+
+    for bad in (0, -1):
+        with pytest.raises(CkptOptionsError, match=r"--ckpt-max-consecutive-failures .* >= 1"):
+            CkptOptions(ckpt_max_consecutive_failures=bad)
+    with pytest.raises(SystemExit):
+        add_arguments(argparse.ArgumentParser()).parse_args(
+            ["--ckpt-max-consecutive-failures", "0"])
+    assert "--ckpt-max-consecutive-failures" in capsys.readouterr().err
+    assert CkptOptions(ckpt_max_consecutive_failures=1).ckpt_max_consecutive_failures == 1

@@ -120,3 +120,30 @@ def test_checkpointer_fails_before_the_first_cpu_shm_save_when_shm_is_short(monk
                            match=r"stage .* \(4000 bytes\) .* /dev/shm has .* \(100 bytes\) free"):
             ck.save({"w": sharded_tensor.from_rank_offsets("w", torch.ones(1000))}, tmp_path,
                     iteration=1)
+
+
+def test_the_disk_full_estimate_is_the_whole_checkpoint_on_disk(tmp_path):
+    """A failed save's hint and the pre-save warning count every rank's files of the latest
+    committed checkpoint, not the bytes one rank staged."""
+    _runtime._reset_warnings_for_tests()
+    latest = tmp_path / "iter_0000004"
+    latest.mkdir()
+    for name, size in (("__0_0.distcp", 3000), ("__1_0.distcp", 3000), (".metadata", 900),
+                       ("common.pt", 100)):
+        (latest / name).write_bytes(b"x" * size)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4\n")
+    disk = lambda path: DiskUsage(10**9, 10**9 - 5000, 5000)  # noqa: E731
+    hint = preflight.disk_full_hint(tmp_path, 3000, probe=disk)  # one rank's bytes fit
+    assert "a checkpoint here takes about 0.00 GiB (7000 bytes)" in hint, hint
+    assert preflight.check_disk(tmp_path, 3000, probe=disk) is False
+
+
+def test_a_save_directory_that_is_a_file_is_named_as_such(tmp_path):
+    from megatron_ckpt_ext.errors import CkptOptionsError
+
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("")
+    for target, culprit in ((blocker, "it"), (blocker / "sub", str(blocker))):
+        with pytest.raises(CkptOptionsError) as e:
+            preflight.check_writable(target)
+        assert f"--save {target}: {culprit} is a file, not a directory. Fix:" in str(e.value)

@@ -1,0 +1,114 @@
+"""What a load trusts: a checkpoint the plugin wrote is known as ours without its manifest (a
+deleted manifest is an error, or a warning with --no-ckpt-verify-load); a tracker naming a
+deleted directory gives a fix and --ckpt-load-fallback covers it; the fallback takes the newest
+older checkpoint that verifies; an integrity error names each bad file once, with fixes a
+command-line user can apply."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions, manifest
+from megatron_ckpt_ext.errors import CheckpointIntegrityError, CheckpointNotFound
+from tools._dist import free_port, sharded
+
+
+@pytest.fixture(autouse=True)
+def one_rank_group():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(512, dtype=torch.float32) + step}
+
+
+def _save(root: Path, steps) -> None:
+    with Checkpointer(CkptOptions()) as ck:
+        for step in steps:
+            ck.save(sharded(0, 1, _state(step)), root, iteration=step)
+
+
+def _load(root: Path, **options) -> torch.Tensor:
+    with Checkpointer(CkptOptions(**options)) as ck:
+        return ck.load(sharded(0, 1, {"w": torch.zeros(512)}), root)["w"]
+
+
+def _flip_bit(path: Path, offset: int = -100) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_our_checkpoint_without_its_manifest_is_refused_unless_told(tmp_path, caplog):
+    _save(tmp_path, [1, 2])
+    (tmp_path / "iter_0000002" / manifest.MANIFEST).unlink()
+    with pytest.raises(CheckpointIntegrityError) as e:
+        _load(tmp_path)
+    assert f"{manifest.MANIFEST}: missing" in str(e.value) and "iteration 2" in str(e.value)
+    assert "--no-ckpt-verify-load" in str(e.value) and "--ckpt-load-fallback" in str(e.value)
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(_load(tmp_path, ckpt_verify_load=False), _state(2)["w"])
+    assert [w for w in _warnings(caplog) if "unverified" in w and "missing" in w], \
+        _warnings(caplog)
+    assert torch.equal(_load(tmp_path, ckpt_load_fallback=True), _state(1)["w"])
+    (tmp_path / "iter_0000002" / manifest.MARKER).unlink()  # now as a stock checkpoint
+    assert torch.equal(_load(tmp_path), _state(2)["w"])
+
+
+def test_a_tracker_naming_a_deleted_directory_says_the_fix_and_falls_back(tmp_path, caplog):
+    _save(tmp_path, [1, 2, 3])
+    shutil.rmtree(tmp_path / "iter_0000003")
+    with pytest.raises(CheckpointNotFound) as e:
+        _load(tmp_path)
+    message = str(e.value)
+    assert "iter_0000003 does not exist" in message and "Fix:" in message, message
+    assert "--ckpt-load-fallback" in message and "--ckpt-step N" in message, message
+    assert "committed here: 2, 1" in message, message
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(_load(tmp_path, ckpt_load_fallback=True), _state(2)["w"])
+    assert any("loading iteration 2 instead" in w for w in _warnings(caplog)), _warnings(caplog)
+
+
+def test_the_fallback_takes_the_newest_older_checkpoint_that_verifies(tmp_path):
+    _save(tmp_path, [1, 2, 3])
+    _flip_bit(next((tmp_path / "iter_0000003").glob("*.distcp")))
+    assert torch.equal(_load(tmp_path, ckpt_load_fallback=True), _state(2)["w"])
+
+
+def test_an_integrity_error_gives_fixes_a_command_line_user_can_apply(tmp_path):
+    _save(tmp_path, [1, 2])
+    bad = next((tmp_path / "iter_0000002").glob("*.distcp"))
+    _flip_bit(bad)
+    with pytest.raises(CheckpointIntegrityError) as e:
+        _load(tmp_path)
+    message = str(e.value)
+    assert message.count(bad.name) == 1, message
+    assert "--ckpt-step N" in message and f"echo N > {tmp_path}" in message, message
+
+
+def test_a_file_both_ranks_read_is_named_once(tmp_path):
+    """Both ranks read (and judge) the file that holds a replicated tensor: one problem."""
+    from tests.multirank import _load_trust_workers as lw
+    from tools._dist import run_ranks
+
+    run_ranks(lw.save, world_size=2, timeout=120, args=(str(tmp_path),))
+    bad = tmp_path / "iter_0000001" / "__0_0.distcp"  # rank 0 wrote the replicated "b"
+    _flip_bit(bad, offset=len(bad.read_bytes()) // 2)
+    run_ranks(lw.load_names_each_bad_file_once, world_size=2, timeout=120,
+              args=(str(tmp_path), bad.name))
