@@ -244,7 +244,8 @@ class Checkpointer:
         again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first."""
         snapshots = record.snapshots
         with backend.writer_keeps_snapshots(
-                lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps:
+                lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps, \
+                backend.into_fresh_directory():
             if not keeps and backend.writer_clones_cpu_tensors():
                 self._publisher.wait_staged(record)
             try:  # the common state is rank 0's write alone: fail every rank alike

@@ -4,12 +4,13 @@ state dicts, and the writers' global write-results queues."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..debug import env_switch
 from ..errors import BackendMismatch, BackendUnavailable
@@ -162,6 +163,28 @@ def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> No
     """Replace every ShardedTensor ``t`` in nested dicts/lists with ``fn(t)``, in place."""
     cls = sharded_tensor_cls()
     _map_in_place(sharded_state_dict, cls, fn)
+
+
+class _DropOverwriteWarning(logging.Filter):
+    TEXT = "Overwriting old incomplete / corrupted checkpoint"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.TEXT not in record.getMessage()
+
+
+@contextlib.contextmanager
+def into_fresh_directory() -> Iterator[None]:
+    """While megatron-core's ``save()`` plans into a directory rank 0 has just created empty:
+    its "Overwriting old incomplete / corrupted checkpoint..." warning only means another rank's
+    writer of this same save got there first (planning is not a collective under a cached
+    structure), so it is dropped; nothing else of that logger is touched."""
+    log = logging.getLogger(f"{MCORE_DC}.serialization")
+    drop = _DropOverwriteWarning()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def load_with_tensors_from(sharded_state_dict: Any, checkpoint_dir: str, strategy: Any,
