@@ -8,6 +8,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import queue as queue_mod
 import signal
 import sys
@@ -239,7 +240,8 @@ def async_writer_state(queue: Any) -> tuple[str, str]:
                 caller.cur_item = caller.comp_q.get_nowait()
         if caller.cur_item is not None or process is None:
             return "done", ""
-        return ("running", "") if process.is_alive() else ("dead", _writer_exit_text(process))
+        alive = process.is_alive() and not _exited(process.pid)
+        return ("running", "") if alive else ("dead", _writer_exit_text(process))
     if process is None or process.is_alive():
         return ("done", "") if process is None else ("running", "")
     return ("done", "") if process.exitcode == 0 else ("dead", _writer_exit_text(process))
@@ -306,7 +308,21 @@ def refork_temporal_writer(caller: Any) -> Any:
 
 def _writer_died(caller: Any) -> bool:
     process = getattr(caller, "process", None)
-    return process is not None and not process.is_alive()
+    return process is not None and (not process.is_alive() or _exited(process.pid))
+
+
+def _exited(pid: int | None) -> bool:
+    """Whether ``pid`` has exited (a zombie, or gone), read from /proc: multiprocessing's own
+    ``is_alive()`` says True for a child whose exit was reaped by another handle (its waitpid
+    then fails), which left a SIGKILLed persistent worker taken for alive at the next save."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return os.path.isdir("/proc/self")  # no /proc entry: gone (where /proc exists at all)
+    return state in (b"Z", b"X")
 
 
 def _writer_exit_text(process: Any) -> str:
