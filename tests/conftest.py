@@ -16,3 +16,19 @@ def caps_factory():
         return dataclasses.replace(backend.detect(), **overrides)
 
     return make
+
+
+@pytest.fixture()
+def one_rank_group():
+    """A gloo process group of one rank in the test process (megatron-core's save and load need
+    one), torn down after the test."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tools._dist import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()

@@ -14,21 +14,12 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions, manifest
 from megatron_ckpt_ext.__main__ import main
 from megatron_ckpt_ext.errors import CheckpointIntegrityError
 from megatron_ckpt_ext.load.report import LOAD_PHASES
-from tools._dist import free_port, run_ranks, sharded
+from tools._dist import run_ranks, sharded
 
 from . import _integrity_workers as iw
 
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
-@pytest.fixture(autouse=True)
-def one_rank_group():
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 MODES = {
     "sync": {},

@@ -19,24 +19,13 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.errors import CheckpointWriteError
 from megatron_ckpt_ext.hooks import SaveHooks
 from megatron_ckpt_ext.save.layout import read_tracker
-from tools._dist import free_port, sharded
+from tools._dist import sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 ASYNC = {"async_save": True}
 PERSISTENT_SHM = {"async_save": True, "use_persistent_ckpt_worker": True,
                   "async_ckpt_use_cpu_shm": True, "ckpt_assume_constant_structure": True}
 
-
-@pytest.fixture()
-def one_rank_group():
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def _state(step: int) -> dict:

@@ -13,7 +13,7 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.preempt import Preemption
 from megatron_ckpt_ext.save.layout import read_tracker
-from tools._dist import free_port, sharded
+from tools._dist import sharded
 
 LOGGER = "megatron_ckpt_ext"
 
@@ -87,17 +87,6 @@ def test_sigint_as_the_exit_signal_raises_no_keyboard_interrupt():
         p.uninstall()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
-
-@pytest.fixture()
-def one_rank_group():
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def test_checkpointer_reports_the_exit_checkpoint_not_the_save_in_flight(tmp_path,
