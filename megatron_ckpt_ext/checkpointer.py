@@ -396,6 +396,7 @@ class Checkpointer:
         checkpoint that verifies. With cpu-shm staging, the buffers for the loaded structure are
         then allocated in the background (:meth:`prepare`), so the first save after a resume
         stages like a steady one."""
+        self._check_open()
         record = LoadRecord(root=Path(checkpoint_dir))
         path = locate(checkpoint_dir, iteration=iteration,
                       exit_on_missing=self.options.exit_on_missing_checkpoint,

@@ -272,3 +272,10 @@ def test_a_save_that_replaces_a_committed_iteration_says_so(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records if "already committed" in r.getMessage()] == [
         f"checkpoint iteration 2 under {tmp_path} is already committed: this save replaces it "
         "(atomically, at its commit)"]
+
+
+def test_load_on_a_closed_checkpointer_refuses_before_reading_anything(tmp_path):
+    ck = Checkpointer(CkptOptions())
+    ck.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ck.load({}, tmp_path / "nothing_here")
