@@ -327,6 +327,10 @@ def _exited(pid: int | None) -> bool:
 
 def _writer_exit_text(process: Any) -> str:
     code = process.exitcode
+    if code is None:  # seen exited in /proc before multiprocessing collected its status
+        with contextlib.suppress(Exception):
+            process.join(timeout=1.0)
+        code = process.exitcode
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
             return f"writer pid {process.pid} was killed by {signal.Signals(-code).name}"
