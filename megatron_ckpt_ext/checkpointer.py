@@ -30,7 +30,7 @@ from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
 from .load.loader import Loader
-from .load.memory import restore_from_memory, tensor_layout
+from .load.memory import discard_snapshot, restore_from_memory, tensor_layout
 from .load.report import LoadRecord, log_load
 from .manifest import read_manifest
 from .options import CkptOptions
@@ -410,6 +410,8 @@ class Checkpointer:
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, sharded_state_dict, path, record,
                                         self._group, load_strategy=load_strategy)
+        elif self._cpu_shm:  # a snapshot an earlier run left will not be adopted: free it
+            discard_snapshot(self._stager, path.parent)
         if state is None:
             loader = Loader(self.options, self._group, load_strategy=load_strategy)
             state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None)

@@ -27,7 +27,7 @@ from ..save.planner import copy_structure
 from ..staging.retained import Seal, copy_verified, read_seal, seal_path
 from .report import LoadRecord
 
-__all__ = ["restore_from_memory", "tensor_layout"]
+__all__ = ["discard_snapshot", "restore_from_memory", "tensor_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,15 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
     return now
 
 
+def discard_snapshot(stager: Any, root: Path) -> None:
+    """With the memory tier off: this rank's snapshot of ``root`` left by an earlier run will
+    never be adopted, so its memory is freed before this run allocates its staging."""
+    if hasattr(stager, "discard_stale"):
+        seal = read_seal(seal_path(stager.shm_dir, root, rank()))
+        if seal is not None:
+            stager.discard_stale(seal)
+
+
 def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
            world: int) -> tuple[list | None, str]:
     """This rank's snapshot buffers for ``iteration`` if they match, else (None, why not)."""
@@ -89,10 +98,13 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
     seal = read_seal(seal_path(stager.shm_dir, root, rank()))
     why = _mismatch(seal, sharded_state_dict, root, iteration, world)
     if why:
+        if seal is not None and os.path.realpath(seal.root) == os.path.realpath(root):
+            stager.discard_stale(seal)  # this rank's, and nobody will adopt it: free its memory
         return None, why
     try:
         buffers = stager.adopt(seal)
     except (OSError, ValueError) as e:
+        stager.discard_stale(seal)
         return None, f"its segments cannot be mapped ({e})"
     return list(zip(buffers, seal.entries)), ""
 

@@ -27,7 +27,7 @@ import torch
 
 from .._crc import crc32 as _crc32
 
-__all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean",
+__all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
            "list_seals", "read_seal", "remove_seal", "seal_path", "sealed_segments",
            "write_seal"]
 
@@ -150,13 +150,20 @@ def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[list[str],
     (``is_mapped``). Returns (seals removed, segments removed)."""
     seals, segments = [], []
     for seal in list_seals(shm_dir):
-        for entry in seal.entries:
-            if entry.path and os.path.exists(entry.path) and not is_mapped(entry.path):
-                _unlink(entry.path)
-                segments.append(entry.path)
-        _unlink(seal.file)
+        segments += discard(seal, is_mapped=is_mapped)
         seals.append(seal.file)
     return seals, segments
+
+
+def discard(seal: Seal, *, is_mapped: Callable[[str], bool]) -> list[str]:
+    """Remove ``seal`` and the segments it names that no live process maps; those removed."""
+    _unlink(seal.file)
+    removed = []
+    for entry in seal.entries:
+        if entry.path and os.path.exists(entry.path) and not is_mapped(entry.path):
+            _unlink(entry.path)
+            removed.append(entry.path)
+    return removed
 
 
 def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None) -> int | None:

@@ -14,9 +14,9 @@ import torch
 
 from .batch import StagedBatch, _Buffer, _BufferSet, _Copies, _Spec
 from .ready import run_when_staged
-from .retained import Seal, SealEntry, crc32_all, remove_seal, write_seal
+from .retained import Seal, SealEntry, crc32_all, discard, remove_seal, write_seal
 from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _open_segment, _register,
-                       _register_segment, _sanitize, _segment_path, _shared_segment,
+                       _register_segment, _sanitize, _segment_path, _shared_segment, is_mapped,
                        _warn_file_system_strategy, sweep_orphans)
 
 __all__ = ["ShmStager", "StagingKey"]
@@ -256,6 +256,15 @@ class ShmStager:
             self._sets.append(buffer_set)
         self._sealed = (buffer_set, seal.root)
         return [buffers[(e.spec, tuple(e.shape), _dtype(e.dtype))].tensor for e in seal.entries]
+
+    def discard_stale(self, seal: Seal) -> None:
+        """A snapshot of this rank's save root that this run will not adopt (another iteration,
+        layout or world size): its seal and the segments no live process maps are removed now,
+        so it does not hold /dev/shm while this run allocates its own staging. Not this run's
+        own sealed buffers."""
+        if self._sealed is not None and self._sealed[1] == seal.root:
+            return
+        discard(seal, is_mapped=is_mapped)
 
     def _own_sealed(self, seal: Seal) -> list[torch.Tensor] | None:
         if self._sealed is None or self._sealed[1] != seal.root:
