@@ -202,6 +202,8 @@ class Checkpointer:
             record.extra["layout"] = tensor_layout(state)
         t = record.phase("prepare_dir_s", t)
         if self.admission is None and self._stager.owns_copies:  # (C) the first staging
+            if self._cpu_shm:  # an earlier run's snapshot of this root that nobody adopted
+                discard_snapshot(self._stager, record.root)
             tensors: list[Any] = []
             backend.map_sharded_tensors(state, lambda x: tensors.append(x) or x)
             self._admit(tensors)

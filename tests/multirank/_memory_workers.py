@@ -55,3 +55,11 @@ def restore(rank: int, world: int, root: str, options: dict, iteration: int | No
         with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
             json.dump({"report": report, "allocated_before_save": allocated,
                        "allocated_after_save": stats.get("bytes_allocated", -1)}, fh)
+
+
+def fresh_start(rank: int, world: int, root: str, options: dict) -> None:
+    """A run that starts from scratch into the same --save (no load): its first save."""
+    with Checkpointer(CkptOptions(**options)) as ck:
+        live = {k: v.clone() for k, v in step_state(5, rank).items()}
+        ck.save(sharded(rank, world, live), root, iteration=5)
+        ck.maybe_finalize(blocking=True)

@@ -101,3 +101,10 @@ def test_shm_clean_removes_a_sealed_snapshot(root):
                    capture_output=True)
     assert not os.path.exists(seal.file)
     assert not [e.path for e in seal.entries if e.path and os.path.exists(e.path)]
+
+
+def test_a_fresh_start_into_the_same_save_frees_the_old_snapshot_before_staging(root):
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
+    stale = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
+    run_ranks(w.fresh_start, args=(str(root), MODES["persistent"]))
+    assert not [e.path for s in stale for e in s.entries if e.path and os.path.exists(e.path)]
