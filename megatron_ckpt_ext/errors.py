@@ -59,7 +59,8 @@ class CheckpointWriteError(CkptError, RuntimeError):
 
 class CheckpointIntegrityError(CkptError, ValueError):
     """A checkpoint's files do not match its integrity manifest (flipped bits, a truncated or
-    missing file); the message names each file. Nothing was loaded."""
+    missing file); the message names each file. The check runs beside the load, so the target
+    tensors may already hold the bad values: do not train on them."""
 
 
 class CheckpointNotFound(CkptError, FileNotFoundError):
