@@ -107,6 +107,7 @@ class Checkpointer:
         self._retention = Retention(options.most_recent_k, options.save_retain_interval)
         if save_dir is not None and self._retention.active and rank() == 0:
             finish_interrupted(Path(save_dir))  # deletions a crash interrupted
+        self._layout: list | None = None  # the staged tensors' layout (memory tier), per structure
         self.failed_saves: list[dict] = []  # --ckpt-failure-policy warn: what was abandoned
         self._failures_in_a_row = 0
         self._preemption = Preemption(options) if options.exit_signal_handler else None
@@ -198,8 +199,10 @@ class Checkpointer:
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
         state, workdir = self._open(sharded_state_dict, record)
-        if self._memory_tier:  # what the snapshot holds, for a restart to match
-            record.extra["layout"] = tensor_layout(state)
+        if self._memory_tier:  # what the snapshot holds, for a restart to match: walked again
+            if record.new_structure or self._layout is None:  # only when the structure changed
+                self._layout = tensor_layout(state)
+            record.extra["layout"] = self._layout
         t = record.phase("prepare_dir_s", t)
         if self.admission is None and self._stager.owns_copies:  # (C) the first staging
             if self._cpu_shm:  # an earlier run's snapshot of this root that nobody adopted
