@@ -165,6 +165,11 @@ class Checkpointer:
         ``timeout_s``); whether it is. A save waits for it anyway: this is for timing start-up."""
         return self._stager.wait_prepared(timeout_s)
 
+    def staging_stats(self) -> dict:
+        """A copy of the stager's counters (``stages``, ``allocations``, ``bytes_allocated``,
+        ...; empty where saves stage nothing)."""
+        return dict(getattr(self._stager, "stats", None) or {})
+
     @property
     def idle(self) -> bool:
         """No save is waiting to be finalized (nor the persistent worker's start-up request)."""

@@ -13,7 +13,12 @@ where Megatron looks them up:
   ``training.maybe_finalize_async_save`` (plus their definitions in ``async_utils``) -> our
   schedule and finalize, so Megatron's finalize callbacks run after our atomic commit;
 * ``initialize.init_persistent_async_worker`` -> builds our Checkpointer early (it owns the
-  worker; Megatron's would be a second, idle one).
+  worker; Megatron's would be a second, idle one);
+* ``training.train_step`` -> Megatron's, then, once after the first step, the Checkpointer
+  prepares the staging for the state Megatron will save (the first save then costs a steady one).
+
+Megatron's terminate (end of training) drains the saves but keeps the Checkpointer for the save
+Megatron makes after its loop; it is closed at process exit or :func:`uninstall`.
 
 Where a seam is missing, :func:`install` raises one :class:`MegatronAdapterError` naming the
 Megatron version and the seam, and patches nothing. Importing this module never imports
@@ -22,6 +27,9 @@ megatron; it is importable (and useless) where ``megatron.training`` is absent.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import inspect
 import logging
 import os
 import re
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import backend
-from ._runtime import warn_once
+from ._runtime import rank, warn_once
 from .arguments import add_arguments
 from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
@@ -59,7 +67,7 @@ _PATCHES = (
     ("async_utils", "maybe_finalize_async_save"),
     ("async_utils", "is_empty_async_queue"),
 )
-_OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"),)
+_OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"), ("training", "train_step"))
 
 
 CheckpointerFactory = Callable[[CkptOptions], Any]
@@ -121,8 +129,8 @@ def reports() -> list[dict]:
     """Per-save records: the adapter's own (``blocking_s`` inside Megatron's save) merged with
     the Checkpointer's ``reports`` where it has them."""
     ours = [dict(r) for r in _state.records]
-    # every Checkpointer of this run (one is closed at Megatron's terminate and a later save
-    # makes a new one), matched by iteration, the latest report of an iteration winning
+    # every Checkpointer of this run (after uninstall() a later install makes a new one),
+    # matched by iteration, the latest report of an iteration winning
     theirs = [*_state.closed_reports, *(getattr(_state.checkpointer, "reports", None) or [])]
     by_iteration = {extra.get("iteration"): extra for extra in theirs}
     for record in ours:
@@ -198,17 +206,20 @@ class _State:
     scheduled: dict[int, _PendingSave] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     closed_reports: list[dict] = field(default_factory=list)  # closed Checkpointers', kept
+    stepped: bool = False  # train_step ran once in this process (staging prepared then)
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
               factory: CheckpointerFactory) -> None:
         self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
         self.checkpointer, self.scheduled, self.records, self.closed_reports = None, {}, [], []
+        self.stepped = False
 
     def get_checkpointer(self) -> Any:
         if self.checkpointer is None:
             if self.options is None:
                 self.options = CkptOptions.from_args(self.modules["checkpointing"].get_args())
             self.checkpointer = self.factory(self.options)
+            _close_at_exit.register()
         _bind_dp_group(self.checkpointer)
         return self.checkpointer
 
@@ -225,6 +236,35 @@ class _State:
 
 _state = _State()
 _lock = threading.RLock()
+
+
+class _CloseAtExit:
+    """Closes the adapter's Checkpointer when the trainer's process exits, if no save is pending
+    (the Checkpointer outlives Megatron's terminate for the end-of-training save). A pending save
+    is left as it is: draining it needs every rank, and a process leaving on an error must not
+    wait for ranks still training. Only in the process that registered (not in forks)."""
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+
+    def register(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            atexit.register(self.run, self._pid)
+
+    @staticmethod
+    def run(pid: int) -> None:
+        with _lock:
+            checkpointer = _state.checkpointer
+            if os.getpid() != pid or checkpointer is None or not getattr(checkpointer, "idle", True):
+                return
+            try:
+                _state.drop_checkpointer()
+            except Exception as e:  # noqa: BLE001 - at exit: say it, never raise
+                logger.warning("megatron-ckpt-ext: closing the Checkpointer at exit failed: %s", e)
+
+
+_close_at_exit = _CloseAtExit()
 
 
 def _real_modules() -> dict[str, Any]:
@@ -281,6 +321,7 @@ def _apply_patches(modules: dict[str, Any]) -> None:
         "is_empty_async_queue": _is_empty_async_queue,
         "maybe_finalize_async_save": _maybe_finalize_async_save,
         "init_persistent_async_worker": _init_persistent_async_worker,
+        "train_step": _preparing_train_step(getattr(modules.get("training"), "train_step", None)),
     }
     present = [p for p in _OPTIONAL_PATCHES if hasattr(modules.get(p[0]), p[1])]
     for short, name in (*_PATCHES, *present):
@@ -362,13 +403,16 @@ def _is_empty_async_queue() -> bool:
 
 
 def _maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
-    """Finalize what our Checkpointer committed, then Megatron's callbacks for those saves."""
-    _finalize(blocking=blocking)
+    """Finalize what our Checkpointer committed, then Megatron's callbacks for those saves.
+
+    ``terminate`` (Megatron's end of training) drains every pending save but keeps the
+    Checkpointer, its writer and its staging: Megatron saves once more after its training loop
+    (the end-of-training save), which then costs a steady save instead of a first one. The
+    Checkpointer is closed when the process exits (or at :func:`uninstall`)."""
+    _finalize(blocking=blocking or terminate)
     cleanup = getattr(_state.modules.get("checkpointing"), "finalize_deletion_processes", None)
     if callable(cleanup):
         cleanup(blocking=blocking or terminate)
-    if terminate and _state.checkpointer is not None:
-        _state.drop_checkpointer()
 
 
 def _finalize(*, blocking: bool) -> list[int]:
@@ -380,6 +424,52 @@ def _finalize(*, blocking: bool) -> list[int]:
         if pending is not None:
             pending.run_finalize_fns()
     return committed
+
+
+def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """Megatron's ``train_step``; after this process's first step returns (the optimizer's
+    state exists from then on), the Checkpointer prepares its staging for the state the first
+    save will stage (:meth:`Checkpointer.prepare`: node admission, then allocation and pinning in
+    a background thread), so the first save copies into ready memory like a steady one. Every
+    rank takes its first step, so the admission collective is entered by all."""
+    if original is None:
+        return None
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return original
+
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if not _state.stepped:
+            _state.stepped = True
+            _prepare_after_first_step(signature.bind_partial(*args, **kwargs).arguments)
+        return result
+
+    return train_step
+
+
+def _prepare_after_first_step(arguments: dict[str, Any]) -> None:
+    checkpointing = _state.modules.get("checkpointing")
+    get_args = getattr(checkpointing, "get_args", None)
+    margs = get_args() if callable(get_args) else None
+    model = arguments.get("model")
+    if margs is None or model is None or not getattr(margs, "save", None):
+        return
+    start = time.perf_counter()
+    state = backend.megatron_sharded_state(checkpointing, margs, model, arguments.get("optimizer"),
+                                           arguments.get("opt_param_scheduler"))
+    if state is None:
+        logger.debug("megatron-ckpt-ext: this Megatron builds no sharded state outside its save; "
+                     "the first save allocates its staging")
+        return
+    with _lock:
+        _state.get_checkpointer().prepare(state)
+    if rank() == 0:
+        logger.info("megatron-ckpt-ext: staging for the first save prepared after the first "
+                    "training step (state built in %.3f s; allocation continues in the "
+                    "background)", time.perf_counter() - start)
 
 
 def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:

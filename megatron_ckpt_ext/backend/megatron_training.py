@@ -127,3 +127,26 @@ def _seam_problem(modules: Mapping[str, Any], short: str, name: str,
         return f"{label} (not callable)"
     unused = [n for n in looks_up if n not in _code_names(value)]
     return f"{label} (does not look up {', '.join(unused)})" if unused else None
+
+
+# -- the state Megatron's save_checkpoint would build (for Checkpointer.prepare) -----------------
+_STATE_FN_PARAMS = ("args", "model", "optimizer", "opt_param_scheduler", "rng_state",
+                    "optim_sd_kwargs", "model_sd_kwargs")
+
+
+def megatron_sharded_state(checkpointing: Any, args: Any, model: Any, optimizer: Any,
+                           opt_param_scheduler: Any) -> Any | None:
+    """The sharded state dict Megatron's ``save_checkpoint`` would build for these objects now,
+    without the RNG and rerun state (objects: they stage nothing), through the module's own
+    ``generate_state_dict`` and sharding metadata; None where this Megatron has no such function
+    (found by its parameters), or for a checkpoint format other than torch_dist."""
+    generate = _attr(checkpointing, "generate_state_dict")
+    if generate is None or not all(_names_param(generate, p) for p in _STATE_FN_PARAMS):
+        return None
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        return None
+    build_metadata = _attr(checkpointing, "_build_sharded_state_dict_metadata")
+    metadata = build_metadata(args) if callable(build_metadata) else None
+    kwargs = dict(metadata=metadata) if metadata is not None else None
+    return generate(args, model, optimizer, opt_param_scheduler, None,
+                    optim_sd_kwargs=kwargs, model_sd_kwargs=kwargs)

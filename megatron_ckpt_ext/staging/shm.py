@@ -149,14 +149,17 @@ class ShmStager:
         or its negative when they failed; :func:`run_when_staged` waits on it in the writer."""
         self._check_open()
         with self._lock:
-            if self._flag is None:
-                pin, self.pin = self.pin, False  # nothing is copied into it by the device
-                try:
-                    self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64))
-                finally:
-                    self.pin = pin
-                self._flag.tensor.zero_()
-            return self._flag.tensor
+            return self._ready_flag_locked()
+
+    def _ready_flag_locked(self) -> torch.Tensor:
+        if self._flag is None:
+            pin, self.pin = self.pin, False  # nothing is copied into it by the device
+            try:
+                self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64))
+            finally:
+                self.pin = pin
+            self._flag.tensor.zero_()
+        return self._flag.tensor
 
     def __enter__(self) -> ShmStager:
         return self
@@ -331,6 +334,7 @@ class ShmStager:
     def _prepare_locked(self, specs: list[_Spec]) -> None:
         if not any(s.fits(specs) and not s.in_flight for s in self._sets):
             self._sets.append(self._build(specs, donor=self._idle_donor()))
+        self._ready_flag_locked()  # the first save's gate finds it too
 
     def _prepare_in_background(self, specs: list[_Spec]) -> None:
         try:

@@ -60,8 +60,8 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
     for rep in _reports(tmp_path):
         assert rep["report"]["tier"] == "memory" and rep["report"]["verified"]
         if mode == "persistent-constant":  # the save after the restore staged into the snapshot
-            assert rep["allocated_before_save"] == 0
-            assert rep["allocated_after_save"] <= 8  # the writer's one-word ready flag alone
+            assert rep["allocated_before_save"] <= 8  # the writer's one-word ready flag alone
+            assert rep["allocated_after_save"] == rep["allocated_before_save"]
 
 
 def test_a_flipped_byte_in_a_snapshot_reads_storage(root, tmp_path, caplog):

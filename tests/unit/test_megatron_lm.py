@@ -29,6 +29,10 @@ class FakeCheckpointer:
         self.durable: list[int] = []  # iterations whose write has finished
         self.closed = False
         self.reports = []
+        self.prepared: list = []  # states given to prepare()
+
+    def prepare(self, sharded_state_dict):
+        self.prepared.append(sharded_state_dict)
 
     def save(self, sharded_state_dict, checkpoint_dir, *, iteration):
         self.saves.append((sharded_state_dict, checkpoint_dir, iteration))
@@ -124,16 +128,87 @@ def test_async_save_runs_megatron_callbacks_only_after_our_commit(mlm):
     assert mlm.deletions == [False, False]  # Megatron's own deletion cleanup still runs
 
 
-def test_terminate_drains_and_closes_the_checkpointer(mlm):
+def test_terminate_drains_and_keeps_the_checkpointer_for_the_end_of_training_save(mlm):
+    """Megatron terminates its async queue when its training loop ends, then saves once more:
+    that save must find the same Checkpointer (its writer and staging), not build a new one."""
     made = _install(mlm, async_save=True)
     ckpting = mlm.mods["checkpointing"]
     request = ckpting.dist_checkpointing.save({}, "/ckpt/iter_0000010", None, async_sharded_save=True)
     calls: list[int] = []
     request.add_finalize_fn(lambda: calls.append(10))
     ckpting.schedule_async_save(request)
+    mlm.mods["training"].maybe_finalize_async_save(blocking=False, terminate=True)
+    assert calls == [10]  # drained, even when Megatron does not ask to block
+    assert made[0].finalize_calls[-1] is True and not made[0].closed
+    ckpting.schedule_async_save(ckpting.dist_checkpointing.save(
+        {}, "/ckpt/iter_0000012", None, async_sharded_save=True))  # the end-of-training save
     mlm.mods["training"].maybe_finalize_async_save(blocking=True, terminate=True)
-    assert calls == [10]
-    assert made[0].finalize_calls[-1] is True and made[0].closed
+    assert len(made) == 1 and [s[2] for s in made[0].saves] == [10, 12]
+
+
+def test_at_exit_an_idle_checkpointer_is_closed_and_a_pending_save_is_left_alone(mlm):
+    import os
+
+    made = _install(mlm, async_save=True)
+    ckpting = mlm.mods["checkpointing"]
+    ckpting.schedule_async_save(ckpting.dist_checkpointing.save(
+        {}, "/ckpt/iter_0000010", None, async_sharded_save=True))
+    made[0].idle = False  # a save not finalized: draining it would need every rank
+    megatron_lm._close_at_exit.run(os.getpid())
+    assert not made[0].closed
+    made[0].idle = True
+    megatron_lm._close_at_exit.run(os.getpid() + 1)  # registered by another process: not ours
+    assert not made[0].closed
+    megatron_lm._close_at_exit.run(os.getpid())
+    assert made[0].closed and megatron_lm._state.checkpointer is None
+
+
+def _train_step_stand_ins(mlm, *, save="/ckpt"):
+    """0.19.2's train_step, generate_state_dict and sharding-metadata builder (their signatures),
+    recording what the adapter passes."""
+    built: list[tuple] = []
+    ckpting, training = mlm.mods["checkpointing"], mlm.mods["training"]
+    ckpting.get_args = lambda: argparse.Namespace(save=save, ckpt_format="torch_dist")
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None, pg_collection=None,
+                   p2p_communicator=None):
+        return ("loss", iteration)
+
+    def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
+                            iteration=None, optim_sd_kwargs=None, model_sd_kwargs=None,
+                            rerun_state=None):
+        built.append((model, optimizer, opt_param_scheduler, rng_state, optim_sd_kwargs))
+        return {"model": model, "optimizer": optimizer}
+
+    def _build_sharded_state_dict_metadata(args, dp_cp_group=None):
+        return {"distrib_optim_sharding_type": "dp_reshardable"}
+
+    training.train_step = train_step
+    ckpting.generate_state_dict = generate_state_dict
+    ckpting._build_sharded_state_dict_metadata = _build_sharded_state_dict_metadata
+    return built
+
+
+def test_the_first_train_step_prepares_the_staging_for_the_state_megatron_will_save(mlm):
+    built = _train_step_stand_ins(mlm)
+    made = _install(mlm, async_save=True)
+    training = mlm.mods["training"]
+    for i in (1, 2, 3):
+        result = training.train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb", iteration=i)
+        assert result == ("loss", i)  # Megatron's own step, untouched
+    # once, after the first step, from the step's own model, optimizer and scheduler, with
+    # Megatron's sharding metadata, without RNG state
+    assert built == [(["m"], "opt", "sched", None,
+                      {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}})]
+    assert len(made) == 1 and made[0].prepared == [{"model": ["m"], "optimizer": "opt"}]
+
+
+def test_the_first_train_step_prepares_nothing_without_save(mlm):
+    built = _train_step_stand_ins(mlm, save=None)
+    _install(mlm, async_save=True)
+    mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
+    assert built == []
 
 
 def test_sync_save_is_committed_before_megatron_writes_its_tracker(mlm):
