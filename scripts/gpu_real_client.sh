@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# What a Megatron-LM user sees through the launcher, ours vs stock, in one run on one GPU:
+# Megatron-LM core_r0.19.0's pretrain_gpt.py UNMODIFIED, as
+#   python -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py ARGS
+# (ours) and python -m torch.distributed.run --nproc-per-node 1 .mlm/pretrain_gpt.py ARGS (stock), with
+# --async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm --ckpt-assume-constant-structure
+# --dist-ckpt-workers 1 for both, a plain optimizer (megatron-core 0.19.2 without Apex/TE cannot
+# resume a distributed one), saves every SAVE_EVERY iterations (spaced so each write fits).
+# Per model (MODELS="134m 1b"):
+#   train        ITERS iterations: saves first, steady..., end_of_training (ITERS is not a
+#                multiple of SAVE_EVERY, so Megatron saves once more after its loop)
+#   resume_cold  from train's last checkpoint, its pages dropped, to RESUME_ITERS (own --save):
+#                load-checkpoint cold, first_after_resume, end_of_training
+#   resume_warm  the same with the checkpoint's pages read first, no --save: load-checkpoint warm
+# Ours only, the memory tier (KILL=1): kill -9 every process of a run (torchrun, trainer, writer)
+# at a random time after its save at 2*SAVE_EVERY committed, relaunch the same command: its
+# load-checkpoint timer and tier, its losses against train's, and a warm storage load of a copy
+# of the same checkpoint (restart_storage).
+# Floors in the same run: pinned device-to-host copy of the state's bytes, cold and warm reads.
+# Writes $OUT/real_client.json (benchmarks/real_client.py) and the logs; prints the table.
+#   OUT=$OUT MODELS="134m" bash scripts/gpu_real_client.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the results folder}
+WORK=${WORK:-/tmp/rc_work}
+MODELS=${MODELS:-134m}
+KILL=${KILL:-1}
+STOCK=${STOCK:-1}
+RESUME_WARM=${RESUME_WARM:-1}
+RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+source scripts/mlm_recipe.sh  # COMMON, OURS, RESUME
+mlm_ready || exit 2
+RUNS="$OUT/runs.jsonl"; : > "$RUNS"
+START=$(date +%s)
+
+model_args() {  # MODEL -> the model's flags, SAVE_EVERY, ITERS, RESUME_ITERS
+  case $1 in
+    134m) MARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+                 --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 4
+                 --global-batch-size 4)
+          SAVE_EVERY=${SAVE_EVERY_134M:-100}; ITERS=350; RESUME_ITERS=450 ;;
+    1b)   MARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024
+                 --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 2
+                 --global-batch-size 2)
+          SAVE_EVERY=${SAVE_EVERY_1B:-60}; ITERS=190; RESUME_ITERS=250
+          MARGS+=(--save-retain-interval 100000) ;;  # Megatron and ours keep the latest only
+  esac
+}
+
+# launch NAME SOURCE MODEL KIND -- megatron args... (foreground, bounded)
+launch() {
+  local name=$1 source=$2 model=$3 kind=$4; shift 5
+  local cmd=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((29500 + RANDOM % 1000)))
+  [ "$source" = ours ] && cmd+=(-m megatron_ckpt_ext.launch)
+  cmd+=(.mlm/pretrain_gpt.py "$@")
+  timeout -k 10 "$RUN_TIMEOUT" "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  record "$name" "$source" "$model" "$kind" "$rc" "${cmd[*]}"
+  echo "[$(( $(date +%s) - START ))s] $name rc=$rc"
+  [ $rc = 0 ] || grep -m3 -E "Error|error:|Traceback" "$OUT/logs/$name.log" | head -5
+}
+
+record() {
+  python3 - "$RUNS" "$@" "$OUT/logs/$1.log" <<'PY'
+import json, sys
+runs, name, source, model, kind, rc, command, log = sys.argv[1:9]
+with open(runs, "a") as f:
+    f.write(json.dumps({"name": name, "source": source, "model": model, "kind": kind,
+                        "rc": int(rc), "command": command, "log": log}) + "\n")
+PY
+}
+
+pages() {  # drop|read DIR: the checkpoint's pages out of (or into) the page cache
+  python3 - "$@" <<'PY'
+import os, sys
+what, root = sys.argv[1:3]
+for d, _, files in os.walk(root):
+    for f in files:
+        fd = os.open(os.path.join(d, f), os.O_RDONLY)
+        try:
+            if what == "drop":
+                os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.read(fd, 1 << 24):
+                    pass
+        finally:
+            os.close(fd)
+PY
+}
+
+floors() {  # DIR MODEL -> $OUT/floors_MODEL.json: pinned D2H of the state's bytes, cold/warm reads
+  python3 - "$@" "$OUT/floors_$2.json" <<'PY'
+import json, os, sys, time, threading
+import torch
+root, model, out = sys.argv[1:4]
+files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+data = sum(os.path.getsize(f) for f in files)
+res = {"checkpoint_bytes": data}
+n = 0
+for f in files:
+    if f.endswith(".distcp"):
+        n += os.path.getsize(f)
+res["state_bytes_per_rank"] = n
+src = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
+dst = torch.empty(n // 2, dtype=torch.bfloat16, pin_memory=True)
+best = 1e9
+for _ in range(3):
+    torch.cuda.synchronize(); t = time.perf_counter(); dst.copy_(src); torch.cuda.synchronize()
+    best = min(best, time.perf_counter() - t)
+res["d2h_pinned_s"] = round(best, 4); res["d2h_pinned_gbps"] = round(n / best / 1e9, 2)
+best = 1e9
+for _ in range(3):
+    torch.cuda.synchronize(); t = time.perf_counter(); src.copy_(dst); torch.cuda.synchronize()
+    best = min(best, time.perf_counter() - t)
+res["h2d_pinned_gbps"] = round(n / best / 1e9, 2)
+def read_all(drop):
+    if drop:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+    def one(f):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            while os.read(fd, 1 << 24):
+                pass
+        finally:
+            os.close(fd)
+    big = sorted(files, key=os.path.getsize, reverse=True)
+    t = time.perf_counter()
+    th = [threading.Thread(target=one, args=(f,)) for f in big]
+    [x.start() for x in th]; [x.join() for x in th]
+    return data / (time.perf_counter() - t) / 1e9
+res["read_cold_gbps"] = round(max(read_all(True) for _ in range(2)), 2)
+res["read_warm_gbps"] = round(max(read_all(False) for _ in range(2)), 2)
+json.dump(res, open(out, "w"), indent=1); print(json.dumps(res))
+PY
+}
+
+kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it after 2*SAVE_EVERY
+  local name=$1 model=$2 dir=$3; shift 4
+  local cmd=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((29500 + RANDOM % 1000))
+             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@")
+  setsid "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1 &
+  local pid=$! t0=$(date +%s) target=$((2 * SAVE_EVERY))
+  until [ "$(cat "$dir/latest_checkpointed_iteration.txt" 2>/dev/null)" = "$target" ]; do
+    sleep 0.2
+    if ! kill -0 $pid 2>/dev/null || [ $(( $(date +%s) - t0 )) -gt "$RUN_TIMEOUT" ]; then
+      echo "$name: no commit of $target"; kill -9 -- -$pid 2>/dev/null; return 1
+    fi
+  done
+  local delay; delay=$(python3 -c "import random; print(round(random.uniform(1.0, 4.0), 2))")
+  sleep "$delay"
+  kill -9 -- -$pid; wait $pid 2>/dev/null
+  echo "[$(( $(date +%s) - START ))s] $name killed ${delay}s after the commit of $target" \
+       "(tracker $(cat "$dir/latest_checkpointed_iteration.txt"))"
+  record "$name" ours "$model" kill 137 "${cmd[*]}"
+  ls -la /dev/shm | grep -c mcx > "$OUT/logs/${name}_shm_count.txt"
+}
+
+for model in $MODELS; do
+  model_args "$model"
+  base=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval "$SAVE_EVERY")
+  for source in ours stock; do
+    [ "$source" = stock ] && [ "$STOCK" != 1 ] && continue
+    d="$WORK/${source}_$model"
+    launch "${source}_${model}_train" $source $model train -- "${base[@]}" --train-iters $ITERS --save "$d"
+    pages drop "$d"
+    launch "${source}_${model}_resume_cold" $source $model resume_cold -- "${base[@]}" \
+      "${RESUME[@]}" --train-iters $RESUME_ITERS --load "$d" --save "${d}_r1" --logging-level 20
+    rm -rf "${d}_r1"
+    [ "$RESUME_WARM" = 1 ] || continue
+    pages read "$d"
+    launch "${source}_${model}_resume_warm" $source $model resume_warm -- "${base[@]}" \
+      "${RESUME[@]}" --train-iters $((ITERS + 2)) --load "$d"
+  done
+  floors "$WORK/ours_$model/iter_$(printf %07d $ITERS)" "$model"
+  if [ "$KILL" = 1 ]; then
+    k="$WORK/kill_$model"
+    kargs=("${base[@]}" --train-iters $ITERS --save "$k" --load "$k" --logging-level 20)
+    kill_run "ours_${model}_kill" "$model" "$k" -- "${kargs[@]}"
+    cp -r "$k" "${k}_copy"; pages read "${k}_copy"
+    launch "ours_${model}_restart" ours $model restart -- "${kargs[@]}"
+    launch "ours_${model}_restart_storage" ours $model resume_warm -- "${base[@]}" "${RESUME[@]}" \
+      --train-iters $((2 * SAVE_EVERY + 2)) --load "${k}_copy" --no-ckpt-memory-restore \
+      --logging-level 20
+  fi
+  rm -rf "$WORK"/*_"$model"* 2>/dev/null
+done
+
+python3 - "$OUT/meta.json" <<'PY'
+import json, sys, torch, importlib.metadata as md
+meta = {"device": torch.cuda.get_device_name(0), "world_size": 1,
+        "versions": {p: md.version(p) for p in ("megatron-core", "nvidia-resiliency-ext", "torch")},
+        "command": "OUT=$OUT MODELS=... bash scripts/gpu_real_client.sh"}
+json.dump(meta, open(sys.argv[1], "w"))
+PY
+cmp=()
+for model in $MODELS; do
+  model_args "$model"
+  cmp+=(--compare "ours_${model}_train" "ours_${model}_restart" $((2 * SAVE_EVERY + 1)))
+  cmp+=(--compare "ours_${model}_train" "stock_${model}_train" 1)
+done
+python3 - "$OUT" $MODELS <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1]); floors = {}
+for m in sys.argv[2:]:
+    f = out / f"floors_{m}.json"
+    if f.exists():
+        floors[m] = json.loads(f.read_text())
+(out / "floors.json").write_text(json.dumps(floors))
+PY
+python3 benchmarks/real_client.py --runs "$RUNS" --out "$OUT/real_client.json" \
+  --floor "$OUT/floors.json" --meta "$OUT/meta.json" "${cmp[@]}"
+echo "[$(( $(date +%s) - START ))s] done"
