@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import inspect
 import logging
 import os
 import re
@@ -434,9 +433,8 @@ def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., 
     rank takes its first step, so the admission collective is entered by all."""
     if original is None:
         return None
-    try:
-        signature = inspect.signature(original)
-    except (TypeError, ValueError):
+    arguments = backend.call_arguments(original)
+    if arguments is None:
         return original
 
     @functools.wraps(original)
@@ -444,7 +442,7 @@ def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., 
         result = original(*args, **kwargs)
         if not _state.stepped:
             _state.stepped = True
-            _prepare_after_first_step(signature.bind_partial(*args, **kwargs).arguments)
+            _prepare_after_first_step(arguments(*args, **kwargs))
         return result
 
     return train_step

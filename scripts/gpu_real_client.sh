@@ -17,6 +17,7 @@
 # load-checkpoint timer and tier, its losses against train's, and a warm storage load of a copy
 # of the same checkpoint (restart_storage).
 # Floors in the same run: pinned device-to-host copy of the state's bytes, cold and warm reads.
+# SOURCES="ours stock" (default) picks the sources; KILL=0 skips the kill; RESUME_WARM=0 the warm resume.
 # Writes $OUT/real_client.json (benchmarks/real_client.py) and the logs; prints the table.
 #   OUT=$OUT MODELS="134m" bash scripts/gpu_real_client.sh
 set -uo pipefail
@@ -25,7 +26,7 @@ OUT=${OUT:?set OUT to the results folder}
 WORK=${WORK:-/tmp/rc_work}
 MODELS=${MODELS:-134m}
 KILL=${KILL:-1}
-STOCK=${STOCK:-1}
+SOURCES=${SOURCES:-ours stock}
 RESUME_WARM=${RESUME_WARM:-1}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
@@ -160,9 +161,10 @@ kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it 
 
 for model in $MODELS; do
   model_args "$model"
-  base=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval "$SAVE_EVERY")
-  for source in ours stock; do
-    [ "$source" = stock ] && [ "$STOCK" != 1 ] && continue
+  # a fixed decay horizon: a resumed run trains to another --train-iters, and Megatron refuses a
+  # scheduler whose total differs from the checkpoint's
+  base=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval "$SAVE_EVERY" --lr-decay-iters 1000)
+  for source in $SOURCES; do
     d="$WORK/${source}_$model"
     launch "${source}_${model}_train" $source $model train -- "${base[@]}" --train-iters $ITERS --save "$d"
     pages drop "$d"
@@ -174,7 +176,8 @@ for model in $MODELS; do
     launch "${source}_${model}_resume_warm" $source $model resume_warm -- "${base[@]}" \
       "${RESUME[@]}" --train-iters $((ITERS + 2)) --load "$d"
   done
-  floors "$WORK/ours_$model/iter_$(printf %07d $ITERS)" "$model"
+  last=$(ls -d "$WORK"/*_"$model"/iter_* 2>/dev/null | tail -1)
+  [ -n "$last" ] && floors "$last" "$model"
   if [ "$KILL" = 1 ]; then
     k="$WORK/kill_$model"
     kargs=("${base[@]}" --train-iters $ITERS --save "$k" --load "$k" --logging-level 20)

@@ -47,7 +47,7 @@ from .async_queue import (async_writer_state, forked_writer, lone_writes_deferre
                           unblock_hand_over_if_worker_dies, warm_up_writer_imports,
                           writer_clones_cpu_tensors, writer_keeps_snapshots)
 from .detection import Capabilities, detect, dist_sync_runs_here, persistent_worker_runs_here
-from .introspect import accepted_kwargs, call_with_supported
+from .introspect import accepted_kwargs, call_arguments, call_with_supported
 from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cls,
                     checkpoint_failure_text, common_state_present, dist_checkpointing,
                     filesystem_writer_async_cls, fully_parallel_load_wrapper_cls,
@@ -74,6 +74,7 @@ __all__ = [
     "MegatronSeams",
     "NVRX_ASYNC",
     "accepted_kwargs",
+    "call_arguments",
     "adapt_async_request",
     "async_calls_queue_cls",
     "async_request_cls",

@@ -97,6 +97,16 @@ def call_with_supported(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) ->
     return fn(*args, **accepted)
 
 
+def call_arguments(fn: Callable[..., Any]) -> Callable[..., dict[str, Any]] | None:
+    """A function mapping a call's ``(*args, **kwargs)`` of ``fn`` to ``{parameter: value}``
+    (the parameters the call passed, by name), or None where ``fn`` has no signature."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return lambda *args, **kwargs: dict(signature.bind_partial(*args, **kwargs).arguments)
+
+
 def _takes(fn: Any, name: str) -> bool:
     if fn is None:
         return False

@@ -15,10 +15,13 @@ instead of leaving the others in the step's next collective.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import logging
 import os
 import time
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +51,33 @@ WRITER_START_TIMEOUT_S = 5.0
 MAX_REFORKS = 2
 
 
+_OPEN_POOLS: weakref.WeakSet = weakref.WeakSet()  # pools not closed, for the exit hook
+_EXIT_HOOK_PID: list[int] = []
+
+
+def _stop_writers_at_exit() -> None:
+    """At interpreter exit, before multiprocessing's own exit handler: stop the writers of every
+    pool not closed (the trainer left on an error, or without close()). They ignore SIGTERM, so
+    that a job's signal cannot stop a write, and multiprocessing's exit sends its daemonic
+    children SIGTERM and then joins them: without this, the process would never exit. What they
+    were writing was not committed, so nothing committed is lost."""
+    if not _EXIT_HOOK_PID or _EXIT_HOOK_PID[0] != os.getpid():
+        return
+    for pool in list(_OPEN_POOLS):
+        queue = pool.queue
+        if queue is not None:
+            with contextlib.suppress(Exception):
+                backend.stop_async_writers(queue)
+
+
+def _register_exit_hook() -> None:
+    """Once per process; atexit runs its handlers last registered first, so this one runs
+    before multiprocessing's (registered when multiprocessing was imported)."""
+    if not _EXIT_HOOK_PID or _EXIT_HOOK_PID[0] != os.getpid():
+        _EXIT_HOOK_PID[:] = [os.getpid()]
+        atexit.register(_stop_writers_at_exit)
+
+
 class WriterPool:
     """This rank's async writers (none for sync saves: they write in the trainer, and only the
     write-results queue is kept ready). ``pending`` maps each scheduled call to its save's record
@@ -68,6 +98,9 @@ class WriterPool:
         self._reforks = 0
         self._started = time.perf_counter()
         self._queue: Any = self._make_queue() if is_async else None
+        if is_async:
+            _OPEN_POOLS.add(self)
+            _register_exit_hook()
         t0 = time.perf_counter()
         self._prime_results_queue()
         self.startup["write_results_queue_s"] = round(time.perf_counter() - t0, 6)
@@ -341,6 +374,7 @@ class WriterPool:
 
     def close(self, *, drained: bool) -> None:
         """Stop the writers: the queue's own close when drained and alive, else kill them."""
+        _OPEN_POOLS.discard(self)
         if self._queue is not None:
             if drained and backend.async_writer_state(self._queue)[0] != "dead":
                 self._queue.close()
