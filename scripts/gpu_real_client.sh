@@ -152,7 +152,10 @@ kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it 
   done
   local delay; delay=$(python3 -c "import random; print(round(random.uniform(1.0, 4.0), 2))")
   sleep "$delay"
-  kill -9 -- -$pid; wait $pid 2>/dev/null
+  # every process of the run: torchrun's group, and its trainer, which torchrun starts in a
+  # session of its own, with the writer it forked (all name the --save directory)
+  kill -9 -- -$pid 2>/dev/null; pkill -9 -f -- "--save $dir " ; wait $pid 2>/dev/null
+  sleep 1; pgrep -f -- "--save $dir " && echo "$name: processes survived the kill"
   echo "[$(( $(date +%s) - START ))s] $name killed ${delay}s after the commit of $target" \
        "(tracker $(cat "$dir/latest_checkpointed_iteration.txt"))"
   record "$name" ours "$model" kill 137 "${cmd[*]}"
@@ -167,26 +170,29 @@ for model in $MODELS; do
   for source in $SOURCES; do
     d="$WORK/${source}_$model"
     launch "${source}_${model}_train" $source $model train -- "${base[@]}" --train-iters $ITERS --save "$d"
+    cp "$d"/ckpt_report.jsonl "$OUT/logs/${source}_${model}_train_reports.jsonl" 2>/dev/null
     pages drop "$d"
     launch "${source}_${model}_resume_cold" $source $model resume_cold -- "${base[@]}" \
-      "${RESUME[@]}" --train-iters $RESUME_ITERS --load "$d" --save "${d}_r1" --logging-level 20
+      "${RESUME[@]}" --train-iters $RESUME_ITERS --load "$d" --save "${d}_r1" --logging-level 20 \
+      --override-opt_param-scheduler
     rm -rf "${d}_r1"
     [ "$RESUME_WARM" = 1 ] || continue
     pages read "$d"
     launch "${source}_${model}_resume_warm" $source $model resume_warm -- "${base[@]}" \
-      "${RESUME[@]}" --train-iters $((ITERS + 2)) --load "$d"
+      "${RESUME[@]}" --train-iters $((ITERS + 2)) --load "$d" --override-opt_param-scheduler
   done
   last=$(ls -d "$WORK"/*_"$model"/iter_* 2>/dev/null | tail -1)
   [ -n "$last" ] && floors "$last" "$model"
   if [ "$KILL" = 1 ]; then
     k="$WORK/kill_$model"
-    kargs=("${base[@]}" --train-iters $ITERS --save "$k" --load "$k" --logging-level 20)
+    kargs=("${base[@]}" --train-iters $ITERS --save "$k" --load "$k" --logging-level 20 --seed 1234)
     kill_run "ours_${model}_kill" "$model" "$k" -- "${kargs[@]}"
     cp -r "$k" "${k}_copy"; pages read "${k}_copy"
     launch "ours_${model}_restart" ours $model restart -- "${kargs[@]}"
+    cp "$k"/ckpt_report.jsonl "$OUT/logs/ours_${model}_restart_reports.jsonl" 2>/dev/null
     launch "ours_${model}_restart_storage" ours $model resume_warm -- "${base[@]}" "${RESUME[@]}" \
       --train-iters $((2 * SAVE_EVERY + 2)) --load "${k}_copy" --no-ckpt-memory-restore \
-      --logging-level 20
+      --logging-level 20 --override-opt_param-scheduler
   fi
   rm -rf "$WORK"/*_"$model"* 2>/dev/null
 done
@@ -215,4 +221,5 @@ for m in sys.argv[2:]:
 PY
 python3 benchmarks/real_client.py --runs "$RUNS" --out "$OUT/real_client.json" \
   --floor "$OUT/floors.json" --meta "$OUT/meta.json" "${cmp[@]}"
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"  # one file back, not hundreds
 echo "[$(( $(date +%s) - START ))s] done"
