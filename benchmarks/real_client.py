@@ -50,9 +50,11 @@ def parse_log(text: str) -> dict[str, Any]:
                 load_s = round(seconds, 4)
     losses = {int(i): v for i, v in LOSS.findall(text)}
     reports = [json.loads(r) for r in OUR_LOAD.findall(text)]
+    errors = re.findall(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .*)$", text, re.M)
     return {"saves": saves, "load_s": load_s, "losses": losses,
             "tier": reports[-1].get("tier") if reports else None,
-            "load_report": reports[-1] if reports else None}
+            "load_report": reports[-1] if reports else None,
+            "error": errors[0][:300] if errors else None}
 
 
 def name_saves(saves: list[dict], *, resumed: bool, interval: int | None) -> list[dict]:
@@ -87,7 +89,7 @@ def summarize(runs: list[dict], floor: dict | None) -> dict[str, Any]:
                           "tier": parsed["tier"]})
         per_run.append({**run, "losses": parsed["losses"], "saves": saves,
                         "load_s": parsed["load_s"], "tier": parsed["tier"],
-                        "load_report": parsed["load_report"]})
+                        "load_report": parsed["load_report"], "error": parsed["error"]})
     return {"runs": rows, "loads": loads, "per_run": per_run, "floors": floor or {},
             "table": table(rows, loads)}
 
@@ -139,16 +141,37 @@ def losses_match(a: dict[int, str], b: dict[int, str], first: int) -> dict[str, 
     return {"compared": len(common), "differ": differ, "identical": bool(common) and not differ}
 
 
+def merge(paths: list[str], out: str) -> int:
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {k: v for part in parts for k, v in part.items()
+              if k not in ("runs", "loads", "per_run", "loss_checks", "table", "floors")}
+    for key in ("runs", "loads", "per_run", "loss_checks"):
+        merged[key] = [x for part in parts for x in part.get(key, [])]
+    merged["floors"] = {m: f for part in parts for m, f in (part.get("floors") or {}).items()
+                        if f.get("state_bytes_per_rank")}
+    merged["merged_from"] = paths
+    merged["table"] = table(merged["runs"], merged["loads"])
+    Path(out).write_text(json.dumps(merged, indent=1))
+    for row in merged["table"]:
+        print(json.dumps(row))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", required=True, help="the driver's runs.jsonl")
+    p.add_argument("--runs", help="the driver's runs.jsonl (required unless --merge)")
     p.add_argument("--out", required=True, help="result JSON")
     p.add_argument("--floor", default=None, help="JSON of floors measured in the same run")
     p.add_argument("--meta", default=None, help="JSON merged at the top (device, versions, ...)")
     p.add_argument("--compare", nargs=3, action="append", default=[],
                    metavar=("RUN_A", "RUN_B", "FIRST"),
                    help="compare RUN_B's losses from FIRST on with RUN_A's (repeatable)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="only merge result JSONs of runs made on the same machine into --out "
+                        "(rows and loads concatenated, the table recomputed)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     runs = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line.strip()]
     floor = json.loads(Path(args.floor).read_text()) if args.floor else None
     result = summarize(runs, floor)

@@ -51,7 +51,8 @@ class ShmStager:
         self._seal_cancel = threading.Event()
         self._seal_lock = threading.Lock()
         self.stats = {"bytes_staged": 0, "stages": 0, "allocations": 0, "bytes_allocated": 0,
-                      "rebuilds": 0, "last_rebuild_reason": None}
+                      "rebuilds": 0, "last_rebuild_reason": None, "prepare_s": 0.0,
+                      "prepare_wait_s": 0.0, "sets_built_at_stage": 0}
         _warn_file_system_strategy()
         if sweep:
             sweep_orphans(shm_dir=shm_dir)
@@ -337,11 +338,14 @@ class ShmStager:
         self._ready_flag_locked()  # the first save's gate finds it too
 
     def _prepare_in_background(self, specs: list[_Spec]) -> None:
+        t0 = time.perf_counter()
         try:
             with self._lock:
                 self._prepare_locked(specs)
         except BaseException as e:  # re-raised by the next stage()/prepare()
             self._prepare_error = e
+        finally:
+            self.stats["prepare_s"] += time.perf_counter() - t0
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is.
@@ -355,7 +359,10 @@ class ShmStager:
         return True
 
     def _join_prepare(self) -> None:
-        self.wait_prepared()
+        if self._prepare_thread is not None:  # a save waiting here waits for the allocation
+            t0 = time.perf_counter()
+            self.wait_prepared()
+            self.stats["prepare_wait_s"] += time.perf_counter() - t0
         if self._prepare_error is not None:
             error, self._prepare_error = self._prepare_error, None
             raise error
@@ -363,10 +370,28 @@ class ShmStager:
     def _acquire(self, specs: list[_Spec]) -> _BufferSet:
         chosen = next((s for s in self._sets if not s.in_flight and s.fits(specs)), None)
         if chosen is None:
+            if self._sets:  # prepared, adopted or earlier sets, none of them fitting this state
+                self._say_why_no_set_fits(specs)
             chosen = self._build(specs, donor=self._idle_donor())
             self._sets.append(chosen)
         chosen.in_flight = True
         return chosen
+
+    def _say_why_no_set_fits(self, specs: list[_Spec]) -> None:
+        """Rank 0, INFO: a save allocates staging although buffer sets exist (the prepared or
+        adopted ones do not match its tensors), with the first differences."""
+        self.stats["sets_built_at_stage"] += 1
+        if self.rank != 0:
+            return
+        idle = next((s for s in self._sets if not s.in_flight), None)
+        have = set(idle.buffers) if idle is not None else set()
+        missing = [s for s in specs if s not in have]
+        extra = [s for s in have if s not in set(specs)]
+        logger.info("staging: %d of %d tensors of this save have no buffer in the %s (%d sets, "
+                    "%d busy); allocating. First missing %s; first unmatched buffer %s",
+                    len(missing), len(specs), "idle set" if idle else "sets: all busy",
+                    len(self._sets), sum(s.in_flight for s in self._sets),
+                    missing[:2], extra[:2])
 
     def _idle_donor(self) -> _BufferSet | None:
         """An idle set whose matching buffers a new set may take over (the rest is freed)."""

@@ -438,3 +438,18 @@ def test_writer_runs_only_once_its_save_is_published(tmp_path):
         assert ran == ["w"]
         assert len(os.listdir(tmp_path)) == 1  # the flag is a segment of ours
     assert os.listdir(tmp_path) == []  # and close() removes it
+
+
+def test_a_save_whose_tensors_the_prepared_set_does_not_fit_says_which(caplog):
+    import logging
+
+    with new_stager() as stager:
+        stager.prepare([torch.ones(32), torch.zeros(3, 3)], keys=["a", "b"])
+        with caplog.at_level(logging.INFO, logger="megatron_ckpt_ext.staging.shm"):
+            stager.stage([torch.ones(32), torch.zeros(4)], keys=["a", "c"]).release()
+        assert stager.stats["sets_built_at_stage"] == 1
+        (line,) = [r.getMessage() for r in caplog.records if "have no buffer" in r.getMessage()]
+        assert "1 of 2 tensors" in line and "'c'" in line and "'b'" in line
+        stager.stage([torch.ones(32), torch.zeros(4)], keys=["a", "c"]).release()
+        assert stager.stats["sets_built_at_stage"] == 1  # the set built then fits from now on
+        assert stager.stats["prepare_wait_s"] == 0.0  # nothing ran in the background
