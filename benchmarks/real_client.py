@@ -61,7 +61,7 @@ def name_saves(saves: list[dict], *, resumed: bool, interval: int | None) -> lis
     out = []
     for i, s in enumerate(saves):
         if i == 0:
-            kind = "first_after_resume" if resumed else "first"
+            kind = "first_after_resume" if resumed else "first"  # a kill run starts fresh
         elif i == len(saves) - 1 and interval and s["iteration"] % interval:
             kind = "end_of_training"
         else:
@@ -79,7 +79,8 @@ def summarize(runs: list[dict], floor: dict | None) -> dict[str, Any]:
         parsed = parse_log(text)
         m = SAVE_INTERVAL.search(run.get("command", ""))
         interval = int(m.group(1)) if m else None
-        saves = name_saves(parsed["saves"], resumed=run["kind"] != "train", interval=interval)
+        saves = name_saves(parsed["saves"], resumed=run["kind"] not in ("train", "kill"),
+                           interval=interval)
         for s in saves:
             rows.append({"source": run["source"], "model": run["model"], "run": run["name"],
                          "save": s["save"], "iteration": s["iteration"], "stall_s": s["stall_s"]})
