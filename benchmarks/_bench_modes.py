@@ -33,7 +33,7 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions, _cpu_shim, backend
 from megatron_ckpt_ext.save import write_path
 from megatron_ckpt_ext.save.layout import TRACKER, checkpoint_name
 
-__all__ = ["GptShape", "HostMemSampler", "MODES", "ModeSpec", "build_state", "gpt_shape",
+__all__ = ["GptShape", "HostMemSampler", "MODES", "ModeSpec", "Peak", "build_state", "gpt_shape",
            "make_runner", "mutate", "state_bytes"]
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight + fp32 master param + Adam exp_avg + exp_avg_sq
@@ -265,9 +265,14 @@ def _sys_used() -> int:
 
 
 @dataclass
-class _Peak:
+class Peak:
+    """Peaks over baseline: ``proc`` = ``tree`` (this process tree's Pss_Anon) + ``shm``
+    (/dev/shm, the host's: ranks of one host each see all of it); ``sys`` the host's."""
+
     proc: int = 0
     sys: int = 0
+    tree: int = 0
+    shm: int = 0
 
 
 class HostMemSampler:
@@ -281,38 +286,40 @@ class HostMemSampler:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._lock = threading.Lock()
-        self._base = (0, 0)
-        self._peak = _Peak()
+        self._base = (0, 0, 0)
+        self._peak = Peak()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-mem", daemon=True)
         self.rebase()
         self._thread.start()
 
-    def current(self) -> tuple[int, int]:
-        proc = sum(_pss_anon(p) for p in _process_tree(os.getpid())) + _shm_used()
-        return proc - self._base[0], _sys_used() - self._base[1]
+    def current(self) -> tuple[int, int, int]:
+        """(process tree, /dev/shm, host) bytes beyond the baseline."""
+        tree = sum(_pss_anon(p) for p in _process_tree(os.getpid()))
+        return (tree - self._base[0], _shm_used() - self._base[1],
+                _sys_used() - self._base[2])
 
     def rebase(self) -> None:
         with self._lock:
-            self._base = (0, 0)
+            self._base = (0, 0, 0)
             self._base = self.current()
-            self._peak = _Peak()
+            self._peak = Peak()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
     def sample(self) -> None:
-        proc, sys_ = self.current()
+        tree, shm, sys_ = self.current()
         with self._lock:
-            self._peak.proc = max(self._peak.proc, proc)
-            self._peak.sys = max(self._peak.sys, sys_)
+            peak = self._peak
+            peak.proc, peak.sys = max(peak.proc, tree + shm), max(peak.sys, sys_)
+            peak.tree, peak.shm = max(peak.tree, tree), max(peak.shm, shm)
 
-    def take_peak(self) -> tuple[int, int]:
+    def take_peak(self) -> Peak:
         self.sample()
         with self._lock:
-            peak = (self._peak.proc, self._peak.sys)
-            self._peak = _Peak()
+            peak, self._peak = self._peak, Peak()
         return peak
 
     def close(self) -> None:

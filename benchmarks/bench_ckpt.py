@@ -7,6 +7,7 @@ One process per rank via torchrun:
     torchrun --nproc-per-node 1 benchmarks/bench_ckpt.py --gib-per-rank 8 4 2 --out /tmp/bench \\
         --json docs/benchmarks/h100.json
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_ckpt.py --cpu-smoke --out /tmp/bs
+    torchrun --nproc-per-node 8 benchmarks/bench_ckpt.py --ranks-per-device auto ...  # a node
     python benchmarks/bench_ckpt.py --merge a.json b.json --json all.json   # split GPU runs
     python benchmarks/bench_ckpt.py --plot docs/benchmarks/h100.json        # needs matplotlib
 """
@@ -17,15 +18,15 @@ import argparse
 import faulthandler
 import json
 import logging
-import math
 import os
 import platform
 import shutil
+import socket
 import statistics
 import sys
 import time
 import traceback
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_modes as bm  # noqa: E402
+import _bench_node as node  # noqa: E402
 
 from megatron_ckpt_ext import _cpu_shim, backend  # noqa: E402
+from megatron_ckpt_ext._threads import thread_counts  # noqa: E402
 
 log = logging.getLogger("bench_ckpt")
 GIB = 1 << 30
@@ -47,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
+    node.add_ranks_per_device(p)
     p.add_argument("--gib-per-rank", type=float, nargs="+", default=[8.0],
                    help="state sizes per rank in GiB, largest first is cheapest on disk")
     p.add_argument("--saves", type=int, default=10, help="saves per mode (50 for the flatness check)")
@@ -75,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the modes not yet started after this many seconds (0: no limit)")
     p.add_argument("--floor-gib", type=float, default=1.0, help="D2H floor copy size per rank")
     p.add_argument("--floor-write-gib", type=float, default=2.0, help="write floor size per rank")
-    p.add_argument("--write-streams", type=int, default=1,
-                   help="writer threads per rank for the write floor (the modes use 1)")
+    p.add_argument("--write-streams", type=int, default=None,
+                   help="writer threads per rank for the write floor (default: as many as a "
+                   "save's writer, megatron_ckpt_ext._threads)")
     p.add_argument("--mem-sample-s", type=float, default=0.05)
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip loading our last checkpoint of each mode back (bit-exact check)")
@@ -115,24 +120,15 @@ def _select_modes(p: argparse.ArgumentParser, wanted: list[str] | None) -> list[
 
 
 # -- distributed set-up --------------------------------------------------------------------------
-def init_dist(args: argparse.Namespace) -> torch.device:
-    if "RANK" not in os.environ:  # plain `python bench_ckpt.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: CUDA is not available here; use --device cpu")
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                            timeout=timedelta(minutes=args.dist_timeout_min))
+def init_dist(args: argparse.Namespace) -> tuple[node.Layout, torch.device]:
+    layout = node.init(args.device, args.ranks_per_device, args.dist_timeout_min)
     # Stock megatron-core / nvrx call torch.cuda.* on their save paths; on CPU-only torch the
     # shim makes that a no-op / "cpu" (megatron_ckpt_ext/_cpu_shim.py). Nothing changes with CUDA.
     _cpu_shim.install()
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else \
-        torch.device("cpu")
-    bm.warm_up_default_group(device)
-    return device
+    device = node.device_of(layout)
+    # gloo (ranks sharing a device) warms up on host tensors
+    bm.warm_up_default_group(device if layout.backend == "nccl" else torch.device("cpu"))
+    return layout, device
 
 
 def rank() -> int:
@@ -143,24 +139,7 @@ def world() -> int:
     return dist.get_world_size()
 
 
-class Ctl:
-    """A gloo group for the benchmark's own agreement (max over ranks, errors), outside timings."""
-
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
-
-    def max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.tolist()
-
-    def gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * world()
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+Ctl = node.Ctl
 
 
 def progress(start: float, text: str) -> None:
@@ -169,56 +148,23 @@ def progress(start: float, text: str) -> None:
 
 
 # -- floors --------------------------------------------------------------------------------------
-def d2h_gbps(device: torch.device, nbytes: int, reps: int = 5) -> float:
-    """Pinned device-to-host copy bandwidth (cuda), or host memcpy bandwidth (cpu); best of reps."""
-    src = torch.randint(1, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    best = math.inf
-    for _ in range(reps + 1):  # the first is a warm-up (page faults)
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=device.type == "cuda")
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def write_seconds(directory: Path, nbytes: int, streams: int) -> float:
-    """Seconds to write ``nbytes`` from this rank in ``streams`` threads, fsync'd."""
-    directory.mkdir(parents=True, exist_ok=True)
-    chunk = os.urandom(min(64 << 20, max(1, nbytes // streams)))
-    per_stream = nbytes // streams
-
-    def write(i: int) -> None:
-        path = directory / f"floor_{rank()}_{i}.bin"
-        with open(path, "wb") as fh:
-            left = per_stream
-            while left > 0:
-                left -= fh.write(chunk[:left])
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    return bm.time_threads(write, streams)
-
-
 def measure_floors(args: argparse.Namespace, device: torch.device, ctl: Ctl, out: Path) -> dict:
-    ctl.barrier()
-    d2h = ctl.max([-d2h_gbps(device, int(args.floor_gib * GIB))])[0] * -1  # slowest rank
-    ctl.barrier()
-    nbytes = int(args.floor_write_gib * GIB) // args.write_streams * args.write_streams
-    seconds = ctl.max([write_seconds(out / "floor", nbytes, args.write_streams)])[0]
+    """The D2H copy, the disk write and the cold read back, each with every rank at once."""
+    d2h = node.d2h_floor(ctl, device, int(args.floor_gib * GIB))
+    streams = args.write_streams or thread_counts().writer
+    nbytes = int(args.floor_write_gib * GIB) // streams * streams
+    write = node.write_floor(ctl, out / "floor", nbytes, streams)
+    read = node.read_floor(ctl, out / "floor", streams)
     ctl.barrier()
     if rank() == 0:
         shutil.rmtree(out / "floor", ignore_errors=True)
-    return {"d2h_pinned_gbps": round(d2h, 3), "write_gbps": round(nbytes * world() / seconds / 1e9, 3),
+    return {"d2h_pinned_gbps": d2h["slowest_rank_gbps"], "write_gbps": write["aggregate_gbps"],
             "d2h_kind": "pinned device-to-host" if device.type == "cuda" else "host memcpy",
-            "d2h_bytes_per_rank": int(args.floor_gib * GIB), "write_bytes_total": nbytes * world(),
-            "write_streams_per_rank": args.write_streams}
+            "d2h_bytes_per_rank": d2h["bytes_per_rank"], "write_bytes_total": write["bytes_total"],
+            "write_streams_per_rank": streams, "all_ranks_at_once": world(),
+            "d2h_per_rank_gbps": d2h["per_rank_gbps"], "d2h_aggregate_gbps": d2h["aggregate_gbps"],
+            "write_seconds": write["seconds"], "read_cold_gbps": read["aggregate_gbps"],
+            "read_seconds": read["seconds"]}
 
 
 # -- one mode ------------------------------------------------------------------------------------
@@ -300,9 +246,13 @@ class ModeRun:
         extra = self.runner.wait_durable(index, max(1, int(args.durable_timeout_s / args.poll_s)),
                                          args.poll_s)
         durable = time.perf_counter() - t0
-        proc, sys_ = self.ctx.sampler.take_peak()
-        blocking, staged, durable, proc, sys_ = ctl.max([blocking, staged, durable, proc, sys_])
-        return self._record(index, blocking, staged, durable, int(proc), int(sys_), extra)
+        peak = self.ctx.sampler.take_peak()
+        ranks = ctl.gather((blocking, staged, durable, peak, socket.gethostname()))
+        blocking, staged, durable = (max(r[i] for r in ranks) for i in range(3))
+        record = self._record(index, blocking, staged, durable, max(r[3].proc for r in ranks),
+                              max(r[3].sys for r in ranks), extra)
+        record.update(per_rank_figures(ranks))
+        return record
 
     def _record(self, index: int, blocking: float, staged: float, durable: float, host: int,
                 host_sys: int, extra: dict) -> dict:
@@ -343,11 +293,29 @@ class ModeRun:
         return f"{errors[0]} (ranks with errors: {len(errors)})" if errors else None
 
 
+def per_rank_figures(ranks: list[tuple]) -> dict:
+    """One save's figures of every rank ((blocking, staged, durable, Peak, host) each): each
+    rank's times, the slowest over the median, and the extra host memory of the fullest node
+    (its ranks' process trees, plus /dev/shm once: every rank of a node sees all of it)."""
+    nodes: dict[str, list] = {}
+    for r in ranks:
+        nodes.setdefault(r[4], []).append(r[3])
+    node_bytes = max(sum(p.tree for p in peaks) + max(p.shm for p in peaks)
+                     for peaks in nodes.values())
+    blocking = node.spread([r[0] for r in ranks])
+    return {"per_rank": {"blocking_s": blocking["per_rank"],
+                         "staging_done_s": [round(r[1], 6) for r in ranks],
+                         "durable_s": [round(r[2], 6) for r in ranks],
+                         "host_extra_bytes": [r[3].proc for r in ranks]},
+            "blocking_max_over_median": blocking["max_over_median"],
+            "host_extra_node_bytes": node_bytes}
+
+
 # -- the whole benchmark -------------------------------------------------------------------------
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.device = init_dist(args)
+        self.layout, self.device = init_dist(args)
         self.ctl = Ctl()
         self.out = Path(args.out)
         self.json_path = Path(args.json or self.out / "bench.json")
@@ -373,11 +341,13 @@ class Bench:
     def _header(self) -> dict:
         caps = backend.detect()
         return {
-            "schema": SCHEMA, "device": describe_device(self.device),
+            "schema": SCHEMA, "device": node.describe_device(self.device),
             "versions": {"torch": torch.__version__, "megatron-core": caps.mcore_version,
                          "nvrx": caps.nvrx_version, "python": platform.python_version(),
                          "cuda": torch.version.cuda},
-            "world": world(), "argv": sys.argv[1:],
+            "world": world(), "argv": sys.argv[1:], "world_size": world(),
+            "ranks_per_device": self.layout.ranks_per_device,
+            "layout": node.layout_json(self.layout), "command": node.command_line(self.layout),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "floors": self.floors, "parts": [{"argv": sys.argv[1:], "floors": self.floors}],
             "modes": [], "runs": [],
@@ -430,12 +400,6 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f}GiB" if nbytes >= GIB / 10 else f"{nbytes / (1 << 20):.1f}MiB"
 
 
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (x{torch.cuda.device_count()} visible)"
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
 # -- summary -------------------------------------------------------------------------------------
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 6) if values else None
@@ -459,9 +423,24 @@ def _mode_summary(runs: list[dict]) -> dict:
     }
     if "report_host_extra_bytes" in first:
         out["report_host_extra_max_bytes"] = max(r["report_host_extra_bytes"] for r in runs)
+    out.update(_per_rank_summary(sorted(runs, key=lambda r: r["save_index"])))
     if out["blocking_steady_s"] is not None:
         out["steady_over_floor"] = round(out["blocking_steady_s"] / first["floor_d2h_s"], 3)
     return out
+
+
+def _per_rank_summary(runs: list[dict]) -> dict:
+    """Each rank's steady blocking (its median over saves 3..N, else all), the slowest rank
+    over the median one, and the fullest node's extra host memory."""
+    if not all("per_rank" in r for r in runs):
+        return {}  # records of a run before per-rank figures
+    steady = runs[2:] or runs
+    per_rank = [statistics.median(r["per_rank"]["blocking_s"][i] for r in steady)
+                for i in range(len(runs[0]["per_rank"]["blocking_s"]))]
+    spread = node.spread(per_rank)
+    return {"per_rank_blocking_steady_s": spread["per_rank"],
+            "blocking_steady_max_over_median": spread["max_over_median"],
+            "host_extra_node_max_bytes": max(r["host_extra_node_bytes"] for r in runs)}
 
 
 def _ratio(stock: float | None, ours: float | None) -> float | None:

@@ -1,6 +1,6 @@
 """The checkpoint lifecycle a training loop sees: prepare, save, maybe_finalize, load, close.
 
-:class:`Checkpointer` only wires the roles together (docs: ARCHITECTURE):
+:class:`Checkpointer` only wires the roles together (docs/ARCHITECTURE.md):
 
 * a stager (``staging/``: shared memory, plain CPU copies, or none for sync saves) copies the
   state into host memory owned by the save;
@@ -466,7 +466,8 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("Checkpointer is closed")
+            raise RuntimeError("Checkpointer is closed: close() stopped its writers and freed its "
+                               "staging; build a new Checkpointer to save or load again")
 
 
 def _show_our_logs() -> None:

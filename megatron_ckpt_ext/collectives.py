@@ -1,17 +1,22 @@
 """The plugin's own small collectives over the checkpoint process group.
 
-Each is bounded by ``--distributed-timeout-minutes`` when set, and each caller reads its result
-on the host right after, so the bound adds no synchronisation. Without an initialised process
-group (one process) every call is local.
+Each is bounded by ``--distributed-timeout-minutes`` when set (else by the process group's own
+timeout), and each caller reads its result on the host right after, so the bound adds no
+synchronisation. One that runs out raises on the rank that waited: :class:`CheckpointLoadError`
+inside ``Checkpointer.load`` (or the ``load/`` rooms), :class:`CheckpointWriteError` elsewhere
+(a save, its finalization, the job lock). Without an initialised process group (one process)
+every call is local.
 """
 
 from __future__ import annotations
 
+import pickle
+import sys
 from typing import Any
 
 import torch
 
-from .errors import CheckpointWriteError
+from .errors import CheckpointLoadError, CheckpointWriteError
 from .options import CkptOptions
 
 __all__ = ["Group"]
@@ -38,12 +43,24 @@ class Group:
         return torch.distributed.get_rank(self.process_group)
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (small, picklable), in group rank order (collective)."""
+        """Every rank's ``obj`` (small, picklable), in group rank order (collective: two
+        all-gathers, its pickle's length then its bytes, as ``all_gather_object`` does, but each
+        waited for like the others, so it is bounded too)."""
         if not self.initialized():
             return [obj]
-        out: list[Any] = [None] * self.size()
-        torch.distributed.all_gather_object(out, obj, group=self.process_group)
-        return out
+        device = self._device()
+        mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(self.size())]
+        self.wait(torch.distributed.all_gather(sizes, size, group=self.process_group,
+                                               async_op=True))
+        lengths = [int(n.item()) for n in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+        padded[:mine.numel()] = mine
+        out = [torch.empty_like(padded) for _ in lengths]
+        self.wait(torch.distributed.all_gather(out, padded, group=self.process_group,
+                                               async_op=True))
+        return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
 
     def all_max(self, values: list[float]) -> list[float]:
         """Element-wise max of ``values`` over the group (collective)."""
@@ -71,14 +88,26 @@ class Group:
         except RuntimeError as e:
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise  # a peer that crashed: the backend's own message says so
-            raise CheckpointWriteError(
-                "a checkpoint collective did not complete within --distributed-timeout-minutes "
-                f"{self.options.distributed_timeout_minutes} (config key "
-                "'distributed_timeout_minutes'): some rank did not reach it, either because "
-                "it is still inside an earlier step of a checkpoint (its stack shows where: "
-                "py-spy dump --pid <pid>; please report it) or because the training loop does "
-                "not call save() and maybe_finalize() on every rank alike "
-                f"({e}).") from e
+            raise self._timed_out(e) from e
+
+    def _timed_out(self, error: RuntimeError) -> CheckpointWriteError | CheckpointLoadError:
+        """The error of a wait that ran out: a load's or a save's, by what this thread runs."""
+        within = (f"within --distributed-timeout-minutes {self.options.distributed_timeout_minutes}"
+                  " (config key 'distributed_timeout_minutes')")
+        stack = "its stack shows where: py-spy dump --pid <pid>; please report it"
+        if _during_load():
+            return CheckpointLoadError(
+                f"a collective of the checkpoint load did not complete {within}: some rank did "
+                "not reach it, either because it is still inside an earlier step of the load "
+                f"(reading or verifying its share of the files; {stack}) or because the training "
+                "script does not call load() on every rank alike (it is collective: every rank "
+                "loads, from the same directory and iteration). The state loaded so far is not "
+                f"to be trusted: load again before training ({error}).")
+        return CheckpointWriteError(
+            f"a checkpoint collective did not complete {within}: some rank did not reach it, "
+            "either because it is still inside an earlier step of a checkpoint "
+            f"({stack}) or because the training loop does not call save() and maybe_finalize() "
+            f"on every rank alike ({error}).")
 
     def _all_reduce(self, values: list[float], op: Any) -> list[float]:
         if op is None:
@@ -93,3 +122,20 @@ class Group:
         if torch.distributed.get_backend(self.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+_LOAD_ROOM = f"{__package__}.load."
+_CHECKPOINTER = f"{__package__}.checkpointer"
+
+
+def _during_load() -> bool:
+    """Whether this thread runs a load: ``Checkpointer.load`` or a module of ``load/`` is on its
+    stack. Read only once a wait has run out, to name the journey in the error."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(_LOAD_ROOM) or (module == _CHECKPOINTER
+                                             and frame.f_code.co_name == "load"):
+            return True
+        frame = frame.f_back
+    return False

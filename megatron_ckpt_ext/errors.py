@@ -4,6 +4,26 @@ Catch :class:`CkptError` for anything the plugin raises on purpose. Each error a
 the matching builtin (``ValueError`` for a bad option, ``ImportError`` for a missing backend,
 ...), so ``except ValueError`` and the like catch it too. Every message names the fix.
 A leaf: imports nothing from the package, so any module (and a spawned writer) can import it.
+
+The rule for every deliberate ``raise`` in the package: a failure of checkpointing (an option, a
+backend, a save, a load, the machine's limits) raises one of the classes below. A plain builtin
+is the documented contract only where Python's own conventions make it one, and only these:
+
+* ``ValueError`` / ``TypeError`` / ``KeyError``: a bad argument to a public call (a state dict
+  holding a plain tensor, a model or optimizer :mod:`megatron_ckpt_ext.fsdp` cannot shard, a loaded
+  mapping that lacks an entry, ``extra=`` of :meth:`CkptOptions.from_config`);
+* ``RuntimeError``: a call made in a state that does not allow it (a closed Checkpointer or
+  stager, ``wrap_fsdp`` without an initialised process group);
+* ``OSError``: what the operating system refuses (a file cut short under a read, the open-files
+  limit);
+* a protocol's own type: ``AttributeError`` from a module ``__getattr__``, argparse's
+  ``ArgumentTypeError``, ``queue.Empty``, ``SystemExit`` from a command line;
+* the backend's own type where we run a copy of its code path (torch DCP's ``AssertionError`` for
+  a read whose size differs from its target), so callers see what the stock path raises;
+* internal types caught inside the package before a caller can see them (the direct reader's
+  ``UnpicklingError``/``BadZipFile``, which send an item to the stock reader).
+
+``tests/unit/test_errors.py`` lists every builtin raise by module, so adding one is deliberate.
 """
 
 from __future__ import annotations
@@ -12,6 +32,7 @@ __all__ = [
     "BackendMismatch",
     "BackendUnavailable",
     "CheckpointIntegrityError",
+    "CheckpointLoadError",
     "CheckpointNotFound",
     "CheckpointWriteError",
     "CkptError",
@@ -53,14 +74,22 @@ class InsufficientSharedMemory(InsufficientHostMemory):
 
 
 class CheckpointWriteError(CkptError, RuntimeError):
-    """An async save failed on some rank: its writer died, its write raised, or it outlived
-    ``--ckpt-timeout``. Raised on every rank; the previous committed checkpoint stays the latest."""
+    """A save failed on some rank: its writer died, its write or commit raised, it outlived
+    ``--ckpt-timeout``, or one of its collectives did not complete within
+    ``--distributed-timeout-minutes``. Raised on every rank (a collective's timeout: on each rank
+    that waited); the previous committed checkpoint stays the latest."""
 
 
 class CheckpointIntegrityError(CkptError, ValueError):
     """A checkpoint's files do not match its integrity manifest (flipped bits, a truncated or
     missing file); the message names each file. The check runs beside the load, so the target
     tensors may already hold the bad values: do not train on them."""
+
+
+class CheckpointLoadError(CkptError, RuntimeError):
+    """A load failed on some rank for a reason other than a missing or damaged checkpoint: one
+    of its collectives did not complete within ``--distributed-timeout-minutes`` (a rank did not
+    reach it). The targets may hold part of the checkpoint: do not train on them."""
 
 
 class CheckpointNotFound(CkptError, FileNotFoundError):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ._crc import crc32
+from .errors import CheckpointIntegrityError
 
 __all__ = ["ALGORITHM", "MANIFEST", "MARKER", "SUMS_DIR", "ManifestError", "Problem",
            "crc32_combine", "file_crc32", "read_manifest", "record_sum", "tiled_crc32",
@@ -85,8 +86,9 @@ def write_manifest(workdir: Path, iteration: int) -> dict:
     return data
 
 
-class ManifestError(ValueError):
-    """The manifest itself is damaged (unreadable, or its bytes do not match its own CRC-32)."""
+class ManifestError(CheckpointIntegrityError):
+    """The manifest itself is damaged (unreadable, or its bytes do not match its own CRC-32): a
+    checkpoint that cannot be verified (a ValueError too, through its base)."""
 
 
 def _sealed(data: dict) -> str:

@@ -126,14 +126,20 @@ class CkptOptions:
         True,
         flag="--no-save-rng",
         negative=True,
-        help="Do not save the RNG state with the checkpoint.",
+        help="Do not save the RNG state with the checkpoint. Read by the training script, not "
+        "by the Checkpointer (it saves the state dict it is given): Megatron-LM reads its own "
+        "flag of this name; scripts/pretrain_gpt.py reads CkptOptions.save_rng and leaves the "
+        "RNG state out of the state dict it saves.",
     )
     load_rng: bool = _knob(
         True,
         flag="--no-load-rng",
         negative=True,
         config_default=False,
-        help="Do not restore the RNG state from the checkpoint (bit-exact resume needs it).",
+        help="Do not restore the RNG state from the checkpoint (bit-exact resume needs it). "
+        "Read by the training script, not by the Checkpointer (it loads the state dict it is "
+        "given): Megatron-LM reads its own flag of this name; scripts/pretrain_gpt.py reads "
+        "CkptOptions.load_rng and then neither asks for nor restores the RNG state.",
     )
     exit_on_missing_checkpoint: bool = _knob(
         False,
@@ -155,7 +161,9 @@ class CkptOptions:
         minimum=1,
         help="Threads per rank that read a checkpoint's bytes at load, each along its own stripe "
         "of the files, straight into the target tensors (through pinned chunks for GPU tensors). "
-        "1: megatron-core's own one-at-a-time loop.",
+        "1: megatron-core's own one-at-a-time loop. A verified load sums the bytes on as many "
+        "threads, at most the rank's share of the host's cores (the cores it may run on over "
+        "LOCAL_WORLD_SIZE).",
     )
     ckpt_load_fallback: bool = _knob(
         False,
@@ -195,7 +203,10 @@ class CkptOptions:
         flag="--no-check-for-nan-in-loss-and-grad",
         dest="check_for_nan_in_loss_and_grad",
         negative=True,
-        help="Do not check the loss and gradients for NaN/Inf every step.",
+        help="Do not check the loss and gradients for NaN/Inf every step. Read by the training "
+        "script, not by the Checkpointer: Megatron-LM reads its own flag of this name; "
+        "scripts/pretrain_gpt.py reads CkptOptions.check_for_nan_in_grad before each optimizer "
+        "step.",
     )
     logging_level: int | None = _knob(
         None,
@@ -238,7 +249,7 @@ class CkptOptions:
         "it above your longest healthy write.",
     )
 
-    # -- operations (issue 23) -----------------------------------------------------------------
+    # -- operations ----------------------------------------------------------------------------
     most_recent_k: int = _knob(
         -1,
         flag="--most-recent-k",

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from .. import manifest
 from .._crc import crc32
+from .._threads import thread_counts
 from . import direct_read
 from ._imports import MCORE_STRATEGIES
 
@@ -32,10 +33,11 @@ _NEEDED = ("storage_data", "fs", "path", "_slice_file")
 
 @contextlib.contextmanager
 def parallel_reads(threads: int, stats: dict | None = None, chunk: int | None = None, *,
-                   checksums: bool = False,
+                   checksums: bool = False, checksum_threads: int | None = None,
                    on_planned: Callable[[set[str]], None] | None = None) -> Iterator[str | None]:
     """While inside, megatron-core's torch_dist loads read with ``threads`` threads, ``chunk``
-    bytes at a time. Yields None when applied, else why not (the load then runs as
+    bytes at a time, and sum on ``checksum_threads`` (default: as many, at most this rank's
+    share of the cores). Yields None when applied, else why not (the load then runs as
     megatron-core's own). ``stats`` gets the seconds of the metadata and read steps, and how many
     items (and bytes) were read directly and how many the stock way (with the first reason).
 
@@ -46,6 +48,7 @@ def parallel_reads(threads: int, stats: dict | None = None, chunk: int | None = 
     ``stats["planned_files"]`` keeps them."""
     stats = {} if stats is None else stats
     stats["_checksums"], stats["_on_planned"] = checksums, on_planned
+    stats["_checksum_threads"] = checksum_threads
     chunk = chunk or direct_read.DEFAULT_CHUNK
     try:
         module = importlib.import_module(f"{MCORE_STRATEGIES}.torch")
@@ -80,6 +83,8 @@ def _make_parallel(reader: Any, threads: int, stats: dict, chunk: int) -> Any:
     reader.__class__ = _parallel_class(type(reader))
     reader._mcx_threads, reader._mcx_stats, reader._mcx_chunk = threads, stats, chunk
     stats["_threads"] = threads
+    stats["_checksum_threads"] = thread_counts(load_read=threads,
+                                               checksum=stats.get("_checksum_threads")).checksum
     return reader
 
 
@@ -98,9 +103,9 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
 
     lock = threading.Lock()
     stats = self._mcx_stats
-    # as many summing threads as reading ones (more did not help on the H100 host: 8 summing
-    # threads 0.73 s, 16 and 24 0.82 s for a verified warm 8.5 GB load)
-    sums = _Sums(stats.get("_checksums", False), self._mcx_threads)
+    # as many summing threads as reading ones, at most this rank's share of the cores (more did
+    # not help on the H100 host: docs/notes/benchmarks.md, the load's summing threads)
+    sums = _Sums(stats.get("_checksums", False), stats["_checksum_threads"])
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
     for req in (r for r in plan.items if r.type == LoadItemType.BYTE_IO):
@@ -262,7 +267,7 @@ class _Sums:
     """CRC-32 pieces of the files a rank reads whole: the small items and each direct item's zip
     headers summed as read, each chunk of a record summed on a summing thread once read."""
 
-    def __init__(self, enabled: bool, threads: int = 8) -> None:
+    def __init__(self, enabled: bool, threads: int) -> None:
         self.enabled, self._threads = enabled, threads
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list = []
@@ -463,8 +468,9 @@ def _thread_stream(device: Any) -> Any:
 
 
 def _host_chunks(stats: dict) -> Any:
-    # two per reading thread, one more in the summing threads' hands
-    return direct_read.PinnedChunks.shared(stats.get("_threads", 8) * 3, pin=True)
+    # two per reading thread, one more per summing thread (in its hands)
+    return direct_read.PinnedChunks.shared(2 * stats["_threads"] + stats["_checksum_threads"],
+                                           pin=True)
 
 
 @contextlib.contextmanager

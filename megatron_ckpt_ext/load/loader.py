@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from .. import backend
 from .._runtime import rank, warn_once
+from .._threads import thread_counts
 from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..options import CkptOptions
@@ -47,20 +48,22 @@ class Loader:
         if not verify and rank() == 0 and (missing := missing_manifest(path)):
             warn_once(f"unverified:{path}", f"checkpoint iteration {record.iteration}: {missing};"
                       " loading it unverified (--no-ckpt-verify-load).")
+        # reading threads as asked; checksum threads at most this rank's share of the cores
+        threads = thread_counts(load_read=self.options.ckpt_load_threads)
         # the files the load's own reads sum as they pass are not read a second time
-        pending = (verify_start(path, self._group, rank=rank(),
-                                defer=self.options.ckpt_load_threads > 1) if verify else None)
+        pending = (verify_start(path, self._group, rank=rank(), workers=threads.checksum,
+                                defer=threads.load_read > 1) if verify else None)
         load_strategy = self._load_strategy()
         failure: BaseException | None = None
         reads: dict = {}
         try:
             with _no_gc_pause(), backend.parallel_reads(
-                    self.options.ckpt_load_threads, reads,
+                    threads.load_read, reads, checksum_threads=threads.checksum,
                     checksums=pending is not None and pending.checks,
                     on_planned=pending.skip if pending is not None else None) as why_not:
                 if pending is not None and why_not is not None:
                     pending.release()
-                if why_not is not None and self.options.ckpt_load_threads > 1 and rank() == 0:
+                if why_not is not None and threads.load_read > 1 and rank() == 0:
                     logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
                                 "reader", why_not)
                 state = backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
@@ -133,8 +136,8 @@ class Loader:
 def _no_gc_pause():
     """The cyclic garbage collector off while megatron-core loads: the load unpickles its plans
     and items (many small objects), which can start a full collection of the trainer's whole heap
-    (0.2 s in a bare process with megatron-core imported, more in a trainer) in the middle of the
-    load. Freed by reference counting meanwhile; the collector is back on afterwards."""
+    in the middle of the load (its cost: docs/notes/benchmarks.md). Freed by reference counting
+    meanwhile; the collector is back on afterwards, unless the caller had it off."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -11,8 +11,8 @@ of wrapping, so a later step's wrapper runs first in the writer.
 4. :func:`checksummed`: every data file's CRC-32 is recorded as its bytes are written, for
    the checkpoint's integrity manifest (:mod:`megatron_ckpt_ext.manifest`).
    ``MCX_WRITE_CHECKSUMS=0`` skips it.
-5. :func:`crc_free`: torch.save's per-record CRC-32 off while writing (no reader checks it; it
-   halves write bandwidth: docs/notes/save_path.md). ``MCX_KEEP_CRC32=1`` keeps it.
+5. :func:`crc_free`: torch.save's per-record CRC-32 off while writing (no reader checks it; its
+   cost to the write: docs/notes/save_path.md). ``MCX_KEEP_CRC32=1`` keeps it.
 6. :func:`page_cache_free`: once fsync'd, the written files' pages leave the page cache, so a
    checkpoint does not evict the trainer's cache. ``MCX_KEEP_PAGE_CACHE=1`` keeps them.
 7. :func:`cpu_shimmed`: on CPU-only torch, the CPU device shim is active in the writer.

@@ -1,7 +1,8 @@
 """The checkpoint benchmark's CPU smoke run (benchmarks/bench_ckpt.py --cpu-smoke, 2 gloo ranks):
 the JSON has the documented schema, every mode either has one record per save or a recorded
-reason, byte counts match the state, and our checkpoints load back bit-exact. No timing is
-asserted (shared CI cores)."""
+reason, byte counts match the state, and our checkpoints load back bit-exact. A 4-rank run
+sharing the host (--ranks-per-device 4) records the layout, every rank's figures and floors
+measured with every rank at once. No timing is asserted (shared CI cores)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,107 @@ def test_summary_covers_the_runs(result):
     for name, row in table.items():
         assert row["saves"] == SAVES and len(row["blocking_first3_s"]) == SAVES, name
     assert {r["ours"] for r in summary["ratios"]} == {m.name for m in bm.MODES if m.source == "ours"}
+
+
+FOUR_MODES = ("ours-async-persistent-cpu-shm", "ours-sync")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    """4 ranks sharing the host (--ranks-per-device 4), the recommended mode and the sync one."""
+    out = tmp_path_factory.mktemp("bench4")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "benchmarks" / "bench_ckpt.py"), "--cpu-smoke", "--saves", str(SAVES),
+           "--ranks-per-device", "4", "--modes", *FOUR_MODES, "--out", str(out / "ckpt"),
+           "--json", str(out / "bench.json"), "--mem-sample-s", "0.2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "bench.json").read_text())
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(200)
+def test_four_ranks_record_the_layout_and_the_command(four_ranks):
+    r = four_ranks
+    assert r["world_size"] == 4 and r["ranks_per_device"] == 4 and r["world"] == 4
+    assert r["layout"]["local_world_size"] == 4 and r["layout"]["process_group"] == "gloo"
+    assert r["command"].startswith("torchrun --nproc-per-node 4 ")
+    assert "--ranks-per-device 4" in r["command"]
+    assert {"torch", "megatron-core", "nvrx"} <= set(r["versions"]) and r["device"]
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(200)
+def test_four_ranks_floors_are_measured_with_every_rank_at_once(four_ranks):
+    f = four_ranks["floors"]
+    assert f["all_ranks_at_once"] == 4
+    assert len(f["d2h_per_rank_gbps"]) == 4 and min(f["d2h_per_rank_gbps"]) > 0
+    assert f["d2h_pinned_gbps"] == min(f["d2h_per_rank_gbps"])  # the slowest rank's
+    # the aggregate counts every rank's bytes over the slowest rank's time
+    assert abs(f["d2h_aggregate_gbps"] - 4 * f["d2h_pinned_gbps"]) <= 0.01
+    for what in ("write_seconds", "read_seconds"):
+        assert len(f[what]["per_rank"]) == 4 and f[what]["max"] == max(f[what]["per_rank"])
+    assert f["write_bytes_total"] == 4 * f["write_streams_per_rank"] * (
+        int(2**30 / 32) // f["write_streams_per_rank"])
+    assert f["write_gbps"] > 0 and f["read_cold_gbps"] > 0
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(200)
+def test_four_ranks_report_every_ranks_figures(four_ranks):
+    runs = four_ranks["runs"]
+    assert {r["mode"] for r in runs} == set(FOUR_MODES) and len(runs) == 2 * SAVES
+    for rec in runs:
+        per = rec["per_rank"]
+        assert all(len(per[k]) == 4 for k in ("blocking_s", "durable_s", "host_extra_bytes"))
+        assert rec["blocking_s"] == max(per["blocking_s"]) and min(per["blocking_s"]) > 0
+        assert rec["blocking_max_over_median"] >= 1.0
+        assert rec["host_extra_node_bytes"] >= rec["host_extra_bytes"]
+    for name, row in four_ranks["summary"]["per_size"][runs[0]["size"]].items():
+        assert len(row["per_rank_blocking_steady_s"]) == 4, name
+        assert row["blocking_steady_max_over_median"] >= 1.0, name
+    assert all(m["status"] == "ok" and m["verified_bit_exact"] is True
+               for m in four_ranks["modes"]), four_ranks["modes"]
+
+
+def test_node_memory_counts_dev_shm_once_and_every_ranks_process():
+    import bench_ckpt
+
+    peak = lambda tree, shm: bm.Peak(proc=tree + shm, tree=tree, shm=shm)  # noqa: E731
+    ranks = [(0.1, 0.1, 0.5, peak(10, 1000), "a"), (0.2, 0.2, 0.6, peak(20, 1000), "a"),
+             (0.1, 0.1, 0.5, peak(30, 900), "b"), (0.4, 0.4, 0.9, peak(40, 800), "b")]
+    got = bench_ckpt.per_rank_figures(ranks)
+    assert got["host_extra_node_bytes"] == 10 + 20 + 1000  # node a: both trees + shm once
+    assert got["per_rank"]["blocking_s"] == [0.1, 0.2, 0.1, 0.4]
+    assert got["blocking_max_over_median"] == round(0.4 / 0.15, 3)
+
+
+def test_ranks_per_device_layouts():
+    import _bench_node as node
+
+    def layout(device, per, local_rank=0, local_world=8, cuda=1):
+        return node.resolve_layout(device, per, local_rank=local_rank, local_world=local_world,
+                                   world=local_world, cuda_count=cuda)
+
+    one_gpu = [layout("cuda", None, r) for r in range(8)]  # auto: 8 ranks on the one GPU
+    assert {(x.device_index, x.ranks_per_device, x.backend) for x in one_gpu} == {(0, 8, "gloo")}
+    per_gpu = [layout("cuda", None, r, cuda=8) for r in range(8)]  # auto on 8 GPUs: one each
+    assert [x.device_index for x in per_gpu] == list(range(8))
+    assert {(x.ranks_per_device, x.backend) for x in per_gpu} == {(1, "nccl")}
+    two_each = [layout("cuda", 2, r, cuda=4) for r in range(8)]
+    assert [x.device_index for x in two_each] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout("cuda", 8, 5, cuda=8).device_index == 0  # asked: all on the first GPU
+    assert layout("cpu", 4, local_world=4).backend == "gloo"
+    with pytest.raises(ValueError, match="--ranks-per-device 1: 8 local ranks need 8 CUDA "
+                       "devices, 1 visible; pass --ranks-per-device 8"):
+        layout("cuda", 1)
+    with pytest.raises(ValueError, match=r"--ranks-per-device 2: on CPU the host's 4 local "
+                       r"rank\(s\) share it"):
+        layout("cpu", 2, local_world=4)
+    assert node.parse_ranks_per_device("auto") is None and node.parse_ranks_per_device("8") == 8
+    for bad in ("0", "x", "-1"):
+        with pytest.raises(ValueError, match="--ranks-per-device must be 'auto' or an integer"):
+            node.parse_ranks_per_device(bad)
 
 
 def test_gpt_shape_comes_close_to_the_requested_size():

@@ -1,0 +1,69 @@
+"""Thread counts sized to the node: a rank's share of the cores it may run on.
+
+A host running eight ranks gives each one an eighth of its cores; a pool sized for the whole host
+in every rank would start eight times as many threads as there are cores, all contending. The
+counts here start from :func:`cores_per_local_rank`; a value the user gave always wins.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ThreadCounts", "cores_per_local_rank", "local_world_size", "thread_counts"]
+
+# reading threads per rank at one rank per host (the --ckpt-load-threads default)
+_LOAD_READ_PER_HOST = 8
+
+
+def local_world_size() -> int:
+    """Ranks on this host: torchrun's ``LOCAL_WORLD_SIZE``, else 1 (a bad value counts as 1)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def cores_per_local_rank() -> int:
+    """The cores this process may run on, divided among the ranks of its host; at least 1."""
+    return max(1, _usable_cores() // local_world_size())
+
+
+@dataclass(frozen=True)
+class ThreadCounts:
+    """Threads per rank: ``load_read`` read a checkpoint's bytes at load, ``checksum`` sum them
+    (and check the files the reads do not cover), ``writer`` write a save's files."""
+
+    cores: int
+    load_read: int
+    checksum: int
+    writer: int
+
+
+def thread_counts(*, load_read: int | None = None, checksum: int | None = None,
+                  writer: int | None = None, cores: int | None = None) -> ThreadCounts:
+    """Each count given wins; the others derive from ``cores`` (default
+    :func:`cores_per_local_rank`):
+
+    * reading threads: the one-rank-per-host default, at most the rank's cores;
+    * checksum threads: as many as reading ones, at most the rank's cores (summing is CPU work:
+      more threads than cores only take turns);
+    * writer threads: one (each more forks a writer process competing for the same cores).
+    """
+    for name, value in (("load_read", load_read), ("checksum", checksum), ("writer", writer),
+                        ("cores", cores)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"thread_counts: {name} must be an integer >= 1, got {value!r}")
+    cores = cores_per_local_rank() if cores is None else cores
+    read = load_read if load_read is not None else min(_LOAD_READ_PER_HOST, cores)
+    return ThreadCounts(cores=cores, load_read=read,
+                        checksum=checksum if checksum is not None else min(read, cores),
+                        writer=writer if writer is not None else 1)
