@@ -36,8 +36,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_KEEP_WRITER_CLONES", "0",
               "1: let nvrx 0.7's writer clone our staged copies again"),
     EnvSwitch("MCX_KEEP_PRELOAD", "0",
-              "1: keep megatron-core's host preload even when every tensor is already staged "
-              "in host memory"),
+              "1: keep the provider's preload where it runs it (megatron-core's host preload, "
+              "nvrx's bucket building, which the trainer waits for) even when every tensor is "
+              "already staged in copies the save owns"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITE_CHECKSUMS", "1",

@@ -18,8 +18,12 @@ of wrapping, so a later step's wrapper runs first in the writer.
 7. :func:`cpu_shimmed`: on CPU-only torch, the CPU device shim is active in the writer.
 8. :func:`hooked`: the Checkpointer's :class:`~megatron_ckpt_ext.hooks.SaveHooks` (fault
    injection, and the writer trace of ``MCX_WRITER_TRACE``: docs/DEBUGGING.md).
-9. :func:`gated`: outermost, the stager's gate: the write waits until the staged copies landed.
-10. :func:`provider_shaped`: the request as the async queue's provider expects it.
+9. :func:`preload_in_writer`: the provider's "preload" (nvrx builds the write buckets there) runs
+   at the start of the write, in the writer, instead of before it while the trainer waits for it:
+   the copies it reads are this save's own, complete once the gate opens.
+   ``MCX_KEEP_PRELOAD=1`` keeps it where the provider runs it.
+10. :func:`gated`: outermost, the stager's gate: the write waits until the staged copies landed.
+11. :func:`provider_shaped`: the request as the async queue's provider expects it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from ..options import CkptOptions
 from ..staging.base import Stager
 
 __all__ = ["TRANSFORMS", "WriteContext", "build", "bucket_files", "call_then_drop_written_pages",
-           "call_with_checksums",
+           "call_with_checksums", "preload_then_write",
            "call_without_crc32", "drop_page_cache", "under_cpu_shim", "write_buckets_inline"]
 
 
@@ -126,6 +130,20 @@ def hooked(request: Any, ctx: WriteContext) -> Any:
     return ctx.hooks.wrap_request(request, ctx.record)
 
 
+def preload_in_writer(request: Any, ctx: WriteContext) -> Any:
+    """The provider runs a request's ``preload_fn`` before its write and passes the result as
+    the write's second argument; the persistent worker's trainer waits (joins) until the worker
+    has run it. With every tensor staged into copies this save owns, nothing needs the trainer
+    to wait: the preload runs inside the write, after the gate."""
+    preload = getattr(request, "preload_fn", None)
+    if (not ctx.is_async or not ctx.stager.owns_copies or preload is None
+            or request.async_fn is None or len(request.async_fn_args or ()) < 2
+            or env_switch("MCX_KEEP_PRELOAD") == "1"):
+        return request
+    return request._replace(async_fn=partial(preload_then_write, preload, request.async_fn),
+                            preload_fn=None)
+
+
 def gated(request: Any, ctx: WriteContext) -> Any:
     if not ctx.is_async or request.async_fn is None:
         return request
@@ -139,7 +157,7 @@ def provider_shaped(request: Any, ctx: WriteContext) -> Any:
 
 TRANSFORMS: tuple[Callable[[Any, WriteContext], Any], ...] = (
     idle_worker_noop, host_preload_dropped, sequential, checksummed, crc_free, page_cache_free,
-    cpu_shimmed, hooked, gated, provider_shaped)
+    cpu_shimmed, hooked, preload_in_writer, gated, provider_shaped)
 
 
 # -- what the writer runs (module level: pickled for a spawned writer) ---------------------------
@@ -165,6 +183,15 @@ def write_buckets_inline(writer_cls: type, transform_list: Any, use_msc: bool, r
             break
         results[got_index] = got
     global_results_queue.put(results)
+
+
+def preload_then_write(preload: Callable[[], Any], write: Callable[..., Any], *args: Any,
+                       **kwargs: Any) -> Any:
+    """In the writer: the provider's preload, its result as the write's second argument (the
+    provider's own convention), then the write."""
+    args_list = list(args)
+    args_list[1] = preload()
+    return write(*args_list, **kwargs)
 
 
 def call_with_checksums(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -211,3 +211,28 @@ def test_a_writer_that_bound_open_when_built_is_summed_too(tmp_path, monkeypatch
     path = str(tmp_path / "__0_0.distcp")
     write_path.call_with_checksums(functools.partial(write, [], False, open), path)
     assert recorded == [(path, 3000, zlib.crc32(b"abc" * 1000))]
+
+
+class _OwnCopies(InPlaceStager):
+    owns_copies = True  # as the shared-memory and host-copy stagers: the save owns its copies
+
+
+def test_the_providers_preload_runs_in_the_writer_when_the_save_owns_its_copies(monkeypatch):
+    """The trainer does not wait for the writer to run the preload (nvrx builds the write buckets
+    there): the write runs it first, inside the gate, and passes its result as the provider
+    would, as the write's second argument."""
+    monkeypatch.delenv("MCX_KEEP_PRELOAD", raising=False)
+    R = collections.namedtuple("R", "async_fn async_fn_args preload_fn")
+    calls: list = []
+    request = R(async_fn=lambda rank, buckets, q: calls.append(("write", rank, buckets, q)),
+                async_fn_args=[3, None, "results"], preload_fn=lambda: calls.append("preload") or "B")
+    moved = write_path.preload_in_writer(request, _ctx(CkptOptions(), stager=_OwnCopies()))
+    assert moved.preload_fn is None and calls == []  # nothing runs in the trainer
+    moved.async_fn(*moved.async_fn_args)
+    assert calls == ["preload", ("write", 3, "B", "results")]
+    # left to the provider: tensors not copied by this save, a sync save, the debug switch
+    assert write_path.preload_in_writer(request, _ctx(CkptOptions())) is request
+    assert write_path.preload_in_writer(request, _ctx(CkptOptions(), stager=_OwnCopies(),
+                                                      is_async=False)) is request
+    monkeypatch.setenv("MCX_KEEP_PRELOAD", "1")
+    assert write_path.preload_in_writer(request, _ctx(CkptOptions(), stager=_OwnCopies())) is request
