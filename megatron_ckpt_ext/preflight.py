@@ -60,11 +60,14 @@ def check_writable(checkpoint_dir: str | os.PathLike[str], *, flag: str = "--sav
 
 
 def check_disk(checkpoint_dir: str | os.PathLike[str], last_checkpoint_bytes: int, *,
-               probe: Probe | None = None) -> bool:
+               probe: Probe | None = None, remeasure: bool = True) -> bool:
     """Warn (rank 0, once per directory) when the checkpoint directory has less free space than
     the last checkpoint took (``last_checkpoint_bytes``, or what the latest committed checkpoint
-    there takes on disk, whichever is more). Returns True when there is enough."""
-    last_checkpoint_bytes = max(last_checkpoint_bytes, checkpoint_bytes_on_disk(checkpoint_dir))
+    there takes on disk, whichever is more). Returns True when there is enough.
+    ``remeasure=False`` (the state's structure did not change since that checkpoint): the size
+    measured on disk before for this directory stands, its files are not walked again."""
+    last_checkpoint_bytes = max(last_checkpoint_bytes,
+                                checkpoint_bytes_on_disk(checkpoint_dir, remeasure=remeasure))
     free = _free_bytes(checkpoint_dir, probe)[1]
     if free >= last_checkpoint_bytes:
         return True
@@ -95,10 +98,15 @@ def disk_full_hint(checkpoint_dir: str | os.PathLike[str], needed: int, *,
 _ON_DISK: dict[str, tuple[int, int]] = {}  # root -> (iteration, bytes), measured once each
 
 
-def checkpoint_bytes_on_disk(checkpoint_dir: str | os.PathLike[str]) -> int:
+def checkpoint_bytes_on_disk(checkpoint_dir: str | os.PathLike[str], *,
+                             remeasure: bool = True) -> int:
     """The bytes of every file of the latest committed checkpoint under ``checkpoint_dir`` (all
-    ranks' files, metadata and manifest: what the next save will take), or 0."""
+    ranks' files, metadata and manifest: what the next save will take), or 0. ``remeasure=False``
+    returns the size measured before for this directory, if any, whatever its iteration."""
     from .save.layout import checkpoint_name, read_tracker
+
+    if not remeasure and str(checkpoint_dir) in _ON_DISK:
+        return _ON_DISK[str(checkpoint_dir)][1]
 
     try:
         iteration = read_tracker(checkpoint_dir)

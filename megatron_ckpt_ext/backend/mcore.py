@@ -5,6 +5,7 @@ state dicts, and the writers' global write-results queues."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import sys
@@ -185,6 +186,32 @@ def into_fresh_directory() -> Iterator[None]:
         yield
     finally:
         log.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def version_checks_cached() -> Iterator[None]:
+    """While megatron-core plans a save: its ``utils.is_torch_min_version`` answers from a
+    cache. Its torch strategy calls it once per tensor in every save's planning, each call
+    parsing two version strings; the answer depends only on the arguments and the installed
+    torch. The module's own function is back when the block ends; absent, nothing changes."""
+    utils = sys.modules.get("megatron.core.utils")
+    original = getattr(utils, "is_torch_min_version", None)
+    if original is None or getattr(original, "_mcx_cached", False):
+        yield
+        return
+    cache = functools.lru_cache(maxsize=64)(original)
+
+    @functools.wraps(original)
+    def cached(version: Any, check_equality: bool = True) -> Any:
+        return cache(version, check_equality)
+
+    cached._mcx_cached = True  # type: ignore[attr-defined]
+    utils.is_torch_min_version = cached
+    try:
+        yield
+    finally:
+        if utils.is_torch_min_version is cached:
+            utils.is_torch_min_version = original
 
 
 def load_with_tensors_from(sharded_state_dict: Any, checkpoint_dir: str, strategy: Any,

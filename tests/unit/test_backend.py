@@ -276,3 +276,26 @@ def test_nvrx_temporal_deprecation_warning_passes_once_on_rank_0_and_nothing_els
         nvrx.warning("something else")
     texts = [r.getMessage() for r in caplog.records if r.name == async_queue._NVRX_QUEUE_LOGGER]
     assert texts == ["The TemporalAsyncCaller will be deprecated soon. ", "something else"], texts
+
+
+def test_megatron_cores_version_check_is_cached_while_planning_and_restored_after():
+    import megatron.core.utils as mutils
+
+    original = mutils.is_torch_min_version
+    calls: list = []
+
+    def counting(version, check_equality=True):
+        calls.append((version, check_equality))
+        return original(version, check_equality)
+
+    mutils.is_torch_min_version = counting
+    try:
+        with backend.version_checks_cached():
+            answers = {mutils.is_torch_min_version("2.6a0") for _ in range(100)}
+            answers |= {mutils.is_torch_min_version("2.6a0", check_equality=False)}
+            with backend.version_checks_cached():  # nested: the cache stays, not wrapped twice
+                mutils.is_torch_min_version("2.6a0")
+        assert calls == [("2.6a0", True), ("2.6a0", False)]  # each distinct question once
+        assert answers <= {True, False} and mutils.is_torch_min_version is counting
+    finally:
+        mutils.is_torch_min_version = original

@@ -138,6 +138,23 @@ def test_the_disk_full_estimate_is_the_whole_checkpoint_on_disk(tmp_path):
     assert preflight.check_disk(tmp_path, 3000, probe=disk) is False
 
 
+def test_under_a_constant_structure_the_size_on_disk_is_not_walked_again(tmp_path, monkeypatch):
+    def commit(iteration: int, size: int) -> None:
+        folder = tmp_path / f"iter_{iteration:07d}"
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"x" * size)
+        (tmp_path / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+    commit(1, 1000)
+    assert preflight.checkpoint_bytes_on_disk(tmp_path) == 1000
+    commit(2, 1500)
+    walks: list = []
+    real_rglob = type(tmp_path).rglob
+    monkeypatch.setattr(type(tmp_path), "rglob", lambda self, p: walks.append(self) or real_rglob(self, p))
+    assert preflight.checkpoint_bytes_on_disk(tmp_path, remeasure=False) == 1000 and walks == []
+    assert preflight.checkpoint_bytes_on_disk(tmp_path) == 1500 and len(walks) == 1
+
+
 def test_a_save_directory_that_is_a_file_is_named_as_such(tmp_path):
     from megatron_ckpt_ext.errors import CkptOptionsError
 
