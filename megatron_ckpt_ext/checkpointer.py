@@ -12,6 +12,9 @@
   checkpoint the latest;
 * the report (``save/report.py``) and the load path (``load/``).
 
+The steps of :meth:`Checkpointer.save` after staging (plan, hand over, commit) and the failure
+policy are methods of the class, kept in ``save/steps.py``.
+
 Tests and harnesses act on a save through :class:`~megatron_ckpt_ext.hooks.SaveHooks`.
 """
 
@@ -32,18 +35,17 @@ from .load import locate
 from .load.loader import Loader
 from .load.memory import discard_snapshot, restore_from_memory, tensor_layout
 from .load.report import LoadRecord, log_load
-from .manifest import read_manifest
 from .options import CkptOptions
 from .save.joblock import JobLock
-from .save.layout import TRACKER, checkpoint_name, commit_on_disk, open_workdir, read_tracker
-from .save.planner import SavePlanner, copy_structure
+from .save.layout import TRACKER, checkpoint_name, read_tracker
+from .save.planner import SavePlanner
 from .save.publish import Publisher
-from .save.report import SaveRecord, gather, log_report, report_entry
+from .save.report import SaveRecord
 from .save.retention import Retention, finish_interrupted
 from .preempt import Preemption
 from .save.stage import choose_stager, stage
-from .save.write_path import WriteContext, build
-from .save.writers import SaveStepFailed, WriterPool, agreed_finalize, run_agreed
+from .save.steps import _SaveSteps
+from .save.writers import WriterPool
 from .validation import check
 
 # TRACKER, checkpoint_name and read_tracker (save.layout) are public from here as well.
@@ -54,7 +56,7 @@ logger = logging.getLogger(__name__)
 _LOGGERS = ("megatron_ckpt_ext", "megatron")  # what --logging-level sets
 
 
-class Checkpointer:
+class Checkpointer(_SaveSteps):
     """Save / load megatron-core sharded state dicts with the options' strategies.
 
     ``process_group`` is used for the commit barriers (default: the world), ``dp_group`` for the
@@ -227,121 +229,6 @@ class Checkpointer:
         self._hand_over(request, record, t)
         record.blocking_s = time.perf_counter() - record.started
 
-    def _finish_previous(self, record: SaveRecord) -> None:
-        self._publisher.before_save(record.iteration)
-        if not self._writers.idle:
-            # One save in flight at a time, as Megatron-LM does: the backends' write-results
-            # queue is global, so a second request's results could be taken for the first's.
-            self.maybe_finalize(blocking=True)
-        try:
-            self._writers.ready(record.iteration, record.root)
-        except CheckpointWriteError as e:  # a dead worker: under 'warn', a new one for this save
-            self._failed(e)
-            self._writers.ready(record.iteration, record.root)
-
-    def _open(self, sharded_state_dict: Any, record: SaveRecord) -> tuple[Any, Path]:
-        structure = self._planner.key(sharded_state_dict)
-        workdir = open_workdir(record, self._group, new_structure=self._planner.is_new(structure),
-                               plain=backend.plain_tensors(sharded_state_dict))
-        self._planner.use(structure, record)
-        if self.reports and rank() == 0:
-            preflight.check_disk(record.root, self.reports[-1]["bytes_total"])
-        return copy_structure(sharded_state_dict), workdir
-
-    def _plan(self, state: Any, workdir: Path, record: SaveRecord) -> Any:
-        """megatron-core's save request. Planning reads only the staged tensors' metadata, so it
-        runs while their copies are in flight, and the writer need not clone this save's copies
-        again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first."""
-        snapshots = record.snapshots
-        with backend.writer_keeps_snapshots(
-                lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps, \
-                backend.into_fresh_directory():
-            if not keeps and backend.writer_clones_cpu_tensors():
-                self._publisher.wait_staged(record)
-            try:  # the common state is rank 0's write alone: fail every rank alike
-                request = run_agreed(lambda: backend.dist_checkpointing().save(
-                    state, str(workdir), self._planner.strategy(), async_sharded_save=True,
-                    validate_access_integrity=record.new_structure), self._group)
-            except SaveStepFailed as e:
-                if e.raised is not None:  # megatron-core's own error (a sharding it rejects)
-                    raise e.raised from e.raised.__cause__
-                self._not_planned(record, e)
-                return None
-        self._hooks.at("planned", record)
-        return build(request, WriteContext(
-            options=self.options, is_async=self._async, persistent=self._writers.persistent,
-            cpu_shim=self._cpu_shim, stager=self._stager, hooks=self._hooks, record=record,
-            rank=rank()))
-
-    def _not_planned(self, record: SaveRecord, error: SaveStepFailed) -> None:
-        """The save failed on every rank while megatron-core planned it: its staging goes back;
-        raise, or with --ckpt-failure-policy warn (async saves) log it and go on."""
-        self._publisher.wait_staged(record)  # the copies land before their buffers go back
-        record.release()
-        failure = self._writers.failed(record, f"its planning failed: {error}",
-                                       after="; nothing of it was handed to the writers.")
-        if not self._async:
-            raise failure from error
-        self._failed(failure)
-
-    def _hand_over(self, request: Any, record: SaveRecord, t: float) -> None:
-        if not self._async:
-            try:
-                agreed_finalize(request, self._group).execute_sync()
-                del request
-                self._hooks.at("scheduled", record)
-                record.phase("write_commit_s", t)  # before the commit, which reports the phases
-                self._commit(record)
-            except SaveStepFailed as e:  # on every rank alike
-                raise self._writers.failed(record, f"its write or commit failed: {e}") from e
-            return
-        request.add_finalize_fn(lambda: self._commit(record))
-        self._writers.schedule(request, record)
-        del request
-        self._hooks.at("scheduled", record)
-        t = record.phase("schedule_s", t)
-        self._publisher.publish(record)  # returns with the copies in flight when overlapping
-        record.phase("copy_wait_s", t)
-
-    def _commit(self, record: SaveRecord) -> None:
-        """Collective: make ``record``'s checkpoint visible and name it in the tracker."""
-        self._hooks.at("before_commit", record)
-        ranks = gather(record, self._group)  # also the commit's first barrier
-        # rank 0 commits; agreeing on whether it could (in place of a barrier) fails every
-        # rank alike when it could not (a full disk), instead of leaving them in a barrier
-        run_agreed(lambda: rank() == 0 and commit_on_disk(
-            record.root, record.iteration, on_step=lambda step: self._hooks.at(step, record)),
-            self._group)
-        self._hooks.at("committed", record)
-        if self._memory_tier:
-            self._seal(record)
-        self._failures_in_a_row = 0
-        if rank() == 0:  # the tracker is durable: old checkpoints may go (in the background)
-            self._retention.after_commit(record.root)
-        if self._preemption is not None:
-            self._preemption.committed(record.iteration)
-        record.release()
-        entry = report_entry(record, ranks, is_async=self._async)
-        self.reports.append(entry)
-        log_report(record, entry, ranks)
-
-    @property
-    def _memory_tier(self) -> bool:
-        """Sealed snapshots and restores from them (--no-ckpt-memory-restore turns them off)."""
-        return self._cpu_shm and self.options.ckpt_memory_restore and hasattr(self._stager,
-                                                                               "seal")
-
-    def _seal(self, record: SaveRecord) -> None:
-        """After the commit: the save's staging buffers become the node's snapshot of it."""
-        try:
-            manifest = read_manifest(checkpoint_name(record.root, record.iteration))
-        except (OSError, ValueError) as e:
-            logger.debug("no memory snapshot of iteration %d: %s", record.iteration, e)
-            return
-        self._stager.seal(record.staged, root=str(record.root), iteration=record.iteration,
-                          world=self._group.size(), layout=record.extra.get("layout", []),
-                          manifest_crc32=(manifest or {}).get("manifest_crc32"))
-
     def wait_for_snapshot(self, *, blocking: bool = False) -> None:
         """Before the state changes after an overlapped save (``--ckpt-overlap-snapshot``): make
         the current CUDA stream wait until that save's device-to-host copies are done (no host
@@ -363,24 +250,6 @@ class Checkpointer:
         except CheckpointWriteError as e:
             self._failed(e)
             return []
-
-    def _failed(self, error: CheckpointWriteError) -> None:
-        """A save failed on every rank (the writers already abandoned it): raise, or under
-        ``--ckpt-failure-policy warn`` log it on rank 0 and go on."""
-        self._failures_in_a_row += 1
-        limit = self.options.ckpt_max_consecutive_failures
-        if self.options.ckpt_failure_policy == "raise":
-            raise error
-        if self._failures_in_a_row >= limit:
-            raise CheckpointWriteError(
-                f"{error} This is the {self._failures_in_a_row}th failed save in a row "
-                f"(--ckpt-max-consecutive-failures {limit}, config key "
-                "'ckpt_max_consecutive_failures'): stopping.") from error
-        self.failed_saves.append({"error": str(error), "in_a_row": self._failures_in_a_row})
-        if rank() == 0:
-            logger.error("%s --ckpt-failure-policy warn: training goes on and the next save is "
-                         "tried (%d of %d failures in a row allowed).", error,
-                         self._failures_in_a_row, limit - 1)
 
     def preempted(self) -> bool:
         """Collective at an iteration boundary, with ``--exit-signal-handler``: True once any

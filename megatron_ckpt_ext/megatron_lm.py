@@ -20,25 +20,23 @@ where Megatron looks them up:
 Megatron's terminate (end of training) drains the saves but keeps the Checkpointer for the save
 Megatron makes after its loop; it is closed at process exit or :func:`uninstall`.
 
-Where a seam is missing, :func:`install` raises one :class:`MegatronAdapterError` naming the
-Megatron version and the seam, and patches nothing. Importing this module never imports
+The replacements and the adapter's state live in ``_mlm_seams.py``; this module installs and
+removes them. Where a seam is missing, :func:`install` raises one :class:`MegatronAdapterError`
+naming the Megatron version and the seam, and patches nothing. Importing this module never imports
 megatron; it is importable (and useless) where ``megatron.training`` is absent.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import logging
-import os
-import re
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import backend
-from ._runtime import rank, warn_once
+from ._mlm_seams import _close_at_exit  # noqa: F401  (the exit hook, reached here by tests)
+from ._mlm_seams import (CheckpointerFactory, _default_factory,
+                         _DistCheckpointingProxy, _init_persistent_async_worker,
+                         _is_empty_async_queue, _lock, _maybe_finalize_async_save,
+                         _preparing_train_step, _schedule_async_save, _state)
 from .arguments import add_arguments
 from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
@@ -54,8 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ITER_DIR = re.compile(r"iter_(\d{7})")
-_DEFAULT_STRICT = ("assume_ok_unexpected", "StrictHandling.ASSUME_OK_UNEXPECTED")
 # (module, name) pairs replaced by install(); the optional ones are patched only where present.
 _PATCHES = (
     ("checkpointing", "dist_checkpointing"),
@@ -67,9 +63,6 @@ _PATCHES = (
     ("async_utils", "is_empty_async_queue"),
 )
 _OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"), ("training", "train_step"))
-
-
-CheckpointerFactory = Callable[[CkptOptions], Any]
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -175,97 +168,6 @@ def _chain(user: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
     return provider
 
 
-# -- state ---------------------------------------------------------------------------------------
-@dataclass
-class _PendingSave:
-    """What Megatron's save_checkpoint gets back from ``dist_checkpointing.save`` when async:
-    it collects Megatron's finalize callbacks, which run after our commit of ``iteration``."""
-
-    iteration: int
-    finalize_fns: list[Callable[[], Any]] = field(default_factory=list)
-
-    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
-        self.finalize_fns.append(fn)
-
-    def run_finalize_fns(self) -> None:
-        for fn in self.finalize_fns:
-            fn()
-        self.finalize_fns.clear()
-
-
-@dataclass
-class _State:
-    installed: bool = False
-    modules: dict[str, Any] = field(default_factory=dict)
-    originals: dict[tuple[str, str], Any] = field(default_factory=dict)
-    options: CkptOptions | None = None
-    route_load: bool = True
-    factory: CheckpointerFactory | None = None
-    checkpointer: Any = None
-    scheduled: dict[int, _PendingSave] = field(default_factory=dict)
-    records: list[dict] = field(default_factory=list)
-    closed_reports: list[dict] = field(default_factory=list)  # closed Checkpointers', kept
-    stepped: bool = False  # train_step ran once in this process (staging prepared then)
-
-    def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
-              factory: CheckpointerFactory) -> None:
-        self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
-        self.checkpointer, self.scheduled, self.records, self.closed_reports = None, {}, [], []
-        self.stepped = False
-
-    def get_checkpointer(self) -> Any:
-        if self.checkpointer is None:
-            if self.options is None:
-                self.options = CkptOptions.from_args(self.modules["checkpointing"].get_args())
-            self.checkpointer = self.factory(self.options)
-            _close_at_exit.register()
-        _bind_dp_group(self.checkpointer)
-        return self.checkpointer
-
-    def close(self) -> None:
-        if self.checkpointer is not None:
-            _finalize(blocking=True)
-            self.drop_checkpointer()
-
-    def drop_checkpointer(self) -> None:
-        self.closed_reports.extend(getattr(self.checkpointer, "reports", None) or [])
-        self.checkpointer.close()
-        self.checkpointer = None
-
-
-_state = _State()
-_lock = threading.RLock()
-
-
-class _CloseAtExit:
-    """Closes the adapter's Checkpointer when the trainer's process exits, if no save is pending
-    (the Checkpointer outlives Megatron's terminate for the end-of-training save). A pending save
-    is left as it is: draining it needs every rank, and a process leaving on an error must not
-    wait for ranks still training. Only in the process that registered (not in forks)."""
-
-    def __init__(self) -> None:
-        self._pid: int | None = None
-
-    def register(self) -> None:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            atexit.register(self.run, self._pid)
-
-    @staticmethod
-    def run(pid: int) -> None:
-        with _lock:
-            checkpointer = _state.checkpointer
-            if os.getpid() != pid or checkpointer is None or not getattr(checkpointer, "idle", True):
-                return
-            try:
-                _state.drop_checkpointer()
-            except Exception as e:  # noqa: BLE001 - at exit: say it, never raise
-                logger.warning("megatron-ckpt-ext: closing the Checkpointer at exit failed: %s", e)
-
-
-_close_at_exit = _CloseAtExit()
-
-
 def _real_modules() -> dict[str, Any]:
     try:
         return {short: backend.megatron_training_module(short) for short in backend.MLM_MODULES}
@@ -276,41 +178,6 @@ def _real_modules() -> dict[str, Any]:
             f"{version} is not importable here ({e}). Install megatron-core >= 0.19 (it ships "
             "megatron.training) or run from a Megatron-LM checkout."
         ) from e
-
-
-def _default_factory(options: CkptOptions) -> Any:
-    from .checkpointer import Checkpointer
-
-    return Checkpointer(options, dp_group=_dp_group(), save_dir=_save_dir())
-
-
-def _save_dir() -> str | None:
-    """Megatron's ``--save``, so the Checkpointer checks it and takes its job lock at start-up
-    (else at the first save), or None."""
-    get_args = getattr(_state.modules.get("checkpointing"), "get_args", None)
-    try:
-        save = getattr(get_args(), "save", None) if callable(get_args) else None
-    except Exception:  # noqa: BLE001 - Megatron's args not parsed yet: the first save locks
-        return None
-    return save if isinstance(save, (str, os.PathLike)) else None
-
-
-def _dp_group() -> Any:
-    """Megatron's data-parallel group (with context parallel), or None before
-    ``initialize_model_parallel`` ran: the early Checkpointer is built in initialize_megatron
-    before the groups exist, and gets the group at its first use (:func:`_bind_dp_group`)."""
-    mpu = getattr(_state.modules["checkpointing"], "mpu", None)
-    if mpu is None:
-        return None
-    ready = getattr(mpu, "model_parallel_is_initialized", None)
-    if ready is not None and not ready():
-        return None
-    return mpu.get_data_parallel_group(with_context_parallel=True)
-
-
-def _bind_dp_group(checkpointer: Any) -> None:
-    if getattr(checkpointer, "dp_group", True) is None:
-        checkpointer.dp_group = _dp_group()
 
 
 def _apply_patches(modules: dict[str, Any]) -> None:
@@ -326,156 +193,3 @@ def _apply_patches(modules: dict[str, Any]) -> None:
     for short, name in (*_PATCHES, *present):
         _state.originals[(short, name)] = getattr(modules[short], name)
         setattr(modules[short], name, replacements[name])
-
-
-# -- the seams -----------------------------------------------------------------------------------
-class _DistCheckpointingProxy:
-    """``megatron.core.dist_checkpointing`` with ``save``/``load`` routed to our Checkpointer."""
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def save(self, sharded_state_dict: Any, checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
-        iteration = _iteration_of(checkpoint_dir)
-        if iteration is None:
-            warn_once(f"mlm-save-{checkpoint_dir}", f"megatron-ckpt-ext: {checkpoint_dir} "
-                      "is not an iter_NNNNNNN directory; saved by stock megatron-core.")
-            return self._real.save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        return _save(sharded_state_dict, checkpoint_dir, iteration, **kwargs)
-
-    def load(self, sharded_state_dict: Any, checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
-        iteration = _iteration_of(checkpoint_dir)
-        strict = str(kwargs.get("strict", _DEFAULT_STRICT[0]))
-        if not _state.route_load or iteration is None or strict not in _DEFAULT_STRICT:
-            return self._real.load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        checkpointer = _state.get_checkpointer()
-        return checkpointer.load(sharded_state_dict, os.path.dirname(checkpoint_dir),
-                                 iteration=iteration)
-
-
-def _iteration_of(checkpoint_dir: Any) -> int | None:
-    match = _ITER_DIR.fullmatch(os.path.basename(os.path.normpath(str(checkpoint_dir))))
-    return int(match.group(1)) if match else None
-
-
-def _save(sharded_state_dict: Any, checkpoint_dir: str, iteration: int, *,
-          async_sharded_save: bool = False, content_metadata: Any = None, **_ignored: Any) -> Any:
-    """Megatron's ``dist_checkpointing.save(...)`` call, served by the Checkpointer.
-
-    Megatron's strategy, validation and preprocessing arguments are ignored: the Checkpointer
-    builds its own strategy from the options and validates its cached structure itself.
-    """
-    if content_metadata is not None:  # what dist_checkpointing.save would store, same key
-        sharded_state_dict[backend.mcore_content_metadata_key()] = content_metadata
-    checkpointer = _state.get_checkpointer()
-    start = time.perf_counter()
-    checkpointer.save(sharded_state_dict, os.path.dirname(checkpoint_dir), iteration=iteration)
-    is_async = bool(async_sharded_save and _state.options is not None and _state.options.async_save)
-    if not is_async:
-        _finalize(blocking=True)
-    _state.records.append({"iteration": iteration, "async": is_async,
-                           "blocking_s": time.perf_counter() - start})
-    if not async_sharded_save:
-        return None  # Megatron's sync path asserts None and writes its tracker line itself
-    return _PendingSave(iteration)
-
-
-def _schedule_async_save(request: Any) -> None:
-    """Megatron hands back what ``_save`` returned; its callbacks wait for our commit."""
-    if not isinstance(request, _PendingSave):
-        raise MegatronAdapterError(
-            f"megatron-ckpt-ext: schedule_async_save got a {type(request).__name__}, not a save "
-            "made through the adapter; a caller bypassed the adapter's dist_checkpointing (for "
-            "ckpt formats other than torch_dist use stock Megatron: uninstall() first)."
-        )
-    if _state.options is not None and not _state.options.async_save:
-        request.run_finalize_fns()  # already committed by _save
-        return
-    _state.scheduled[request.iteration] = request
-
-
-def _is_empty_async_queue() -> bool:
-    return not _state.scheduled
-
-
-def _maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
-    """Finalize what our Checkpointer committed, then Megatron's callbacks for those saves.
-
-    ``terminate`` (Megatron's end of training) drains every pending save but keeps the
-    Checkpointer, its writer and its staging: Megatron saves once more after its training loop
-    (the end-of-training save), which then costs a steady save instead of a first one. The
-    Checkpointer is closed when the process exits (or at :func:`uninstall`)."""
-    _finalize(blocking=blocking or terminate)
-    cleanup = getattr(_state.modules.get("checkpointing"), "finalize_deletion_processes", None)
-    if callable(cleanup):
-        cleanup(blocking=blocking or terminate)
-
-
-def _finalize(*, blocking: bool) -> list[int]:
-    if _state.checkpointer is None:
-        return []
-    committed = list(_state.checkpointer.maybe_finalize(blocking=blocking))
-    for iteration in committed:
-        pending = _state.scheduled.pop(iteration, None)
-        if pending is not None:
-            pending.run_finalize_fns()
-    return committed
-
-
-def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """Megatron's ``train_step``; after this process's first step returns (the optimizer's
-    state exists from then on), the Checkpointer prepares its staging for the state the first
-    save will stage (:meth:`Checkpointer.prepare`: node admission, then allocation and pinning in
-    a background thread), so the first save copies into ready memory like a steady one. Every
-    rank takes its first step, so the admission collective is entered by all."""
-    if original is None:
-        return None
-    arguments = backend.call_arguments(original)
-    if arguments is None:
-        return original
-
-    @functools.wraps(original)
-    def train_step(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        if not _state.stepped:
-            _state.stepped = True
-            _prepare_after_first_step(arguments(*args, **kwargs))
-        return result
-
-    return train_step
-
-
-def _prepare_after_first_step(arguments: dict[str, Any]) -> None:
-    checkpointing = _state.modules.get("checkpointing")
-    get_args = getattr(checkpointing, "get_args", None)
-    margs = get_args() if callable(get_args) else None
-    model = arguments.get("model")
-    if margs is None or model is None or not getattr(margs, "save", None):
-        return
-    start = time.perf_counter()
-    state = backend.megatron_sharded_state(checkpointing, margs, model, arguments.get("optimizer"),
-                                           arguments.get("opt_param_scheduler"))
-    if state is None:
-        logger.debug("megatron-ckpt-ext: this Megatron builds no sharded state outside its save; "
-                     "the first save allocates its staging")
-        return
-    with _lock:
-        _state.get_checkpointer().prepare(state)
-    if rank() == 0:
-        logger.info("megatron-ckpt-ext: staging for the first save prepared after the first "
-                    "training step (state built in %.3f s; allocation continues in the "
-                    "background)", time.perf_counter() - start)
-
-
-def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:
-    """Megatron calls this in ``initialize_megatron`` (with ``--async-save
-    --use-persistent-ckpt-worker``), before the model is built. Instead of Megatron's worker we
-    build the Checkpointer here: its writer process and write-results queue start now and warm up
-    while the model is built, not inside the first save."""
-    logger.debug("megatron-ckpt-ext: Megatron's persistent worker replaced on rank %d (%s) by the "
-                 "Checkpointer's, started now", rank, mp_mode)
-    with _lock:
-        _state.get_checkpointer()

@@ -2,7 +2,8 @@
 module-level ``_get_filesystem_reader``) reads its items on a pool of threads instead of one after
 another, each item in its own file stream. File reads and the copy into the target tensor release
 the GIL, so reads, unpickling and host-to-device copies of different items overlap. The items,
-the planner and the checks are torch DCP's own; only the loop is parallel."""
+the planner and the checks are torch DCP's own; only the loop is parallel. The CRC-32 sums taken
+on the way are :mod:`.load_sums`'s."""
 
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator
 
-from .. import manifest
-from .._crc import crc32
 from .._threads import thread_counts
 from . import direct_read
 from ._imports import MCORE_STRATEGIES
+from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
 
 __all__ = ["parallel_reads"]
 
@@ -105,14 +105,12 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     stats = self._mcx_stats
     # as many summing threads as reading ones, at most this rank's share of the cores (more did
     # not help on the H100 host: docs/notes/benchmarks.md, the load's summing threads)
-    sums = _Sums(stats.get("_checksums", False), stats["_checksum_threads"])
+    sums = _Sums(stats.get("_checksums", False), stats["_checksum_threads"],
+                 executor=ThreadPoolExecutor)
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
-    for req in (r for r in plan.items if r.type == LoadItemType.BYTE_IO):
-        with _item_stream(self, req) as data:
-            raw = data.read(-1)
-            sums.whole_item(self.storage_data[req.storage_index], raw)
-            planner.load_bytes(req, io.BytesIO(raw))
+    _read_byte_items(self, planner, [r for r in plan.items if r.type == LoadItemType.BYTE_IO],
+                     sums)
     # in file order: a cold read of the headers then runs along each file
     tensors.sort(key=lambda r: (self.storage_data[r.storage_index].relative_path,
                                 self.storage_data[r.storage_index].offset))
@@ -152,6 +150,24 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
             raise failed[0]
         _split_read(stats, time.perf_counter() - t)
         stats.setdefault("file_crcs", {}).update(sums.file_crcs(files, covered))
+    _commit_direct(planner, plans, direct, stats)
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut
+
+
+def _read_byte_items(reader: Any, planner: Any, items: list, sums: _Sums) -> None:
+    """The non-tensor items (pickled objects), one after another, summed as read."""
+    for req in items:
+        with _item_stream(reader, req) as data:
+            raw = data.read(-1)
+            sums.whole_item(reader.storage_data[req.storage_index], raw)
+            planner.load_bytes(req, io.BytesIO(raw))
+
+
+def _commit_direct(planner: Any, plans: list[_ItemPlan], direct: list[_ItemPlan],
+                   stats: dict) -> None:
+    """The items read directly go to the planner; ``stats`` counts how the items were read."""
     for p in direct:
         planner.commit_tensor(p.req, p.target)
     stats["direct_items"] = stats.get("direct_items", 0) + len(direct)
@@ -160,9 +176,6 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     why = [p.why for p in plans if p.span is None]
     if why:
         stats.setdefault("why_stock", why[0])
-    fut: Future = Future()
-    fut.set_result(None)
-    return fut
 
 
 def _split_read(stats: dict, wall: float) -> None:
@@ -261,118 +274,6 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
     fd, edge = files.fd(item_md.relative_path), direct_read.EDGE
     for start in {item_md.offset, max(item_md.offset, item_md.offset + item_md.length - edge)}:
         os.posix_fadvise(fd, start, edge, os.POSIX_FADV_WILLNEED)
-
-
-class _Sums:
-    """CRC-32 pieces of the files a rank reads whole: the small items and each direct item's zip
-    headers summed as read, each chunk of a record summed on a summing thread once read."""
-
-    def __init__(self, enabled: bool, threads: int) -> None:
-        self.enabled, self._threads = enabled, threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._jobs: list = []
-        self._items: dict[str, list[tuple[int, int]]] = {}  # planned whole items per file
-        self._pieces: dict[str, list[tuple[int, int, int]]] = {}
-        self._lock = threading.Lock()
-
-    def _add(self, name: str, offset: int, length: int, crc: int) -> None:
-        with self._lock:
-            self._pieces.setdefault(name, []).append((offset, length, crc))
-
-    def whole_item(self, item_md: Any, raw: bytes) -> None:
-        if self.enabled and not getattr(item_md, "transform_descriptors", None):
-            name = str(item_md.relative_path)
-            self._items.setdefault(name, []).append((item_md.offset, item_md.length))
-            self._add(name, item_md.offset, len(raw), crc32(raw))
-
-    def direct_item(self, plan: _ItemPlan, item_md: Any) -> None:
-        """A direct item reading its whole record: its headers now, its record's chunks later."""
-        layout = plan.layout
-        if not self.enabled or plan.span is None or layout is None or \
-                tuple(plan.span) != tuple(layout.record):
-            return
-        plan.summed = True
-        name = str(item_md.relative_path)
-        self._items.setdefault(name, []).append((item_md.offset, item_md.length))
-        head, tail = layout.edges
-        self._add(name, item_md.offset, len(head), crc32(head))
-        self._add(name, layout.record[0] + layout.record[1], len(tail), crc32(tail))
-
-    def chunk(self, plan: _ItemPlan, offset: int, view: memoryview,
-              then: Callable[[], None] | None = None) -> None:
-        """Sum ``view`` (bytes at ``offset`` of the plan's file) on a summing thread, then run
-        ``then``; :meth:`wait` waits for every one."""
-        if not plan.summed:
-            if then is not None:
-                then()
-            return
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=self._threads,
-                                                    thread_name_prefix="mcx-sum")
-        # if this raises, ``then`` has not run: the caller still holds (and lends back) the chunk
-        self._jobs.append(self._pool.submit(self._sum, plan.what, offset, view, then))
-
-    def _sum(self, name: str, offset: int, view: memoryview,
-             then: Callable[[], None] | None) -> None:
-        try:
-            self._add(name, offset, len(view), crc32(view))
-        finally:
-            if then is not None:
-                then()
-
-    def wait(self) -> None:
-        """Every chunk summed (and its ``then`` run); the first error raised."""
-        try:
-            for job in self._jobs:
-                job.result()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-
-    def planned(self, files: _Files) -> set[str]:
-        """The files whose every byte the planned reads cover, once the few bytes between them
-        (items this read does not load, e.g. the common state megatron-core 0.19 loads
-        separately, up to ``_GAP_LIMIT`` per file) are read and summed here."""
-        covered = set()
-        for name, items in self._items.items():
-            fd = files.fd(name)
-            gaps = _gaps(items, os.fstat(fd).st_size)
-            if gaps is None or sum(n for _, n in gaps) > _GAP_LIMIT:
-                continue
-            read = [(offset, os.pread(fd, n, offset)) for offset, n in gaps]
-            if all(len(data) == n for (_, n), (_, data) in zip(gaps, read)):
-                for offset, data in read:
-                    self._add(name, offset, len(data), crc32(data))
-                covered.add(name)
-        return covered
-
-    def file_crcs(self, files: _Files, names: set[str]) -> dict[str, tuple[int, int | None]]:
-        out = {}
-        for name in names:
-            size = os.fstat(files.fd(name)).st_size
-            out[name] = (size, manifest.tiled_crc32(self._pieces.get(name, []), size))
-        return out
-
-
-_GAP_LIMIT = 1 << 20
-
-
-def _gaps(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]] | None:
-    """The (offset, bytes) ranges of [0, size) outside ``spans``; None when spans overlap or
-    run past the end."""
-    gaps, at = [], 0
-    for offset, length in sorted(spans):
-        if offset < at:
-            return None
-        if offset > at:
-            gaps.append((at, offset - at))
-        at = offset + length
-    if at > size:
-        return None
-    return gaps + ([(at, size - at)] if at < size else [])
 
 
 def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:

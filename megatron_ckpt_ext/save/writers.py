@@ -7,10 +7,8 @@ any rank's writer died or stayed alive past ``--ckpt-timeout``, every rank aband
 raises :class:`CheckpointWriteError`; the writers are restarted at the next save and the last
 committed checkpoint stays the latest.
 
-Agreed failures: each step of a save's finalization (megatron-core's metadata, our commit) and
-its planning end in one small all-reduce (:func:`run_agreed`), so a step that fails on one rank
-alone (a full disk under rank 0's metadata or commit) fails on every rank at the same point,
-instead of leaving the others in the step's next collective.
+Agreed failures (``agreed.py``): each step of a save's finalization and its planning end in one
+small all-reduce, so a step that fails on one rank alone fails on every rank at the same point.
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ import logging
 import os
 import time
 import weakref
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import backend, preflight
 from .._runtime import (ForkStarts, die_with_parent, forks_die_with_this_process, rank,
@@ -33,6 +30,7 @@ from ..collectives import Group
 from ..debug import env_switch
 from ..errors import CheckpointWriteError
 from ..options import CkptOptions
+from .agreed import SaveStepFailed, agreed_finalize, run_agreed  # also public from here
 from .layout import tracker_text
 from .report import SaveRecord
 
@@ -161,15 +159,8 @@ class WriterPool:
         (docs/notes/save_path.md). Frozen objects are still freed by refcount; :meth:`close`
         unfreezes unless something else had frozen objects first. ``MCX_FREEZE_GC_AT_FORK=0``
         turns this off."""
-        if env_switch("MCX_FREEZE_GC_AT_FORK") != "1":
-            return
-        t0 = time.perf_counter()
-        self.froze_gc = self.froze_gc or gc.get_freeze_count() == 0  # a second worker: still ours
-        gc.collect()
-        gc.freeze()
-        self.startup["gc_freeze_s"] = round(time.perf_counter() - t0, 6)
-        logger.debug("gc.freeze() of %d objects before forking the writer, %.3f s",
-                     gc.get_freeze_count(), self.startup["gc_freeze_s"])
+        if env_switch("MCX_FREEZE_GC_AT_FORK") == "1":
+            self.froze_gc = _freeze_gc(self.startup) or self.froze_gc  # a second worker: still ours
 
     def _prime_results_queue(self) -> None:
         with forks_die_with_this_process():  # a results-queue server dies with this trainer
@@ -254,20 +245,13 @@ class WriterPool:
             return None
         return found if time.monotonic() - watch[1] > WRITER_START_TIMEOUT_S else None
 
-    def _start_failure_text(self, pid: int) -> str:
-        return (f"rank {rank()}: the checkpoint writer forked as pid {pid} did not start within "
-                f"{WRITER_START_TIMEOUT_S:g} s (blocked in Python's after-fork start: CPython "
-                "before 3.12, 3.11.10 and 3.10.15 can leave a forked child waiting forever for "
-                "the interpreter's thread-state lock that another thread held at the fork; "
-                "upgrading Python removes this)")
-
     def _gave_up_on_start(self) -> bool:
         """For the hand-over's watcher: the persistent worker never started (it is then
         killed, which releases the hand-over)."""
         found = self._never_started()
         if found is None:
             return False
-        self._start_failure = self._start_failure_text(found[1].pid)
+        self._start_failure = _start_failure_text(found[1].pid)
         self._start_watch = None
         return True
 
@@ -280,7 +264,7 @@ class WriterPool:
         if found is None:
             return
         caller, process, persistent = found
-        why = self._start_failure_text(process.pid)
+        why = _start_failure_text(process.pid)
         if persistent and self._reforks < MAX_REFORKS and not any(self.pending.values()):
             # only its start-up request waits on it: a new worker loses nothing
             self._reforks += 1
@@ -391,66 +375,25 @@ class WriterPool:
             gc.unfreeze()
 
 
-# -- finalization that fails on every rank alike ---------------------------------------------------
-class SaveStepFailed(CheckpointWriteError):
-    """A step of a save (its planning, a step of its finalization) failed on some rank; raised
-    on every rank, naming it. ``raised``: what the step raised on this rank, if it did (None:
-    a deferred write of its, or another rank, failed)."""
-
-    def __init__(self, text: str, raised: BaseException | None = None) -> None:
-        super().__init__(text)
-        self.raised = raised
+def _start_failure_text(pid: int) -> str:
+    return (f"rank {rank()}: the checkpoint writer forked as pid {pid} did not start within "
+            f"{WRITER_START_TIMEOUT_S:g} s (blocked in Python's after-fork start: CPython "
+            "before 3.12, 3.11.10 and 3.10.15 can leave a forked child waiting forever for "
+            "the interpreter's thread-state lock that another thread held at the fork; "
+            "upgrading Python removes this)")
 
 
-def agreed_finalize(request: Any, group: Group) -> Any:
-    """``request`` whose finalization steps (megatron-core's metadata, our commit) each end in
-    :func:`run_agreed`, so a step one rank alone fails in fails on every rank at the same point:
-    the save is then abandoned everywhere before the next save's first collective."""
-    return request._replace(finalize_fns=[partial(run_agreed, fn, group)
-                                          for fn in request.finalize_fns])
-
-
-def run_agreed(fn: Callable[[], Any], group: Group) -> Any:
-    """Collective: run ``fn`` on every rank, then one small all-reduce says whether it raised on
-    any; if so raise :class:`SaveStepFailed` on every rank, naming the failing ranks' errors.
-    ``fn`` must reach its own collectives on every rank: the writes one rank makes alone inside
-    megatron-core's save and finalization (a full disk under rank 0) are deferred to here
-    (:func:`backend.lone_writes_deferred`), and our commit agrees itself."""
-    errors: list[BaseException] = []
-    result, raised = None, None
-    with backend.lone_writes_deferred(errors):
-        try:
-            result = fn()
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is one
-            raised = e
-    errors = [raised, *errors] if raised is not None else errors
-    if not group.all_max([float(bool(errors))])[0]:
-        return result
-    texts = group.all_gather(_failure_text(errors[0]) if errors else None)
-    raise SaveStepFailed(_agreed_text(texts), raised) from (errors[0] if errors else None)
-
-
-def _failure_text(e: BaseException) -> tuple[int, str]:
-    """(rank: 0 its own failure, 1 an agreed one, 2 an echo of a peer's; the text). A
-    CheckpointException names each failing rank itself; its empty copy on the other ranks only
-    echoes the coordinator's."""
-    failures = getattr(e, "failures", None)
-    if isinstance(e, SaveStepFailed):
-        return 1, str(e)
-    if isinstance(failures, dict):
-        return (0 if failures else 2), backend.checkpoint_failure_text(e)
-    return 0, f"rank {rank()}: {backend.checkpoint_failure_text(e)}"
-
-
-def _agreed_text(texts: list[tuple[int, str] | None]) -> str:
-    """The failing ranks' texts, the most telling kind first, each once (at most three)."""
-    found = [t for t in texts if t is not None]
-    best = min(kind for kind, _ in found)
-    chosen = list(dict.fromkeys(text for kind, text in found if kind == best))
-    more = f" (and {len(chosen) - 3} more ranks)" if len(chosen) > 3 else ""
-    return "; ".join(chosen[:3]) + more
+def _freeze_gc(startup: dict[str, float]) -> bool:
+    """Collect, then ``gc.freeze()`` what is left (its time in ``startup``); whether nothing was
+    frozen before (the freeze is then ours alone to undo)."""
+    t0 = time.perf_counter()
+    first = gc.get_freeze_count() == 0
+    gc.collect()
+    gc.freeze()
+    startup["gc_freeze_s"] = round(time.perf_counter() - t0, 6)
+    logger.debug("gc.freeze() of %d objects before forking the writer, %.3f s",
+                 gc.get_freeze_count(), startup["gc_freeze_s"])
+    return first
 
 
 def _warm_up(trainer_pid: int | None = None) -> None:

@@ -1,5 +1,6 @@
 """The shared-memory stager: per-tensor buffer sets, the cache key that keeps reuse from going
-stale, and the device-to-host copies on a copy stream per device."""
+stale, and the ready flag its writers wait on. Sealing and adopting a memory snapshot live in
+:mod:`.sealing`, the device-to-host copies in :mod:`.copies`."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .batch import StagedBatch, _Buffer, _BufferSet, _Copies, _Spec
+from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
+from .copies import _CopyStreams
 from .ready import run_when_staged
-from .retained import Seal, SealEntry, crc32_all, discard, remove_seal, write_seal
+from .retained import SealEntry
+from .sealing import _Sealing
 from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _open_segment, _register,
-                       _register_segment, _sanitize, _segment_path, _shared_segment, is_mapped,
+                       _register_segment, _sanitize, _segment_path, _shared_segment,
                        _warn_file_system_strategy, sweep_orphans)
 
 __all__ = ["ShmStager", "StagingKey"]
@@ -26,7 +29,7 @@ logger = logging.getLogger(__name__)
 StagingKey = tuple  # per tensor: (id, shape, dtype, device, storage data_ptr, storage_offset)
 
 
-class ShmStager:
+class ShmStager(_Sealing, _CopyStreams):
     """Stages tensors (GPU or CPU) into per-tensor CPU shared-memory buffers."""
 
     owns_copies = True
@@ -174,150 +177,6 @@ class ShmStager:
         except Exception:  # interpreter shutdown: sweep_orphans cleans up at the next start
             pass
 
-    # -- sealed snapshots (retained.py) ------------------------------------------------------------
-    def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
-             layout: Sequence[tuple], manifest_crc32: str | None) -> None:
-        """After ``batch``'s save committed: keep its buffers as the snapshot of that checkpoint.
-        The buffers' CRC-32s are computed on a background thread; the seal is written when they
-        are, unless the next stage() unsealed first."""
-        buffer_set = batch._set
-        if buffer_set is None or len(layout) != len(batch.tensors):
-            return
-        self.unseal()
-        specs = {id(b.tensor): spec for spec, b in buffer_set.buffers.items()}
-        paths = {id(b.tensor): b.path for b in buffer_set.buffers.values()}
-        entries = [SealEntry(key=k, offset=list(o), shape=list(sh), dtype=dt,
-                             spec=specs[id(t)][0], path=paths[id(t)],
-                             nbytes=t.numel() * t.element_size())
-                   for (k, o, sh, dt), t in zip(layout, batch.tensors)]
-        seal = Seal(root=os.path.realpath(root), rank=self.rank, world=world,
-                    iteration=iteration, manifest_crc32=manifest_crc32, entries=entries)
-        self._sealed = (buffer_set, seal.root)
-        self._seal_cancel = threading.Event()
-        self._seal_thread = threading.Thread(
-            target=self._write_seal, args=(seal, list(batch.tensors), self._seal_cancel),
-            name="mcx-seal", daemon=True)
-        self._seal_thread.start()
-
-    def _write_seal(self, seal: Seal, tensors: list[torch.Tensor],
-                    cancel: threading.Event) -> None:
-        crcs = crc32_all(tensors, cancelled=cancel)
-        with self._seal_lock:
-            if crcs is None or cancel.is_set():
-                return
-            for entry, crc in zip(seal.entries, crcs):
-                entry.crc32 = crc
-            try:
-                write_seal(seal, self.shm_dir)
-            except OSError as e:  # no snapshot then: a restart reads storage
-                logger.warning("could not seal the staging buffers as a snapshot: %s", e)
-
-    def unseal(self) -> None:
-        """Before the sealed buffers change (the next staging, close): no seal may name them."""
-        sealed = self._sealed
-        if sealed is None:
-            return
-        self._seal_cancel.set()
-        with self._seal_lock:
-            remove_seal(self.shm_dir, sealed[1], self.rank)
-        if self._seal_thread is not None:
-            self._seal_thread.join()
-            self._seal_thread = None
-        self._sealed = None
-        with self._lock:
-            buffer_set = sealed[0]
-            if not self.reuse and not buffer_set.in_flight and buffer_set in self._sets:
-                self._sets.remove(buffer_set)
-                self._free_all(buffer_set.buffers.values())
-
-    def _finish_sealing(self) -> _BufferSet | None:
-        """At a close that keeps the snapshot: the sealed set once its seal is written."""
-        if self._sealed is None:
-            return None
-        if self._seal_thread is not None:
-            self._seal_thread.join()
-            self._seal_thread = None
-        return self._sealed[0]
-
-    def adopt(self, seal: Seal) -> list[torch.Tensor]:
-        """Map a sealed snapshot left by an earlier run as this stager's buffer set (the next
-        save stages into it); its tensors in the seal's order. The seal stays valid until then."""
-        self._check_open()
-        own = self._own_sealed(seal)
-        if own is not None:  # a load in the run that sealed it: its own buffers
-            return own
-        buffers: dict[_Spec, _Buffer] = {}
-        try:
-            for e in seal.entries:
-                buffers[(e.spec, tuple(e.shape), _dtype(e.dtype))] = self._map(e)
-            if self.pin:
-                self._pin_all(list(buffers.values()))
-        except BaseException:
-            self._free_all(buffers.values(), unlink=False)
-            raise
-        buffer_set = _BufferSet(buffers)
-        with self._lock:
-            self._sets.append(buffer_set)
-        self._sealed = (buffer_set, seal.root)
-        return [buffers[(e.spec, tuple(e.shape), _dtype(e.dtype))].tensor for e in seal.entries]
-
-    def discard_stale(self, seal: Seal) -> None:
-        """A snapshot of this rank's save root that this run will not adopt (another iteration,
-        layout or world size): its seal and the segments no live process maps are removed now,
-        so it does not hold /dev/shm while this run allocates its own staging. Not this run's
-        own sealed buffers."""
-        if self._sealed is not None and self._sealed[1] == seal.root:
-            return
-        discard(seal, is_mapped=is_mapped)
-
-    def _own_sealed(self, seal: Seal) -> list[torch.Tensor] | None:
-        if self._sealed is None or self._sealed[1] != seal.root:
-            return None
-        by_path = {b.path: b.tensor for b in self._sealed[0].buffers.values() if b.path}
-        if not all(e.path is None or e.path in by_path for e in seal.entries):
-            return None
-        return [by_path[e.path] if e.path else torch.empty(tuple(e.shape), dtype=_dtype(e.dtype))
-                for e in seal.entries]
-
-    def drop_adopted(self, *, unlink: bool) -> None:
-        """Give up an adopted snapshot (``unlink``: it is damaged, delete it and its seal)."""
-        sealed, self._sealed = self._sealed, None
-        if sealed is None:
-            return
-        if unlink:
-            remove_seal(self.shm_dir, sealed[1], self.rank)
-        with self._lock:
-            if sealed[0] in self._sets:
-                self._sets.remove(sealed[0])
-            self._free_all(sealed[0].buffers.values(), unlink=unlink)
-
-    def _map(self, entry: SealEntry) -> _Buffer:
-        dtype = _dtype(entry.dtype)
-        if entry.path is None:
-            return _Buffer(torch.empty(tuple(entry.shape), dtype=dtype), None)
-        size = os.stat(entry.path).st_size
-        if size < entry.nbytes:  # mapping past the end would fault at the first read
-            raise ValueError(f"{entry.path} holds {size} bytes, the seal says {entry.nbytes}")
-        storage = _open_segment(entry.path, entry.nbytes)
-        _register_segment(storage, entry.path, entry.nbytes, reuse=self.reuse)
-        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(entry.shape))
-        return _Buffer(tensor, entry.path)
-
-    @staticmethod
-    def _pin_all(buffers: list[_Buffer]) -> None:
-        """``cudaHostRegister`` an adopted snapshot's buffers, largest first, on several threads
-        (pinning a fresh mapping faults its pages in: the bulk of a restore from memory). Pinned,
-        they copy to the device at full speed, now and as the next save's staging."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        todo = sorted((b for b in buffers if b.path), key=lambda b: -b.nbytes)
-
-        def pin(buffer: _Buffer) -> None:
-            buffer.registered = _register(buffer.tensor, buffer.nbytes)
-
-        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            list(pool.map(pin, todo))
-
     # -- cache key -------------------------------------------------------------------------------
     def _check_key(self, tensors: Sequence[torch.Tensor], specs: Sequence[_Spec]) -> None:
         key = tuple((s[0], s[1], s[2], t.device, t.untyped_storage().data_ptr(), t.storage_offset())
@@ -435,6 +294,20 @@ class ShmStager:
         self.stats["bytes_allocated"] += nbytes
         return buffer
 
+    def _map(self, entry: SealEntry) -> _Buffer:
+        """One buffer of a sealed snapshot, mapped from its segment (adopt())."""
+        dtype = _dtype(entry.dtype)
+        if entry.path is None:
+            return _Buffer(torch.empty(tuple(entry.shape), dtype=dtype), None)
+        size = os.stat(entry.path).st_size
+        if size < entry.nbytes:  # mapping past the end would fault at the first read
+            raise ValueError(f"{entry.path} holds {size} bytes, the seal says {entry.nbytes}")
+        storage = _open_segment(entry.path, entry.nbytes)
+        _register_segment(storage, entry.path, entry.nbytes, reuse=self.reuse)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(entry.shape))
+        return _Buffer(tensor, entry.path)
+
+
     @staticmethod
     def _free_all(buffers: object, *, unlink: bool = True) -> None:
         for buffer in list(buffers):  # type: ignore[call-overload]
@@ -445,36 +318,6 @@ class ShmStager:
                 _forget_segment(buffer.tensor.untyped_storage().data_ptr(), buffer.path,
                                 unlink=unlink)
             buffer.tensor = torch.empty(0)  # drop our mapping; a holder still keeps its own
-
-    # -- copies ----------------------------------------------------------------------------------
-    def _copy(self, staged: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[_Copies]:
-        """Host sources are copied here; device sources are queued on a copy stream per device
-        (after the work queued so far on the current stream), returned for StagedBatch.wait."""
-        started: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
-        for dst, src in zip(staged, tensors):
-            if src.is_cuda:
-                if src.device not in started:
-                    started[src.device] = self._copy_stream(src.device)
-                stream = started[src.device][0]
-                with torch.cuda.stream(stream):
-                    dst.copy_(src.detach(), non_blocking=True)
-            else:
-                dst.copy_(src.detach())
-        pending = []
-        for device, (stream, start) in started.items():
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(stream)
-            pending.append(_Copies(start, end, device))
-        return pending
-
-    def _copy_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # sources are final up to now
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        return stream, start
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,171 @@
+"""Sealing, adopting and discarding the memory snapshot of a committed save (the format and
+the files are :mod:`.retained`'s): the half of :class:`~.shm.ShmStager` that keeps a buffer set
+alive past its save, so a restarted job restores from memory instead of reading storage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
+from .retained import Seal, SealEntry, crc32_all, discard, remove_seal, write_seal
+from .segments import _register, is_mapped
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+class _Sealing:
+    """Mixed into :class:`~.shm.ShmStager`, whose buffer sets, lock, ``_map``, ``_free_all`` and
+    ``_check_open`` it uses: the buffer set of the last committed save, sealed (or being sealed)
+    as a snapshot."""
+
+    if TYPE_CHECKING:
+        rank: int
+        reuse: bool
+        pin: bool
+        shm_dir: str
+        _sets: list[_BufferSet]
+        _lock: threading.Lock
+        _sealed: tuple[_BufferSet, str] | None
+        _seal_thread: threading.Thread | None
+        _seal_cancel: threading.Event
+        _seal_lock: threading.Lock
+
+    def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
+             layout: Sequence[tuple], manifest_crc32: str | None) -> None:
+        """After ``batch``'s save committed: keep its buffers as the snapshot of that checkpoint.
+        The buffers' CRC-32s are computed on a background thread; the seal is written when they
+        are, unless the next stage() unsealed first."""
+        buffer_set = batch._set
+        if buffer_set is None or len(layout) != len(batch.tensors):
+            return
+        self.unseal()
+        specs = {id(b.tensor): spec for spec, b in buffer_set.buffers.items()}
+        paths = {id(b.tensor): b.path for b in buffer_set.buffers.values()}
+        entries = [SealEntry(key=k, offset=list(o), shape=list(sh), dtype=dt,
+                             spec=specs[id(t)][0], path=paths[id(t)],
+                             nbytes=t.numel() * t.element_size())
+                   for (k, o, sh, dt), t in zip(layout, batch.tensors)]
+        seal = Seal(root=os.path.realpath(root), rank=self.rank, world=world,
+                    iteration=iteration, manifest_crc32=manifest_crc32, entries=entries)
+        self._sealed = (buffer_set, seal.root)
+        self._seal_cancel = threading.Event()
+        self._seal_thread = threading.Thread(
+            target=self._write_seal, args=(seal, list(batch.tensors), self._seal_cancel),
+            name="mcx-seal", daemon=True)
+        self._seal_thread.start()
+
+    def _write_seal(self, seal: Seal, tensors: list[torch.Tensor],
+                    cancel: threading.Event) -> None:
+        crcs = crc32_all(tensors, cancelled=cancel)
+        with self._seal_lock:
+            if crcs is None or cancel.is_set():
+                return
+            for entry, crc in zip(seal.entries, crcs):
+                entry.crc32 = crc
+            try:
+                write_seal(seal, self.shm_dir)
+            except OSError as e:  # no snapshot then: a restart reads storage
+                logger.warning("could not seal the staging buffers as a snapshot: %s", e)
+
+    def unseal(self) -> None:
+        """Before the sealed buffers change (the next staging, close): no seal may name them."""
+        sealed = self._sealed
+        if sealed is None:
+            return
+        self._seal_cancel.set()
+        with self._seal_lock:
+            remove_seal(self.shm_dir, sealed[1], self.rank)
+        if self._seal_thread is not None:
+            self._seal_thread.join()
+            self._seal_thread = None
+        self._sealed = None
+        with self._lock:
+            buffer_set = sealed[0]
+            if not self.reuse and not buffer_set.in_flight and buffer_set in self._sets:
+                self._sets.remove(buffer_set)
+                self._free_all(buffer_set.buffers.values())
+
+    def _finish_sealing(self) -> _BufferSet | None:
+        """At a close that keeps the snapshot: the sealed set once its seal is written."""
+        if self._sealed is None:
+            return None
+        if self._seal_thread is not None:
+            self._seal_thread.join()
+            self._seal_thread = None
+        return self._sealed[0]
+
+    def adopt(self, seal: Seal) -> list[torch.Tensor]:
+        """Map a sealed snapshot left by an earlier run as this stager's buffer set (the next
+        save stages into it); its tensors in the seal's order. The seal stays valid until then."""
+        self._check_open()
+        own = self._own_sealed(seal)
+        if own is not None:  # a load in the run that sealed it: its own buffers
+            return own
+        buffers: dict[_Spec, _Buffer] = {}
+        keys: list[_Spec] = []
+        try:
+            for e in seal.entries:
+                buffer = self._map(e)  # raises on an unknown dtype before mapping anything
+                keys.append((e.spec, tuple(e.shape), buffer.tensor.dtype))
+                buffers[keys[-1]] = buffer
+            if self.pin:
+                self._pin_all(list(buffers.values()))
+        except BaseException:
+            self._free_all(buffers.values(), unlink=False)
+            raise
+        buffer_set = _BufferSet(buffers)
+        with self._lock:
+            self._sets.append(buffer_set)
+        self._sealed = (buffer_set, seal.root)
+        return [buffers[key].tensor for key in keys]
+
+    def discard_stale(self, seal: Seal) -> None:
+        """A snapshot of this rank's save root that this run will not adopt (another iteration,
+        layout or world size): its seal and the segments no live process maps are removed now,
+        so it does not hold /dev/shm while this run allocates its own staging. Not this run's
+        own sealed buffers."""
+        if self._sealed is not None and self._sealed[1] == seal.root:
+            return
+        discard(seal, is_mapped=is_mapped)
+
+    def _own_sealed(self, seal: Seal) -> list[torch.Tensor] | None:
+        if self._sealed is None or self._sealed[1] != seal.root:
+            return None
+        by_path = {b.path: b.tensor for b in self._sealed[0].buffers.values() if b.path}
+        if not all(e.path is None or e.path in by_path for e in seal.entries):
+            return None
+        return [by_path[e.path] if e.path else self._map(e).tensor for e in seal.entries]
+
+    def drop_adopted(self, *, unlink: bool) -> None:
+        """Give up an adopted snapshot (``unlink``: it is damaged, delete it and its seal)."""
+        sealed, self._sealed = self._sealed, None
+        if sealed is None:
+            return
+        if unlink:
+            remove_seal(self.shm_dir, sealed[1], self.rank)
+        with self._lock:
+            if sealed[0] in self._sets:
+                self._sets.remove(sealed[0])
+            self._free_all(sealed[0].buffers.values(), unlink=unlink)
+
+    @staticmethod
+    def _pin_all(buffers: list[_Buffer]) -> None:
+        """``cudaHostRegister`` an adopted snapshot's buffers, largest first, on several threads
+        (pinning a fresh mapping faults its pages in: the bulk of a restore from memory). Pinned,
+        they copy to the device at full speed, now and as the next save's staging."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = sorted((b for b in buffers if b.path), key=lambda b: -b.nbytes)
+
+        def pin(buffer: _Buffer) -> None:
+            buffer.registered = _register(buffer.tensor, buffer.nbytes)
+
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            list(pool.map(pin, todo))
