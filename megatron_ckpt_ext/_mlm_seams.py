@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,9 +84,12 @@ class _State:
             _finalize(blocking=True)
             self.drop_checkpointer()
 
-    def drop_checkpointer(self) -> None:
+    def drop_checkpointer(self, *, after_error: bool = False) -> None:
         self.closed_reports.extend(getattr(self.checkpointer, "reports", None) or [])
-        self.checkpointer.close()
+        if after_error:  # the sealed snapshot stays for the restart (Checkpointer.close)
+            self.checkpointer.close(after_error=True)
+        else:
+            self.checkpointer.close()
         self.checkpointer = None
 
 
@@ -97,7 +101,9 @@ class _CloseAtExit:
     """Closes the adapter's Checkpointer when the trainer's process exits, if no save is pending
     (the Checkpointer outlives Megatron's terminate for the end-of-training save). A pending save
     is left as it is: draining it needs every rank, and a process leaving on an error must not
-    wait for ranks still training. Only in the process that registered (not in forks)."""
+    wait for ranks still training. A process leaving on an uncaught exception (Python recorded
+    it in ``sys.last_value`` before the exit handlers run) keeps its sealed snapshot for the
+    restart. Only in the process that registered (not in forks)."""
 
     def __init__(self) -> None:
         self._pid: int | None = None
@@ -113,8 +119,9 @@ class _CloseAtExit:
             checkpointer = _state.checkpointer
             if os.getpid() != pid or checkpointer is None or not getattr(checkpointer, "idle", True):
                 return
+            failed = getattr(sys, "last_value", None) is not None
             try:
-                _state.drop_checkpointer()
+                _state.drop_checkpointer(after_error=failed)
             except Exception as e:  # noqa: BLE001 - at exit: say it, never raise
                 logger.warning("megatron-ckpt-ext: closing the Checkpointer at exit failed: %s", e)
 

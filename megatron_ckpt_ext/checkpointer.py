@@ -303,8 +303,14 @@ class Checkpointer(_SaveSteps):
         log_load(entry)
         return state
 
-    def close(self) -> None:
-        """Drain pending saves, stop the worker, free staging buffers. Idempotent."""
+    def close(self, *, after_error: bool = False) -> None:
+        """Drain pending saves, stop the worker, free staging buffers. Idempotent.
+
+        The sealed snapshot of the last committed save (the memory tier) is freed at a clean
+        close, unless ``--ckpt-keep-memory-snapshot``; it is kept when the close follows an
+        error (``after_error``: a ``with`` block left on an exception) or the drain failed:
+        the job is going down, and its restart on this node should find it. Any seal still
+        present names the last committed save (staging a new one unseals first)."""
         if self._closed:
             return
         self._closed = True
@@ -318,7 +324,8 @@ class Checkpointer(_SaveSteps):
         finally:
             self._writers.close(drained=drained)
             if self._memory_tier:
-                self._stager.close(keep_sealed=self.options.ckpt_keep_memory_snapshot)
+                self._stager.close(keep_sealed=self.options.ckpt_keep_memory_snapshot
+                                   or after_error or not drained)
             else:
                 self._stager.close()
             self._planner.reset()
@@ -330,8 +337,8 @@ class Checkpointer(_SaveSteps):
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(after_error=exc_type is not None)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -51,8 +51,8 @@ class FakeCheckpointer:
         self.loads.append((checkpoint_dir, iteration))
         return {"loaded_by": "checkpointer"}
 
-    def close(self):
-        self.closed = True
+    def close(self, *, after_error=False):
+        self.closed = "after an error" if after_error else True
 
 
 @pytest.fixture
@@ -160,7 +160,19 @@ def test_at_exit_an_idle_checkpointer_is_closed_and_a_pending_save_is_left_alone
     megatron_lm._close_at_exit.run(os.getpid() + 1)  # registered by another process: not ours
     assert not made[0].closed
     megatron_lm._close_at_exit.run(os.getpid())
-    assert made[0].closed and megatron_lm._state.checkpointer is None
+    assert made[0].closed is True and megatron_lm._state.checkpointer is None
+
+
+def test_at_exit_after_an_uncaught_exception_the_snapshot_is_kept(mlm, monkeypatch):
+    import os
+    import sys
+
+    made = _install(mlm, async_save=True)
+    mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/iter_0000010", None,
+                                                      async_sharded_save=False)
+    monkeypatch.setattr(sys, "last_value", RuntimeError("NCCL timeout"), raising=False)
+    megatron_lm._close_at_exit.run(os.getpid())
+    assert made[0].closed == "after an error"  # Checkpointer.close(after_error=True) keeps it
 
 
 def _train_step_stand_ins(mlm, *, save="/ckpt"):
