@@ -22,7 +22,7 @@
 # stopped at Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 assertion, now exported here; not yet rerun.
 # RESUME_B_ARGS="--ckpt-load-threads 1": one more resume from on's iteration 10 with these extra
 # arguments (resume_b; compared with on into $OUT/launch_check_b.json), to tell two load paths apart.
-# The comparison alone, on two existing logs (tests/e2e/test_launch.py runs it on fake logs):
+# The comparison alone, on two existing logs (tests/functional/e2e/test_launch.py runs it on fake logs):
 #   bash scripts/gpu_launch_check.sh --compare ON.log RESUME.log OUT.json RC_ON RC_RESUME SAVE_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."

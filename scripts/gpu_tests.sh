@@ -2,10 +2,10 @@
 # GPU evidence for the checkpointer and staging (issues 4, 5 and 20): the same functional tests as
 # CI, with CUDA tensors, NCCL, one rank per GPU, on the newest stack (see ../shared/GPU.md: install
 # .whl first), plus the device-side ordering tests that only run on CUDA
-# (tests/multirank/test_cuda_ordering.py: the copy stream waits for the producing kernels, the
-# optimizer step waits for overlapped copies, each with its contrast run). Writes a junit XML,
-# the log and versions under $OUT (default ./gpu_out). Extra arguments go to pytest (e.g.
-# `-k ordering`); exits with pytest's status.
+# (tests/functional/multirank/test_cuda_ordering.py: the copy stream waits for the producing
+# kernels, the optimizer step waits for overlapped copies, each with its contrast run). Writes a
+# junit XML, the log and versions under $OUT (default ./gpu_out). Extra arguments go to pytest
+# (e.g. `-k ordering`); exits with pytest's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -13,5 +13,6 @@ export MCX_TEST_DEVICE=cuda MCX_TEST_WORLD=${MCX_TEST_WORLD:-$(python3 -c 'impor
 python3 -m megatron_ckpt_ext doctor --json > "$OUT/doctor.json"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -m pytest -v -s -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
-  tests/multirank/test_checkpointer.py tests/multirank/test_cuda_ordering.py \
-  tests/multirank/test_trust.py tests/multirank/test_cuda_load.py tests/e2e/test_train_loop.py "$@" 2>&1 | tee "$OUT/tests.log"
+  tests/functional/multirank/test_checkpointer.py tests/functional/multirank/test_cuda_ordering.py \
+  tests/functional/multirank/test_trust.py tests/functional/multirank/test_cuda_load.py \
+  tests/functional/e2e/test_train_loop.py "$@" 2>&1 | tee "$OUT/tests.log"

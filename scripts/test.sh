@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README and .ci/run): set up (the pinned versions, scripts/setup.sh), then the
-# whole CPU suite, then the compat matrix (the compat tests again against nvrx 0.7.0 unpacked, and
-# with nvrx hidden). pytest prints each test file with its results, the reason of every skip and
-# the slowest tests (the whole .ci/run must stay under 30 minutes on 2 cores).
+# whole CPU suite (its three tiers: tests/unit, tests/functional, tests/compat), then the compat
+# matrix (the compat tests again against nvrx 0.7.0 unpacked, and with nvrx hidden). pytest prints
+# each test file with its results, the reason of every skip and the slowest tests (the whole
+# .ci/run must stay under 30 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

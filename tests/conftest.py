@@ -1,10 +1,27 @@
-"""Shared fixtures. Tests run on CPU-only torch; nothing here needs a GPU."""
+"""Shared fixtures, and the tier markers applied by path. Tests run on CPU-only torch; nothing
+here needs a GPU."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+
+from tests._support.tiers import markers_for
+
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its tier's marker from where it sits (tests/unit -> unit, tests/functional
+    -> functional, tests/compat -> compat; multi-rank tests also ``multirank``), so ``-m TIER``
+    selects exactly that tier (tests/_support/tiers.py)."""
+    for item in items:
+        path = Path(item.path).resolve()
+        if path.is_relative_to(_TESTS):
+            for name in markers_for(path.relative_to(_TESTS)):
+                item.add_marker(name)
 
 
 @pytest.fixture
@@ -26,7 +43,7 @@ def one_rank_group():
 
     import torch.distributed as dist
 
-    from tools._dist import free_port
+    from tests._support.dist import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=60))

@@ -1,6 +1,6 @@
 """Rank bodies of the reliability harness (issue 9): crash jobs, worker death, soak.
 
-Used by ``tools/reliability.py`` (the long trials) and ``tests/multirank/test_reliability.py``
+Used by ``tools/reliability.py`` (the long trials) and ``tests/functional/multirank/test_reliability.py``
 (the CI subset). A module of its own, importable from the repository root, because the functions
 injected into a save request (a held or failing write) are pickled to spawned writer processes.
 
@@ -10,8 +10,10 @@ recompute what it must hold.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import resource
 import shutil
@@ -19,7 +21,7 @@ import signal
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -28,7 +30,7 @@ from megatron_ckpt_ext.save.layout import checkpoint_name, read_tracker
 from megatron_ckpt_ext.errors import CheckpointWriteError
 from megatron_ckpt_ext.hooks import SaveHooks
 
-from ._dist import device, sharded
+from tests._support.dist import device, sharded
 
 __all__ = ["MODES", "PHASES", "crash_job", "fork_soak", "soak", "trial_state", "verify_committed",
            "worker_death"]
@@ -71,23 +73,58 @@ def verify_committed(ck: Checkpointer, rank: int, world: int, root: Path) -> dic
     tracker = read_tracker(root)
     out: dict[str, Any] = {"tracker": tracker, "checked": [], "torn": [], "errors": [],
                            "incomplete": sorted(p.name for p in root.glob("iter_*.incomplete"))}
+    said = _MemoryLines.attach()  # rank 0's line on the tier (why not memory)
     for it in ([None] if tracker is not None else []) + committed_iterations(root):
         label = tracker if it is None else it
         like = {k: torch.zeros_like(v) for k, v in trial_state(0, rank).items()}
         try:
-            got = ck.load(sharded(rank, world, like), root, iteration=it)
+            with said.only(it is None):
+                got = ck.load(sharded(rank, world, like), root, iteration=it)
         except Exception as e:  # noqa: BLE001 - a committed checkpoint that does not load is torn
             out["torn"].append(label)
             out["errors"].append(f"iteration {label}: {type(e).__name__}: {e}"[:400])
             continue
         if it is None:  # the resume: from the node's sealed snapshot, or from storage
             out["tier"] = ck.load_reports[-1].get("tier")
+            out["memory_line"] = said.lines[-1] if said.lines else None
         want = trial_state(label, rank)
         if not all(torch.equal(got[k], want[k]) for k in want):
             out["torn"].append(label)
             out["errors"].append(f"iteration {label}: values differ from its own save")
         out["checked"].append(label)
+    logging.getLogger("megatron_ckpt_ext.load.memory").removeHandler(said)
     return out
+
+
+class _MemoryLines(logging.Handler):
+    """Collects what the memory tier logs (rank 0: which tier, and why not memory) while
+    ``only(True)``. Sets that one logger to INFO: a crash job configures no other handler, so
+    the lines go nowhere else."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.on = False
+
+    @classmethod
+    def attach(cls) -> _MemoryLines:
+        handler = cls()
+        log = logging.getLogger("megatron_ckpt_ext.load.memory")
+        log.setLevel(logging.INFO)
+        log.addHandler(handler)
+        return handler
+
+    @contextlib.contextmanager
+    def only(self, on: bool) -> Iterator[None]:
+        self.on = on
+        try:
+            yield
+        finally:
+            self.on = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.on:
+            self.lines.append(record.getMessage()[:400])
 
 
 def prune(root: Path, keep_from: int | None) -> None:
@@ -148,11 +185,14 @@ class Harness(SaveHooks):
     maps a point of :data:`megatron_ckpt_ext.hooks.POINTS` to an action on the save's record;
     ``wraps`` are ``(when(record), wrap(write))`` pairs applied to the writer's function."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Callable[[str, int], None] | None = None) -> None:
         self.holds: dict[str, Callable[[Any], None]] = {}
         self.wraps: list[tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
+        self.progress = progress  # told each point reached (where a kill found the rank)
 
     def at(self, point: str, record: Any) -> None:
+        if self.progress is not None:
+            self.progress(point, record.iteration)
         action = self.holds.get(point)
         if action is not None:
             action(record)
@@ -186,7 +226,8 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
     import torch.distributed as dist
 
     root, out = Path(spec["root"]), Path(spec["out"])
-    harness = Harness()
+    progress = partial(_say_progress, out / f"progress_r{rank}.json")
+    harness = Harness(progress)
     with Checkpointer(options_for(spec["mode"]), job_id=spec["job_id"],
                       hooks=harness) as ck:  # sweeps orphans
         verified = verify_committed(ck, rank, world, root)
@@ -205,18 +246,23 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
         run_saves(ck, rank, world, root, range(start + 1, start + 1 + spec["saves"]), now,
                   hold_before_save=(spec.get("phase") == "before_save"
                                     and rank == spec.get("hook_rank", 0)),
-                  kill_iter=kill_iter, marker_dir=str(out), step_s=spec.get("step_s", 0.0))
+                  kill_iter=kill_iter, marker_dir=str(out), step_s=spec.get("step_s", 0.0),
+                  progress=progress)
+        progress("drain", now["it"])
         ck.maybe_finalize(blocking=True)
+        progress("close", now["it"])
     if rank == 0:
         _write_json(out / "finished.json", {"tracker": read_tracker(root), "time": time.time()})
 
 
 def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: range, now: dict,
               *, hold_before_save: bool = False, kill_iter: int = -1, marker_dir: str = "",
-              step_s: float = 0.0) -> None:
+              step_s: float = 0.0, progress: Callable[[str, int], None] | None = None) -> None:
     """One save per iteration; with ``step_s`` a training step of that long after each (half
     before a commit check, half after: the committed save is sealed meanwhile), so that kills
-    also land between saves, where a sealed memory snapshot exists."""
+    also land between saves, where a sealed memory snapshot exists. ``progress(where, it)`` is
+    told each step of the loop."""
+    say = progress or (lambda where, it: None)
     live = trial_state(0, rank)
     for it in iterations:
         now["it"] = it
@@ -224,14 +270,29 @@ def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: r
             live[k].copy_(v)  # same storage every step (constant structure)
         if hold_before_save and it == kill_iter:
             _hold(marker_dir, "before_save", rank)
+        say("save", it)
         ck.save(sharded(rank, world, live), root, iteration=it)
         for v in live.values():
             v.fill_(-1)  # training moves on at once: the checkpoint must not see this
+        say("finalize", it)
         ck.maybe_finalize()
         if step_s:
+            say("step", it)
             time.sleep(step_s / 2)
+            say("finalize", it)
             ck.maybe_finalize()
+            say("step", it)
             time.sleep(step_s / 2)
+
+
+def _say_progress(path: Path, where: str, iteration: int) -> None:
+    """Where this rank is (``save`` and the hook points: inside save ``iteration``;
+    ``finalize``: a commit check, a collective; ``step``: training between saves)."""
+    import threading
+
+    tmp = path.with_name(f"{path.name}.{threading.get_ident()}")  # a hook may run on a thread
+    tmp.write_text(json.dumps({"at": where, "it": iteration, "time": time.time()}))
+    os.replace(tmp, path)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -433,7 +494,7 @@ def rank_main(spec_path: str) -> None:
         crash_job(rank, world, spec)
     finally:
         dist.destroy_process_group()
-    os._exit(0)  # see tools/_dist.py: torch 2.13's exit-time teardown can abort
+    os._exit(0)  # see tests/_support/dist.py: torch 2.13's exit-time teardown can abort
 
 
 # -- fork soak: writers forked many times; count the ones stuck in Python's after-fork start ---

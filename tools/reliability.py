@@ -30,8 +30,9 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools import _reliability_one_rank as one  # noqa: E402
 from tools import _reliability_workers as rw  # noqa: E402
-from tools._dist import free_port, run_ranks  # noqa: E402
+from tests._support.dist import free_port, run_ranks  # noqa: E402
 
 RANDOM = "random"
 ORPHAN_GRACE_S = 3.0  # after the ranks are killed, how long their children get to exit
@@ -106,6 +107,8 @@ class CrashCampaign:
         self.log = log
         self.flip_every = 0  # every Nth killed job: flip a byte of its sealed snapshot
         self.step_s = 0.0  # a training step between saves (kills then land between saves too)
+        self.kill = "all"  # or "one" (one rank, the rest torn down after grace_s) or "mixed"
+        self.grace_s = 2.0
 
     def _flip_sealed_byte(self) -> str | None:
         """Damage the snapshot the killed job left (one byte of one buffer of one rank): the
@@ -137,16 +140,25 @@ class CrashCampaign:
     def trial(self, i: int, mode: str, phase: str, *, saves: int | None = None) -> dict:
         out = self.work / f"t{i:03d}"
         out.mkdir(parents=True)
+        kind, victim = one.choose(self.rng, self.kill if phase != "none" else "all", self.world)
         spec = {"root": str(self.root), "out": str(out), "mode": mode, "phase": phase,
                 "job_id": f"{self.tag}t{i}", "campaign": self.tag, "saves": self.saves if saves is None else saves,
                 "kill_offset": self.rng.choice([2, 3]), "step_s": self.step_s,
                 "hook_rank": 0 if phase in ("before_rename", "after_rename", "after_tracker")
                 else i % self.world}
+        if victim is not None:
+            spec["hook_rank"] = one.hook_rank(phase, victim)
         (out / "spec.json").write_text(json.dumps(spec))
         tag = f"{self.tag}-{i}"
         procs = self._launch(out, tag)
-        result = {"trial": i, "mode": mode, "phase": phase, **self._drive(procs, out, phase)}
+        killer = None if victim is None else one.OneRankKill(
+            victim, out, root=self.root, world=self.world, grace_s=self.grace_s)
+        result = {"trial": i, "mode": mode, "phase": phase, "kill": kind,
+                  **self._drive(procs, out, phase, killer or _kill_ranks)}
+        if killer is not None:
+            result.update(killer.record, hook_rank=spec["hook_rank"])
         result["orphans"] = self._reap_orphans(tag)
+        result["seals_left"] = one.seals_left(self.root, self.world)
         if self.flip_every and i % self.flip_every == self.flip_every - 1:
             result["flipped"] = self._flip_sealed_byte()
         result["found"] = _found(out, self.world)
@@ -170,23 +182,25 @@ class CrashCampaign:
             log = open(out / f"rank{rank}.log", "wb")
             procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
+            procs[-1].log_path = log.name  # how a survivor of a one-rank kill failed
         return procs
 
-    def _drive(self, procs: list[subprocess.Popen], out: Path, phase: str) -> dict:
-        """Wait for the job to be ready, then kill it where the phase says. Returns what
-        happened."""
+    def _drive(self, procs: list[subprocess.Popen], out: Path, phase: str,
+               kill: Callable[[list[subprocess.Popen]], bool]) -> dict:
+        """Wait for the job to be ready, then ``kill`` it where the phase says (every rank, or
+        one and then the rest). Returns what happened."""
         if not _wait(lambda: (out / "ready.json").exists(), procs, 240):
             return {"killed": _kill_ranks(procs), "hit": None, "note": "not ready"}
         if phase in rw.PHASES:
             hit = _wait(lambda: any(out.glob("hit_*")), procs, 180)
             names = sorted(p.name for p in out.glob("hit_*"))
-            killed = _kill_ranks(procs)
+            killed = kill(procs)
             return {"killed": killed, "hit": names[0] if hit and names else None,
                     "kill_after_ready_s": None}
         if phase == RANDOM:
             delay = self.rng.uniform(0.0, self.random_window_s)
             _wait(lambda: False, procs, delay)
-            return {"killed": _kill_ranks(procs), "hit": None, "kill_after_ready_s": round(delay, 3)}
+            return {"killed": kill(procs), "hit": None, "kill_after_ready_s": round(delay, 3)}
         _wait(lambda: False, procs, 300)
         return {"killed": _kill_ranks(procs), "hit": None,
                 "rcs": [p.returncode for p in procs]}
@@ -248,7 +262,8 @@ def _found(out: Path, world: int) -> dict:
             "errors": [e for v in per_rank for e in v["errors"]],
             "incomplete": per_rank[0]["incomplete"],
             "shm_dead_owner_after_start": max(v["shm_dead_owner_after_start"] for v in per_rank),
-            "tier": per_rank[0].get("tier")}
+            "tier": per_rank[0].get("tier"), "tiers": [v.get("tier") for v in per_rank],
+            "memory_line": per_rank[0].get("memory_line")}
 
 
 def _trial_line(t: dict) -> str:
@@ -256,7 +271,8 @@ def _trial_line(t: dict) -> str:
     return (f"trial {t['trial']:3d} {t['mode']:15s} {t['phase']:14s} killed={t['killed']!s:5s} "
             f"hit={t.get('hit')} start={t['start']} kill_iter={t['kill_iter']} | job found "
             f"tracker={f.get('tracker')} tier={f.get('tier')} torn={f.get('torn')} "
-            f"orphans={len(t['orphans'])}{' flipped' if t.get('flipped') else ''}")
+            f"orphans={len(t['orphans'])}{' flipped' if t.get('flipped') else ''}"
+            f"{one.trial_note(t)}")
 
 
 def summarize(trials: list[dict], final: dict, leftover_shm: list[str]) -> dict:
@@ -286,9 +302,11 @@ def summarize(trials: list[dict], final: dict, leftover_shm: list[str]) -> dict:
         "shm_dead_owner_segments_after_next_start": sum(o.get("shm_dead_owner_after_start", 0)
                                                         for o in outcomes),
         "leftover_shm_segments_at_end": len(leftover_shm),
+        **one.summarize(trials),
     }
     summary["failures"] = (summary["torn_loads"] + summary["unverified"]
                            + summary["damaged_snapshots_restored"]
+                           + summary["memory_restores_without_every_seal_or_mixed_tiers"]
                            + summary["tracker_mismatches"] + summary["leftover_processes"]
                            + summary["shm_dead_owner_segments_after_next_start"]
                            + summary["leftover_shm_segments_at_end"])
@@ -302,10 +320,12 @@ def cmd_crash(args: argparse.Namespace) -> dict:
     campaign = CrashCampaign(work, world=world_for(args.device, args.world), device=args.device,
                              saves=args.saves, seed=args.seed, random_window_s=args.random_window)
     campaign.flip_every, campaign.step_s = args.flip_every, args.step_s
+    campaign.kill, campaign.grace_s = args.kill, args.grace
     t0 = time.perf_counter()
     result = campaign.run(plan)
     result["summary"]["wall_s"] = round(time.perf_counter() - t0, 1)
-    result["summary"].update(device=args.device, world=campaign.world, modes=modes)
+    result["summary"].update(device=args.device, world=campaign.world, modes=modes,
+                             kill=args.kill)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return result
@@ -651,6 +671,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "/dev/shm (the next job must not restore it)")
     c.add_argument("--step-s", type=float, default=0.0,
                    help="seconds of 'training' after each save (the crash jobs save every step)")
+    c.add_argument("--kill", choices=one.KILLS, default="all",
+                   help="all: SIGKILL every rank; one: SIGKILL one random rank (and its writers), "
+                   "the rest torn down after --grace as a launcher does (SIGTERM, then SIGKILL); "
+                   "mixed: either, at random per trial")
+    c.add_argument("--grace", type=float, default=2.0,
+                   help="seconds the other ranks get to exit by themselves after a one-rank kill")
     c.add_argument("--out", default=None)
     c.add_argument("--keep", action="store_true")
     d = sub.add_parser("death", help="kill, hang or fail the async writer mid-save")

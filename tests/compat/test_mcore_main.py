@@ -20,7 +20,7 @@ import pytest
 
 from megatron_ckpt_ext import backend
 from megatron_ckpt_ext.arguments import add_arguments
-from tests.unit.test_backend_mlm import _PROBED, extract, modules_from
+from tests._support.mlm_seams import PROBED, extract, modules_from
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = Path(os.environ.get("MCE_MCORE_SOURCE") or os.environ.get("MCORE_MAIN_DIR")
@@ -74,7 +74,7 @@ def test_sources_are_the_pinned_commit():
 
 def _main_seams_recording() -> dict[str, dict[str, list]]:
     recording = {short: extract(_read(f"training/{short}.py"), names)
-                 for short, names in _PROBED.items()}
+                 for short, names in PROBED.items()}
     # the worker bootstrap's telemetry: a lookup outside the seam names extract() collects
     init = next(node for node in ast.parse(_read("training/async_utils.py")).body
                 if isinstance(node, ast.FunctionDef) and node.name == "init_persistent_async_worker")

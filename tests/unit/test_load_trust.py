@@ -15,7 +15,7 @@ import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions, manifest
 from megatron_ckpt_ext.errors import CheckpointIntegrityError, CheckpointNotFound
-from tools._dist import sharded
+from tests._support.dist import sharded
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
@@ -95,8 +95,8 @@ def test_an_integrity_error_gives_fixes_a_command_line_user_can_apply(tmp_path):
 
 def test_a_file_both_ranks_read_is_named_once(tmp_path):
     """Both ranks read (and judge) the file that holds a replicated tensor: one problem."""
-    from tests.multirank import _load_trust_workers as lw
-    from tools._dist import run_ranks
+    from tests.unit import _load_trust_workers as lw
+    from tests._support.dist import run_ranks
 
     run_ranks(lw.save, world_size=2, timeout=120, args=(str(tmp_path),))
     bad = tmp_path / "iter_0000001" / "__0_0.distcp"  # rank 0 wrote the replicated "b"

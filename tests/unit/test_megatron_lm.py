@@ -16,7 +16,7 @@ import pytest
 
 from megatron_ckpt_ext import CkptOptions, backend, megatron_lm
 from megatron_ckpt_ext.errors import MegatronAdapterError
-from .test_backend_mlm import RECORDED, modules_from
+from tests._support.mlm_seams import RECORDED, modules_from
 
 
 class FakeCheckpointer:

@@ -13,7 +13,7 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.preempt import Preemption
 from megatron_ckpt_ext.save.layout import read_tracker
-from tools._dist import sharded
+from tests._support.dist import sharded
 
 LOGGER = "megatron_ckpt_ext"
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from megatron_ckpt_ext.staging import segments
 from megatron_ckpt_ext.errors import InsufficientSharedMemory, StagingFailed
 from megatron_ckpt_ext.staging import ShmStager, sweep_orphans
-from tools._dist import device
+from tests._support.dist import device
 
 DEVICE = device()
 

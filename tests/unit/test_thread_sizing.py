@@ -13,7 +13,7 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions, _threads
 from megatron_ckpt_ext.backend import load_reader
 from megatron_ckpt_ext.load import verify
-from tools._dist import sharded
+from tests._support.dist import sharded
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def _write_buckets(rank, buckets, results_queue, nbytes=4 << 20):
 def test_written_checkpoint_files_leave_the_page_cache(tmp_path, monkeypatch):
     import pickle
 
-    from tests._pagecache import can_drop_pages, resident_pages
+    from tests._support.pagecache import can_drop_pages, resident_pages
 
     if not can_drop_pages(str(tmp_path)):
         pytest.skip(f"{tmp_path} is memory-backed: its pages cannot be dropped")

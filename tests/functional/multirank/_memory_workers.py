@@ -1,0 +1,65 @@
+"""Rank functions for test_memory_tier.py: a job that saves and dies without closing (its sealed
+snapshot stays in /dev/shm), and the restarted job that loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.staging.retained import seal_path
+
+from tests._support.dist import sharded
+from ._ckpt_workers import assert_equal, load_back, step_state
+
+
+def save_and_die(rank: int, world: int, root: str, options: dict, saves: int) -> None:
+    """``saves`` saves, every one committed and the last one sealed, then the process ends
+    without close() (as a crash would: no cleanup runs)."""
+    live = step_state(0, rank)
+    ck = Checkpointer(CkptOptions(**options))
+    ck.prepare(sharded(rank, world, live))
+    for step in range(1, saves + 1):
+        for k, v in step_state(step, rank).items():
+            live[k].copy_(v)
+        ck.save(sharded(rank, world, live), root, iteration=step)
+        ck.maybe_finalize()
+    ck.maybe_finalize(blocking=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(seal_path("/dev/shm", root, rank)):  # sealed in the background
+        assert time.monotonic() < deadline, "the committed save was never sealed"
+        time.sleep(0.02)
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # no close(): the staging segments and the seal are left, as after a crash
+
+
+def restore(rank: int, world: int, root: str, options: dict, iteration: int | None,
+            want_step: int, want_tier: str, out: str) -> None:
+    """Load (the tracker's, or ``iteration``), check the values bit-exact and the tier, then
+    save once more into the adopted buffers and close."""
+    with Checkpointer(CkptOptions(**options)) as ck:
+        got = load_back(ck, rank, world, root, iteration)
+        assert_equal(got, step_state(want_step, rank), f"restored iteration {want_step}")
+        report = ck.load_reports[-1]
+        assert report["tier"] == want_tier, report
+        allocated = getattr(ck._stager, "stats", {}).get("bytes_allocated", -1)
+        live = {k: v.clone() for k, v in step_state(9, rank).items()}
+        ck.save(sharded(rank, world, live), root, iteration=9)
+        ck.maybe_finalize(blocking=True)
+        stats = getattr(ck._stager, "stats", {})
+        with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
+            json.dump({"report": report, "allocated_before_save": allocated,
+                       "allocated_after_save": stats.get("bytes_allocated", -1)}, fh)
+
+
+def fresh_start(rank: int, world: int, root: str, options: dict) -> None:
+    """A run that starts from scratch into the same --save (no load): its first save."""
+    with Checkpointer(CkptOptions(**options)) as ck:
+        live = {k: v.clone() for k, v in step_state(5, rank).items()}
+        ck.save(sharded(rank, world, live), root, iteration=5)
+        ck.maybe_finalize(blocking=True)

@@ -1,0 +1,31 @@
+"""Node-level admission on real ranks: the node's sum of uneven ranks' staging (not one rank's
+bytes times the local ranks) is checked before the first staging; over budget, every rank raises
+InsufficientHostMemory and nothing is written; within it, the save commits; with
+--ckpt-node-memory-fallback sync, the saves go synchronously instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support.dist import run_ranks, world
+
+from . import _admission_workers as aw
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["temporal", "persistent-shm"])
+def test_the_node_sum_of_uneven_ranks_decides(tmp_path, mode):
+    need = aw.staging_bytes(world())
+    # rank 0 alone (64 KiB) times the ranks would fit in need - 1; the true sum does not
+    run_ranks(aw.admit, timeout=120, args=(str(tmp_path / "short"), mode, need - 1))
+    assert not (tmp_path / "short" / "iter_0000001").exists()
+    run_ranks(aw.admit, timeout=120, args=(str(tmp_path / "fits"), mode, need))
+    assert (tmp_path / "fits" / "iter_0000001").is_dir()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["temporal", "persistent-shm"])
+def test_over_budget_with_the_sync_fallback_saves_synchronously(tmp_path, mode):
+    need = aw.staging_bytes(world())
+    run_ranks(aw.admit, timeout=120, args=(str(tmp_path), mode, need - 1, "sync"))
+    assert (tmp_path / "iter_0000002").is_dir()

@@ -1,0 +1,69 @@
+"""One job per --save directory: a second job fails at start-up on every rank naming the holder;
+the lock of a killed job is taken over with one warning; a closed Checkpointer lets go."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.errors import SaveDirectoryInUse
+from megatron_ckpt_ext.save.joblock import LOCK
+from tests._support.dist import run_ranks
+
+from . import _joblock_workers as jw
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _start_holder(root: Path) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.functional.multirank._joblock_workers", str(root)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = proc.stdout.readline()
+    if not line.startswith("held "):
+        proc.kill()
+        pytest.fail(f"the holder job did not start: {line}{proc.stderr.read()[-3000:]}")
+    return proc, int(line.split()[1])
+
+
+def test_a_second_job_fails_naming_the_holder_and_a_killed_ones_lock_is_taken_over(
+        tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    holder, child = _start_holder(root)
+    try:
+        run_ranks(jw.second_job_fails, world_size=2, timeout=120, args=(str(root), holder.pid))
+        with pytest.raises(SaveDirectoryInUse, match=f"pid {holder.pid}"):
+            Checkpointer(CkptOptions(), save_dir=root)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        assert (root / LOCK).is_file()  # a killed job leaves its record behind
+        with caplog.at_level(logging.WARNING):  # its forked child lives on, without the lock
+            with Checkpointer(CkptOptions(), save_dir=root):
+                pass
+            with Checkpointer(CkptOptions(), save_dir=root):  # released at close: no warning
+                pass
+    finally:
+        holder.kill()
+        os.kill(child, signal.SIGKILL)
+        holder.wait(timeout=30)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "taking over" in warnings[0], warnings
+    assert f"pid {holder.pid}" in warnings[0] and "holder-job" in warnings[0], warnings
+    assert not (root / LOCK).exists()  # a clean close removes it
+
+
+def test_checkpointers_of_one_process_share_the_lock(tmp_path):
+    """Train then resume in one process, or two Checkpointers open at once: the same job."""
+    first = Checkpointer(CkptOptions(), save_dir=tmp_path)
+    with Checkpointer(CkptOptions(), save_dir=tmp_path):
+        pass
+    assert (tmp_path / LOCK).is_file()  # still held by the first
+    first.close()
+    assert not (tmp_path / LOCK).exists()

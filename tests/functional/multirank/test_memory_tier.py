@@ -1,0 +1,110 @@
+"""The memory tier: a job killed after a committed save leaves its sealed snapshot in /dev/shm;
+the restarted job restores from it (bit-exact, told apart from storage in the load report), and
+refuses it for storage whenever it is not provably the checkpoint being loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ckpt_ext.staging import sweep_orphans
+from megatron_ckpt_ext.staging.retained import read_seal, seal_path
+
+from . import _memory_workers as w
+from tests._support.dist import run_ranks, world
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
+
+CPU_SHM = {"async_save": True, "async_ckpt_use_cpu_shm": True}
+MODES = {
+    "temporal": CPU_SHM,
+    "persistent": {**CPU_SHM, "use_persistent_ckpt_worker": True},
+    "persistent-constant": {**CPU_SHM, "use_persistent_ckpt_worker": True,
+                            "ckpt_assume_constant_structure": True},
+}
+
+
+def _cleanup(root: Path) -> None:
+    for r in range(world()):
+        seal = read_seal(seal_path("/dev/shm", root, r))
+        if seal is not None:
+            for e in seal.entries:
+                if e.path and os.path.exists(e.path):
+                    os.unlink(e.path)
+            os.unlink(seal.file)
+
+
+@pytest.fixture
+def root(tmp_path):
+    yield tmp_path / "ckpt"
+    _cleanup(tmp_path / "ckpt")
+
+
+def _reports(tmp_path: Path) -> list[dict]:
+    return [json.loads((tmp_path / f"restore{r}.json").read_text()) for r in range(world())]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
+    run_ranks(w.save_and_die, args=(str(root), MODES[mode], 2))
+    swept = sweep_orphans()  # the start-up sweep of any run: the dead run's snapshot stays
+    assert not [p for p in swept if "mcx_" in p and str(os.getpid()) not in p
+                and any(p == e.path for r in range(world())
+                        for e in read_seal(seal_path("/dev/shm", root, r)).entries)]
+    run_ranks(w.restore, args=(str(root), MODES[mode], None, 2, "memory", str(tmp_path)))
+    for rep in _reports(tmp_path):
+        assert rep["report"]["tier"] == "memory" and rep["report"]["verified"]
+        if mode == "persistent-constant":  # the save after the restore staged into the snapshot
+            assert rep["allocated_before_save"] <= 8  # the writer's one-word ready flag alone
+            assert rep["allocated_after_save"] == rep["allocated_before_save"]
+
+
+def test_a_flipped_byte_in_a_snapshot_reads_storage(root, tmp_path, caplog):
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
+    seal = read_seal(seal_path("/dev/shm", root, world() - 1))
+    target = next(e for e in seal.entries if e.nbytes > 64)
+    with open(target.path, "r+b") as fh:
+        fh.seek(37)
+        byte = fh.read(1)
+        fh.seek(37)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    run_ranks(w.restore, args=(str(root), MODES["persistent"], None, 2, "storage", str(tmp_path)))
+    assert not os.path.exists(seal.file)  # a damaged snapshot is removed, not offered again
+
+
+def test_another_iteration_or_the_switch_off_reads_storage(root, tmp_path):
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
+    # iteration 1 asked for: the snapshot holds 2; nobody will adopt it, so its memory is freed
+    stale = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
+    run_ranks(w.restore, args=(str(root), MODES["persistent"], 1, 1, "storage", str(tmp_path)))
+    assert not [e.path for s in stale for e in s.entries if e.path and os.path.exists(e.path)]
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
+    off = {**MODES["persistent"], "ckpt_memory_restore": False}
+    stale = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
+    run_ranks(w.restore, args=(str(root), off, None, 2, "storage", str(tmp_path)))
+    assert not [e.path for s in stale for e in s.entries if e.path and os.path.exists(e.path)]
+
+
+def test_shm_clean_removes_a_sealed_snapshot(root):
+    run_ranks(w.save_and_die, args=(str(root), MODES["temporal"], 1))
+    seal = read_seal(seal_path("/dev/shm", root, 0))
+    assert seal is not None and all(os.path.exists(e.path) for e in seal.entries if e.path)
+    listed = subprocess.run([sys.executable, "-m", "megatron_ckpt_ext", "shm", "list"],
+                            capture_output=True, text=True, check=True).stdout
+    assert f"{os.path.realpath(root)}  iteration 1  rank 0/{world()}" in listed
+    subprocess.run([sys.executable, "-m", "megatron_ckpt_ext", "shm", "clean"], check=True,
+                   capture_output=True)
+    assert not os.path.exists(seal.file)
+    assert not [e.path for e in seal.entries if e.path and os.path.exists(e.path)]
+
+
+def test_a_fresh_start_into_the_same_save_frees_the_old_snapshot_before_staging(root):
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
+    stale = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
+    run_ranks(w.fresh_start, args=(str(root), MODES["persistent"]))
+    assert not [e.path for s in stale for e in s.entries if e.path and os.path.exists(e.path)]
