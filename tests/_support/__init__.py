@@ -8,9 +8,25 @@ script by its path, as the thing under test.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
-__all__ = ["ROOT"]
+__all__ = ["ROOT", "load_script"]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root (tests do not depend on how deep they sit under tests/)."""
+
+
+def load_script(path: str, name: str, *, register: bool = False) -> ModuleType:
+    """The script at ``path`` (relative to the repository root: a ``tools/``, ``scripts/`` or
+    ``benchmarks/`` file under test) loaded as module ``name``; ``register``: also put in
+    ``sys.modules`` under ``name`` first (kept if already there), for code that imports it by
+    name (processes it spawns)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module

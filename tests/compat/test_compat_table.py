@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 from megatron_ckpt_ext import doctor
+from tests._support import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compat_table():
-    spec = importlib.util.spec_from_file_location("compat_table", ROOT / "tools" / "compat_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/compat_table.py", "compat_table")
 
 
 def test_committed_table_matches_installed_backend():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import megatron_ckpt_ext as m
 from megatron_ckpt_ext.arguments import flags
 from megatron_ckpt_ext.errors import CkptOptionsError
 from megatron_ckpt_ext.options import CkptOptions
+from tests._support import load_script
 
 # Adding a flag is a deliberate act: update this list in the same commit.
 FROZEN_FLAGS = [
@@ -173,11 +173,7 @@ def test_absent_dest_keeps_default_and_host_none_means_unset():
 
 # -- scripts/pretrain_gpt.py: its parser (no abbreviations) and the NaN check its flag governs ------
 def _pretrain_gpt():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_gpt.py"
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/pretrain_gpt.py", "pretrain_gpt")
 
 
 @pytest.mark.parametrize("abbrev", [["--async-sav"], ["--train-iter", "2"], ["--save-int", "1"],

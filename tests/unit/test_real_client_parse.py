@@ -3,13 +3,9 @@ kind, and a restarted run's losses compared (the GPU driver's JSON rests on this
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests._support import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("real_client", ROOT / "benchmarks" / "real_client.py")
-rc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rc)
+rc = load_script("benchmarks/real_client.py", "real_client")
 
 LOG = """\
 [2026-11-25 16:51:25.2] saving checkpoint at iteration     100 to /x in torch_dist format

@@ -5,7 +5,6 @@ though some rank held no seal of the tracker's iteration, or the ranks' tiers di
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import subprocess
@@ -15,17 +14,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tests._support import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():
     """The harness module under test, loaded from its path (tests import nothing from tools/)."""
-    spec = importlib.util.spec_from_file_location("reliability_one_rank",
-                                                  ROOT / "tools" / "_reliability_one_rank.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/_reliability_one_rank.py", "reliability_one_rank")
 
 
 one = _module()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests._support import load_script
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -106,10 +106,7 @@ def test_unwritable_save_fails_at_start_up(tmp_path):
 
 
 def _run_recipe_module():
-    spec = importlib.util.spec_from_file_location("run_recipe", ROOT / "scripts" / "run_recipe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/run_recipe.py", "run_recipe")
 
 
 def test_rank_error_is_the_root_cause_ranks_own_traceback():

@@ -6,28 +6,18 @@ no process or segment behind."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._support import load_script
 from tests._support.dist import world
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.multirank]
 
 
-def _harness():
-    """The harness under test, loaded from its path (tests import nothing from tools/)."""
-    spec = importlib.util.spec_from_file_location("reliability", ROOT / "tools" / "reliability.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("reliability", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rel = _harness()
+rel = load_script("tools/reliability.py", "reliability", register=True)  # the harness under test
 
 
 @pytest.mark.timeout(300)
