@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["device", "free_port", "run_ranks", "sharded", "world"]
+__all__ = ["FakeWork", "device", "free_port", "run_ranks", "sharded", "world"]
 
 
 def device() -> str:
@@ -115,3 +115,18 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int | None = None, timeout:
             time.sleep(2.0)
             _signal_all(stuck, signal.SIGKILL)
             raise TimeoutError(f"ranks did not finish within {timeout:.0f} s (hang?)")
+
+
+class FakeWork:
+    """An async collective's work handle for tests: records each ``wait(timeout)``; with
+    ``fail``, times out as gloo does."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.timeouts: list = []
+        self.fail = fail
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        if self.fail:
+            raise RuntimeError("[Gloo] Timed out waiting 60000ms")
+        return True

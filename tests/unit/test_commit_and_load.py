@@ -17,6 +17,7 @@ from megatron_ckpt_ext.save import layout
 from megatron_ckpt_ext.save.layout import TRACKER, read_tracker
 from megatron_ckpt_ext.save.report import SaveRecord
 from megatron_ckpt_ext.errors import CheckpointWriteError, CkptOptionsError
+from tests._support.dist import FakeWork
 
 
 # -- commit order ---------------------------------------------------------------------------------
@@ -222,26 +223,14 @@ def test_logging_level_sets_the_plugin_and_megatron_loggers():
             logging.getLogger(n).setLevel(level)
 
 
-class _Work:
-    def __init__(self, fail: bool = False) -> None:
-        self.timeouts: list = []
-        self.fail = fail
-
-    def wait(self, timeout=None):
-        self.timeouts.append(timeout)
-        if self.fail:
-            raise RuntimeError("[Gloo] Timed out waiting 60000ms")
-        return True
-
-
 def test_plugin_collectives_wait_at_most_distributed_timeout_minutes():
     group = Group(None, CkptOptions(distributed_timeout_minutes=3))
-    work = _Work()
+    work = FakeWork()
     group.wait(work)
     assert work.timeouts == [timedelta(minutes=3)]
     with pytest.raises(CheckpointWriteError, match="--distributed-timeout-minutes 3"):
-        group.wait(_Work(fail=True))
-    work = _Work()
+        group.wait(FakeWork(fail=True))
+    work = FakeWork()
     Group(None, CkptOptions(distributed_timeout_minutes=None)).wait(work)
     assert work.timeouts == [None]  # the process group's own timeout
 

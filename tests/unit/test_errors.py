@@ -13,6 +13,7 @@ import pytest
 
 import megatron_ckpt_ext as mcx
 from megatron_ckpt_ext import backend, errors, preflight
+from tests._support.dist import FakeWork
 
 PACKAGE = Path(mcx.__file__).parent
 
@@ -181,18 +182,6 @@ def test_a_knob_nothing_in_the_package_reads_says_who_reads_it():
 
 
 # -- the plugin's collectives: bounded, and the error names the journey ------------------------------
-class _Work:
-    def __init__(self, fail: bool = False) -> None:
-        self.timeouts: list = []
-        self.fail = fail
-
-    def wait(self, timeout=None):
-        self.timeouts.append(timeout)
-        if self.fail:
-            raise RuntimeError("[Gloo] Timed out waiting 60000ms")
-        return True
-
-
 @pytest.fixture
 def two_fake_ranks(monkeypatch):
     """A Group that believes it has two ranks; torch's collectives replaced by ``calls``."""
@@ -207,7 +196,7 @@ def two_fake_ranks(monkeypatch):
         if tensor is not None:  # all_gather: both ranks send what this one sends
             for o in out:
                 o.copy_(tensor)
-        work = _Work(fail=calls["fail"])
+        work = FakeWork(fail=calls["fail"])
         calls["works"].append(work)
         return work
 
