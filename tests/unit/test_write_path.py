@@ -230,6 +230,10 @@ def test_the_providers_preload_runs_in_the_writer_when_the_save_owns_its_copies(
     assert moved.preload_fn is None and calls == []  # nothing runs in the trainer
     moved.async_fn(*moved.async_fn_args)
     assert calls == ["preload", ("write", 3, "B", "results")]
+    # a step of every save's write path, applied before the gate: so it runs inside the gate,
+    # once the staged copies it reads have landed
+    steps = write_path.TRANSFORMS
+    assert steps.index(write_path.preload_in_writer) < steps.index(write_path.gated)
     # left to the provider: tensors not copied by this save, a sync save, the debug switch
     assert write_path.preload_in_writer(request, _ctx(CkptOptions())) is request
     assert write_path.preload_in_writer(request, _ctx(CkptOptions(), stager=_OwnCopies(),
