@@ -92,11 +92,12 @@ def summarize(runs: list[dict], floor: dict | None) -> dict[str, Any]:
                         "load_s": parsed["load_s"], "tier": parsed["tier"],
                         "load_report": parsed["load_report"], "error": parsed["error"]})
     return {"runs": rows, "loads": loads, "per_run": per_run, "floors": floor or {},
-            "table": table(rows, loads)}
+            "table": table(rows, loads, floor)}
 
 
-def table(rows: list[dict], loads: list[dict]) -> list[dict]:
-    """Per model and save kind: ours and stock (min-max of stall_s), and ours / steady ours."""
+def table(rows: list[dict], loads: list[dict], floors: dict | None = None) -> list[dict]:
+    """Per model and save kind: ours and stock (min-max of stall_s), ours / steady ours, and
+    the steady row's median over the pinned-copy floor of that model (when measured)."""
     out = []
     for model in sorted({r["model"] for r in rows}):
         steady = [r["stall_s"] for r in rows
@@ -110,8 +111,11 @@ def table(rows: list[dict], loads: list[dict]) -> list[dict]:
                 cell[source] = [min(vals), max(vals)] if vals else None
             if cell["ours"] and steady_med:
                 cell["ours_over_steady"] = round(cell["ours"][1] / steady_med, 2)
+            floor_s = ((floors or {}).get(model) or {}).get("d2h_pinned_s")
+            if kind == "steady" and steady_med and floor_s:
+                cell["ours_median_over_copy_floor"] = round(steady_med / floor_s, 2)
             out.append(cell)
-        for kind in ("resume_cold", "resume_warm", "restart"):
+        for kind in ("resume_cold", "resume_warm", "restart", "resume_other"):
             cell = {"model": model, "load": kind}
             for source in ("ours", "stock"):
                 vals = [ld["load_s"] for ld in loads
@@ -139,7 +143,10 @@ def losses_match(a: dict[int, str], b: dict[int, str], first: int) -> dict[str, 
             if abs(mean - float(b[i])) <= abs(mean) * 1e-6:
                 continue
         differ.append(i)
-    return {"compared": len(common), "differ": differ, "identical": bool(common) and not differ}
+    rel = [abs(float(a[i]) - float(b[i])) / max(abs(float(a[i])), 1e-30) for i in common
+           if i != first + 1]
+    return {"compared": len(common), "differ": differ, "identical": bool(common) and not differ,
+            "max_rel_diff": max(rel) if rel else None}
 
 
 def merge(paths: list[str], out: str) -> int:
@@ -151,7 +158,7 @@ def merge(paths: list[str], out: str) -> int:
     merged["floors"] = {m: f for part in parts for m, f in (part.get("floors") or {}).items()
                         if f.get("state_bytes_per_rank")}
     merged["merged_from"] = paths
-    merged["table"] = table(merged["runs"], merged["loads"])
+    merged["table"] = table(merged["runs"], merged["loads"], merged["floors"])
     Path(out).write_text(json.dumps(merged, indent=1))
     for row in merged["table"]:
         print(json.dumps(row))

@@ -218,7 +218,10 @@ class Checkpointer(_SaveSteps):
             backend.map_sharded_tensors(state, lambda x: tensors.append(x) or x)
             self._admit(tensors)
             record.mode = self._mode  # sync after a node-memory fallback
+            record.detail["admit_s"] = time.perf_counter() - t
+        before = self.staging_stats()
         stage(state, record, self._stager)
+        record.detail.update(_stager_delta(before, self.staging_stats()))
         self._hooks.at("staged", record)
         t = record.phase("stage_s", t)
         request = self._plan(state, workdir, record)
@@ -364,3 +367,14 @@ def _mode(is_async: bool, persistent: bool, cpu_shm: bool, overlap: bool) -> str
         return "sync"
     return (f"async-{'persistent' if persistent else 'temporal'}"
             + ("-cpu-shm" if cpu_shm else "") + ("-overlap" if overlap else ""))
+
+
+def _stager_delta(before: dict, after: dict) -> dict:
+    """What one save's staging cost the stager beyond the copies (rank 0's report names it):
+    waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
+    out = {}
+    for key in ("prepare_wait_s", "allocate_s", "register_s", "allocations",
+                "sets_built_at_stage"):
+        if key in after:
+            out[key] = after[key] - before.get(key, 0)
+    return out

@@ -18,6 +18,11 @@
 # of the same checkpoint (restart_storage).
 # Floors in the same run: pinned device-to-host copy of the state's bytes, cold and warm reads.
 # SOURCES="ours stock" (default) picks the sources; KILL=0 skips the kill; RESUME_WARM=0 the warm resume.
+# Several GPUs, one per rank (issue 33): NPROC=2 PAR_ARGS="--tensor-model-parallel-size 2"
+# LAYOUT=tp2 runs every run with NPROC ranks in that layout; RESUME_STEP=200 resumes the cold
+# resume from that iteration (--ckpt-step) to ITERS, so its losses compare with train's (bit-
+# identical expected); OTHER_PAR_ARGS="--tensor-model-parallel-size 1" OTHER_LAYOUT=dp2 adds a
+# resume of each source's train into that layout (resume_other, losses compared).
 # Writes $OUT/real_client.json (benchmarks/real_client.py) and the logs; prints the table.
 #   OUT=$OUT MODELS="134m" bash scripts/gpu_real_client.sh
 set -uo pipefail
@@ -29,6 +34,13 @@ KILL=${KILL:-1}
 SOURCES=${SOURCES:-ours stock}
 RESUME_WARM=${RESUME_WARM:-1}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+NPROC=${NPROC:-1}
+LAYOUT=${LAYOUT:-single}
+read -r -a PAR <<< "${PAR_ARGS:-}"
+read -r -a OTHER_PAR <<< "${OTHER_PAR_ARGS:-}"
+OTHER_LAYOUT=${OTHER_LAYOUT:-}
+RESUME_STEP=${RESUME_STEP:-}
+export MODELS SOURCES KILL RESUME_WARM NPROC LAYOUT PAR_ARGS OTHER_PAR_ARGS OTHER_LAYOUT RESUME_STEP
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 source scripts/mlm_recipe.sh  # COMMON, OURS, RESUME
@@ -53,9 +65,10 @@ model_args() {  # MODEL -> the model's flags, SAVE_EVERY, ITERS, RESUME_ITERS
 # launch NAME SOURCE MODEL KIND -- megatron args... (foreground, bounded)
 launch() {
   local name=$1 source=$2 model=$3 kind=$4; shift 5
-  local cmd=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((29500 + RANDOM % 1000)))
+  local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000)))
   [ "$source" = ours ] && cmd+=(-m megatron_ckpt_ext.launch)
   cmd+=(.mlm/pretrain_gpt.py "$@")
+  [ "$kind" = resume_other ] || cmd+=("${PAR[@]}")  # later flags win in Megatron's parser
   timeout -k 10 "$RUN_TIMEOUT" "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   record "$name" "$source" "$model" "$kind" "$rc" "${cmd[*]}"
@@ -103,6 +116,7 @@ n = 0
 for f in files:
     if f.endswith(".distcp"):
         n += os.path.getsize(f)
+n //= int(os.environ.get("NPROC", "1"))  # the ranks' shards are in the same files
 res["state_bytes_per_rank"] = n
 src = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
 dst = torch.empty(n // 2, dtype=torch.bfloat16, pin_memory=True)
@@ -140,8 +154,8 @@ PY
 
 kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it after 2*SAVE_EVERY
   local name=$1 model=$2 dir=$3; shift 4
-  local cmd=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((29500 + RANDOM % 1000))
-             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@")
+  local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000))
+             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" "${PAR[@]}")
   setsid "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1 &
   local pid=$! t0=$(date +%s) target=$((2 * SAVE_EVERY))
   until [ "$(cat "$dir/latest_checkpointed_iteration.txt" 2>/dev/null)" = "$target" ]; do
@@ -172,10 +186,17 @@ for model in $MODELS; do
     launch "${source}_${model}_train" $source $model train -- "${base[@]}" --train-iters $ITERS --save "$d"
     cp "$d"/ckpt_report.jsonl "$OUT/logs/${source}_${model}_train_reports.jsonl" 2>/dev/null
     pages drop "$d"
+    step=(); to=$RESUME_ITERS
+    [ -n "$RESUME_STEP" ] && step=(--ckpt-step "$RESUME_STEP") && to=$ITERS
     launch "${source}_${model}_resume_cold" $source $model resume_cold -- "${base[@]}" \
-      "${RESUME[@]}" --train-iters $RESUME_ITERS --load "$d" --save "${d}_r1" --logging-level 20 \
-      --override-opt_param-scheduler
+      "${RESUME[@]}" --train-iters $to --load "$d" --save "${d}_r1" --logging-level 20 \
+      --override-opt_param-scheduler "${step[@]}"
     rm -rf "${d}_r1"
+    if [ -n "$OTHER_LAYOUT" ]; then  # the other layout, from the same checkpoint, no --save
+      launch "${source}_${model}_resume_other" $source $model resume_other -- "${base[@]}" \
+        "${RESUME[@]}" --train-iters $to --load "$d" --logging-level 20 \
+        --override-opt_param-scheduler "${step[@]}" "${OTHER_PAR[@]}"
+    fi
     [ "$RESUME_WARM" = 1 ] || continue
     pages read "$d"
     launch "${source}_${model}_resume_warm" $source $model resume_warm -- "${base[@]}" \
@@ -199,9 +220,14 @@ done
 
 python3 - "$OUT/meta.json" <<'PY'
 import json, sys, torch, importlib.metadata as md
-meta = {"device": torch.cuda.get_device_name(0), "world_size": 1,
+import os
+meta = {"device": torch.cuda.get_device_name(0), "world_size": int(os.environ["NPROC"]),
+        "layout": os.environ["LAYOUT"], "parallel_args": os.environ.get("PAR_ARGS", ""),
         "versions": {p: md.version(p) for p in ("megatron-core", "nvidia-resiliency-ext", "torch")},
-        "command": "OUT=$OUT MODELS=... bash scripts/gpu_real_client.sh"}
+        "command": " ".join(f"{k}={os.environ[k]!r}" for k in
+                            ("MODELS", "SOURCES", "KILL", "RESUME_WARM", "NPROC", "PAR_ARGS",
+                             "LAYOUT", "RESUME_STEP", "OTHER_PAR_ARGS", "OTHER_LAYOUT")
+                            if os.environ.get(k)) + " OUT=$OUT bash scripts/gpu_real_client.sh"}
 json.dump(meta, open(sys.argv[1], "w"))
 PY
 cmp=()
@@ -209,6 +235,10 @@ for model in $MODELS; do
   model_args "$model"
   cmp+=(--compare "ours_${model}_train" "ours_${model}_restart" $((2 * SAVE_EVERY + 1)))
   cmp+=(--compare "ours_${model}_train" "stock_${model}_train" 1)
+  for source in $SOURCES; do
+    [ -n "$RESUME_STEP" ] && cmp+=(--compare "${source}_${model}_train" "${source}_${model}_resume_cold" $((RESUME_STEP + 1)))
+    [ -n "$OTHER_LAYOUT" ] && cmp+=(--compare "${source}_${model}_train" "${source}_${model}_resume_other" $((${RESUME_STEP:-$ITERS} + 1)))
+  done
 done
 python3 - "$OUT" $MODELS <<'PY'
 import json, sys, pathlib

@@ -44,6 +44,8 @@ class SaveRecord:
     seq: int = 0  # published in the stager's ready flag when the staged copies are complete
     copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see PHASES
+    # this rank's breakdown of stage_s (admission, waiting for prepare(), allocation, pinning)
+    detail: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     def release(self) -> None:
@@ -98,6 +100,9 @@ def report_entry(record: SaveRecord, ranks: dict, *, is_async: bool) -> dict:
         "write_gbps": _sig(ranks["bytes_total"] / write_s / 1e9),
         "host_extra_bytes": int(host),
         "phases": {name: round(v, 6) for name, v in zip(PHASES, phases)},
+        # rank 0's own: what stage_s spent beyond the copies (not maxed over ranks)
+        "stage_detail": {k: round(v, 6) if isinstance(v, float) else v
+                         for k, v in record.detail.items()},
     }
     return entry
 

@@ -55,7 +55,8 @@ class ShmStager(_Sealing, _CopyStreams):
         self._seal_lock = threading.Lock()
         self.stats = {"bytes_staged": 0, "stages": 0, "allocations": 0, "bytes_allocated": 0,
                       "rebuilds": 0, "last_rebuild_reason": None, "prepare_s": 0.0,
-                      "prepare_wait_s": 0.0, "sets_built_at_stage": 0}
+                      "prepare_wait_s": 0.0, "sets_built_at_stage": 0, "allocate_s": 0.0,
+                      "register_s": 0.0}
         _warn_file_system_strategy()
         if sweep:
             sweep_orphans(shm_dir=shm_dir)
@@ -283,13 +284,17 @@ class ShmStager(_Sealing, _CopyStreams):
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return _Buffer(torch.empty(shape, dtype=dtype), None)
+        t0 = time.perf_counter()
         path = _segment_path(self.shm_dir, self.job_id, self.rank)
         storage = _shared_segment(path, nbytes, key=spec[0])
         _register_segment(storage, path, nbytes, reuse=self.reuse)
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         buffer = _Buffer(tensor, path)
+        t1 = time.perf_counter()
         if self.pin:
             buffer.registered = _register(tensor, nbytes)
+        self.stats["register_s"] += time.perf_counter() - t1
+        self.stats["allocate_s"] += t1 - t0
         self.stats["allocations"] += 1
         self.stats["bytes_allocated"] += nbytes
         return buffer

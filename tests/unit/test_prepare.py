@@ -32,3 +32,22 @@ def test_the_first_save_after_prepare_stages_into_the_prepared_buffers(one_rank_
         stats = ck.staging_stats()
         assert (stats["allocations"], stats["bytes_allocated"]) == prepared
         assert stats["stages"] == 1
+        detail = ck.reports[-1]["stage_detail"]
+        assert detail["allocations"] == 0 and detail["sets_built_at_stage"] == 0, detail
+
+
+def test_the_report_says_what_a_first_save_without_prepare_spent_on_staging(one_rank_group,
+                                                                           tmp_path):
+    """The first save's report names its allocation (rank 0's stage_detail); the next save,
+    into the same buffers, allocates nothing."""
+    tensors = {"w": torch.randn(64, 32), "b": torch.randn(4096)}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        for it in (1, 2):
+            ck.save(_state(tensors), tmp_path, iteration=it)
+            ck.maybe_finalize(blocking=True)
+        first, second = (r["stage_detail"] for r in ck.reports)
+        assert first["allocations"] == 2 and first["allocate_s"] > 0, first
+        assert "admit_s" in first and "admit_s" not in second, (first, second)
+        assert second["allocations"] == 0 and second["allocate_s"] == 0, second

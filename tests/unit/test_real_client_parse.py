@@ -48,6 +48,16 @@ def test_a_restart_is_read_with_its_tier_load_time_and_error():
 def test_restarted_losses_match_except_megatrons_mean_of_its_first_two():
     a = rc.parse_log(LOG)["losses"]
     b = rc.parse_log(RESTART)["losses"]
-    assert rc.losses_match(a, b, 101) == {"compared": 2, "differ": [], "identical": True}
+    assert rc.losses_match(a, b, 101) == {"compared": 2, "differ": [], "identical": True,
+                                          "max_rel_diff": 0.0}
     b[101] = "6.100001E+00"
-    assert rc.losses_match(a, b, 101)["differ"] == [101]
+    check = rc.losses_match(a, b, 101)
+    assert check["differ"] == [101] and 0 < check["max_rel_diff"] < 1e-6, check
+
+
+def test_the_steady_row_is_compared_with_the_copy_floor_of_its_model():
+    rows = [{"model": "134m", "source": "ours", "save": "steady", "stall_s": s}
+            for s in (0.05, 0.06, 0.07)]
+    steady = rc.table(rows, [], {"134m": {"d2h_pinned_s": 0.03}})[0]
+    assert steady["ours_median_over_copy_floor"] == 2.0, steady
+    assert "ours_median_over_copy_floor" not in rc.table(rows, [])[0]
