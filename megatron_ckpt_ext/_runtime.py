@@ -25,7 +25,10 @@ _warn_lock = threading.Lock()
 
 
 def rank() -> int:
-    """This process's torch.distributed rank, or 0 when no process group is up."""
+    """This process's torch.distributed rank; before the process group is up, the launcher's
+    ``RANK`` (torchrun, SLURM through it), else 0. Megatron-LM 0.19 builds its persistent
+    worker, and so our early Checkpointer, before it initializes torch.distributed: taken as
+    rank 0 there, every rank took the --save lock and all but one failed (seen with 2 GPUs)."""
     try:
         import torch.distributed as dist
 
@@ -33,7 +36,10 @@ def rank() -> int:
             return dist.get_rank()
     except Exception:  # a broken torch.distributed must not break a warning
         pass
-    return 0
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def warn_once(key: str, message: str) -> None:

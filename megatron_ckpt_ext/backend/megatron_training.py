@@ -145,8 +145,14 @@ def megatron_sharded_state(checkpointing: Any, args: Any, model: Any, optimizer:
         return None
     if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
         return None
+    # save_checkpoint unwraps the model (DDP, Float16Module) before it builds the state: the
+    # wrapped modules' state names every tensor under "module." (seen on the H100: 400 of 400
+    # prepared buffers named otherwise than the save's tensors, so the first save allocated)
+    unwrap = _attr(checkpointing, "unwrap_model")
+    if not callable(unwrap):
+        return None
     build_metadata = _attr(checkpointing, "_build_sharded_state_dict_metadata")
     metadata = build_metadata(args) if callable(build_metadata) else None
     kwargs = dict(metadata=metadata) if metadata is not None else None
-    return generate(args, model, optimizer, opt_param_scheduler, None,
+    return generate(args, unwrap(model), optimizer, opt_param_scheduler, None,
                     optim_sd_kwargs=kwargs, model_sd_kwargs=kwargs)

@@ -198,6 +198,8 @@ def _train_step_stand_ins(mlm, *, save="/ckpt"):
 
     training.train_step = train_step
     ckpting.generate_state_dict = generate_state_dict
+    # save_checkpoint's own unwrap_model (DDP and Float16Module wrappers off)
+    ckpting.unwrap_model = lambda model: [m.removeprefix("wrapped-") for m in model]
     ckpting._build_sharded_state_dict_metadata = _build_sharded_state_dict_metadata
     return built
 
@@ -207,9 +209,11 @@ def test_the_first_train_step_prepares_the_staging_for_the_state_megatron_will_s
     made = _install(mlm, async_save=True)
     training = mlm.mods["training"]
     for i in (1, 2, 3):
-        result = training.train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb", iteration=i)
+        result = training.train_step("fwd", "data", ["wrapped-m"], "opt", "sched", "cfg", "fb",
+                                     iteration=i)
         assert result == ("loss", i)  # Megatron's own step, untouched
-    # once, after the first step, from the step's own model, optimizer and scheduler, with
+    # once, after the first step, from the step's own model (unwrapped, as save_checkpoint
+    # does: the wrapped model's tensors have other names), optimizer and scheduler, with
     # Megatron's sharding metadata, without RNG state
     assert built == [(["m"], "opt", "sched", None,
                       {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}})]

@@ -67,3 +67,20 @@ def test_checkpointers_of_one_process_share_the_lock(tmp_path):
     assert (tmp_path / LOCK).is_file()  # still held by the first
     first.close()
     assert not (tmp_path / LOCK).exists()
+
+
+def test_ranks_other_than_0_take_no_lock_before_the_process_group_is_up(tmp_path, monkeypatch):
+    """Megatron-LM 0.19 builds the persistent worker (our early Checkpointer, with --save) on
+    every rank before torch.distributed is initialized: only RANK 0 may take the lock there."""
+    root = tmp_path / "ckpt"
+    holder, child = _start_holder(root)  # rank 0 of the same job, holding the lock
+    try:
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with Checkpointer(CkptOptions(), save_dir=root):  # no SaveDirectoryInUse
+            pass
+        assert (root / LOCK).is_file()  # still rank 0's
+    finally:
+        holder.kill()
+        os.kill(child, signal.SIGKILL)
+        holder.wait(timeout=30)
