@@ -29,6 +29,7 @@ from typing import Any
 from . import _cpu_shim, backend, preflight, strategy
 from ._runtime import rank
 from .collectives import Group
+from .debug import env_switch, profiled
 from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
@@ -180,6 +181,17 @@ class Checkpointer(_SaveSteps):
     # -- save --------------------------------------------------------------------------------
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int) -> None:
+        """Save ``sharded_state_dict`` as ``<checkpoint_dir>/iter_{iteration:07d}`` (see
+        :meth:`_save` for the steps); under ``MCX_PROFILE_SAVES`` profiled (docs/DEBUGGING.md)."""
+        folder = env_switch("MCX_PROFILE_SAVES")
+        if folder:
+            profiled(folder, f"save iteration {iteration}", rank(), self._save,
+                     sharded_state_dict, checkpoint_dir, iteration=iteration)
+        else:
+            self._save(sharded_state_dict, checkpoint_dir, iteration=iteration)
+
+    def _save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
+              iteration: int) -> None:
         """Save ``sharded_state_dict`` as ``<checkpoint_dir>/iter_{iteration:07d}``.
 
         Steps ((C): a collective every rank makes, in this order):

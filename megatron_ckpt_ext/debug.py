@@ -50,6 +50,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_FREEZE_GC_AT_FORK", "1",
               "0: do not gc.freeze() the trainer's objects when the persistent writer is forked "
               "(its full collections then copy the pages the writer shares)"),
+    EnvSwitch("MCX_PROFILE_SAVES", "",
+              "<dir>: run every save() under cProfile and append its 40 costliest functions "
+              "(cumulative) to <dir>/save_profile_rank<R>.txt"),
     EnvSwitch("MCX_WRITER_TRACE", "",
               "<dir>: append each save's preload, write, results hand-back, schedule and commit "
               f"wall times to <dir>/{TRACE_FILE}"),
@@ -134,3 +137,22 @@ def _thread_usage() -> dict[str, float]:
     u = resource.getrusage(who)
     return {"cpu_s": u.ru_utime + u.ru_stime, "sys_s": u.ru_stime, "minflt": u.ru_minflt,
             "majflt": u.ru_majflt, "nvcsw": u.ru_nvcsw, "nivcsw": u.ru_nivcsw}
+
+
+# -- save profile (MCX_PROFILE_SAVES) ------------------------------------------------------------
+def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under cProfile; its 40 costliest functions (cumulative) appended
+    to ``<folder>/save_profile_rank<rank>.txt`` under ``label``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, *args, **kwargs)
+    finally:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with open(Path(folder) / f"save_profile_rank{rank}.txt", "a", encoding="utf-8") as fh:
+            fh.write(f"==== {label}\n{out.getvalue()}\n")
