@@ -39,6 +39,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "1: keep the provider's preload where it runs it (megatron-core's host preload, "
               "nvrx's bucket building, which the trainer waits for) even when every tensor is "
               "already staged in copies the save owns"),
+    EnvSwitch("MCX_CONVERT_EVERY_SAVE", "0",
+              "1: let megatron-core convert every shard into a torch ShardedTensor at every save "
+              "(no reuse of the previous save's conversions under a constant structure)"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITE_CHECKSUMS", "1",

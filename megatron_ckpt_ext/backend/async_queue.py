@@ -371,6 +371,8 @@ def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05,
 
     def watch() -> None:
         while not stop.wait(poll_s):
+            if stop.is_set():  # the hand-over ended while this iteration woke: nothing to do
+                return
             if give_up is not None and not _writer_died(caller) and give_up():
                 with contextlib.suppress(AttributeError, OSError):
                     caller.process.kill()
@@ -384,8 +386,9 @@ def unblock_hand_over_if_worker_dies(queue: Any, *, poll_s: float = 0.05,
     try:
         yield
     finally:
+        # not joined: the watcher ends at its next wake-up, and acts only while stop is unset;
+        # joining it made the trainer wait for that thread to be scheduled on every save
         stop.set()
-        watcher.join()
 
 
 # What one rank writes alone between megatron-core's collectives: in a save's planning, rank 0's

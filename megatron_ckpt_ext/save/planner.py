@@ -25,6 +25,8 @@ class SavePlanner:
         self.dp_group = dp_group
         self._strategy: Any = None
         self._structure: tuple | None = None
+        # megatron-core's conversions of the last save, reused while the structure holds
+        self.conversions = backend.ConversionCache() if self.constant else None
 
     @property
     def constant(self) -> bool:
@@ -50,6 +52,8 @@ class SavePlanner:
                             "the cached save plan", describe_change(self._structure, key))
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
             record.new_structure = True
+            if self.conversions is not None:
+                self.conversions.clear()
         self._structure = key
 
     def strategy(self) -> Any:
@@ -60,6 +64,8 @@ class SavePlanner:
 
     def reset(self) -> None:
         self._strategy = self._structure = None
+        if self.conversions is not None:
+            self.conversions.clear()
 
 
 def state_bytes(state: Any) -> int:

@@ -82,7 +82,8 @@ class _SaveSteps:
         snapshots = record.snapshots
         with backend.writer_keeps_snapshots(
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps, \
-                backend.into_fresh_directory(), backend.version_checks_cached():
+                backend.into_fresh_directory(), backend.version_checks_cached(), \
+                backend.conversions_cached(self._planner.conversions):
             if not keeps and backend.writer_clones_cpu_tensors():
                 self._publisher.wait_staged(record)
             try:  # the common state is rank 0's write alone: fail every rank alike
