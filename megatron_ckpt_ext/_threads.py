@@ -2,7 +2,10 @@
 
 A host running eight ranks gives each one an eighth of its cores; a pool sized for the whole host
 in every rank would start eight times as many threads as there are cores, all contending. The
-counts here start from :func:`cores_per_local_rank`; a value the user gave always wins.
+counts here start from :func:`cores_per_local_rank`; a value the user gave always wins, and
+``None`` or ``"auto"`` (``--ckpt-load-threads auto``, its default) asks for the derived count.
+Each derived count is its one-rank-per-host value capped at the rank's cores, so a host of one
+rank with enough cores keeps the counts it always had.
 """
 
 from __future__ import annotations
@@ -10,10 +13,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ThreadCounts", "cores_per_local_rank", "local_world_size", "thread_counts"]
+__all__ = ["AUTO", "ThreadCounts", "cores_per_local_rank", "local_world_size", "thread_counts"]
 
-# reading threads per rank at one rank per host (the --ckpt-load-threads default)
+AUTO = "auto"  # a count derived from the rank's cores (--ckpt-load-threads auto)
+
+# reading threads per rank at one rank per host with 8 cores or more
 _LOAD_READ_PER_HOST = 8
+# threads per rank that pin a memory snapshot's buffers, and copy them at a restore from memory,
+# at one rank per host with 16 cores or more
+_COPY_PER_HOST = 16
 
 
 def local_world_size() -> int:
@@ -39,31 +47,38 @@ def cores_per_local_rank() -> int:
 @dataclass(frozen=True)
 class ThreadCounts:
     """Threads per rank: ``load_read`` read a checkpoint's bytes at load, ``checksum`` sum them
-    (and check the files the reads do not cover), ``writer`` write a save's files."""
+    (and check the files the reads do not cover), ``writer`` write a save's files, ``copy`` pin
+    a memory snapshot's buffers and copy them into the targets at a restore from memory."""
 
     cores: int
     load_read: int
     checksum: int
     writer: int
+    copy: int
 
 
-def thread_counts(*, load_read: int | None = None, checksum: int | None = None,
-                  writer: int | None = None, cores: int | None = None) -> ThreadCounts:
-    """Each count given wins; the others derive from ``cores`` (default
-    :func:`cores_per_local_rank`):
+def thread_counts(*, load_read: int | str | None = None, checksum: int | str | None = None,
+                  writer: int | str | None = None, copy: int | str | None = None,
+                  cores: int | None = None) -> ThreadCounts:
+    """Each count given wins (``None`` or ``"auto"``: not given); the others derive from
+    ``cores`` (default :func:`cores_per_local_rank`):
 
-    * reading threads: the one-rank-per-host default, at most the rank's cores;
+    * reading threads: 8, at most the rank's cores;
     * checksum threads: as many as reading ones, at most the rank's cores (summing is CPU work:
       more threads than cores only take turns);
-    * writer threads: one (each more forks a writer process competing for the same cores).
+    * writer threads: one (each more forks a writer process competing for the same cores);
+    * copy threads: 16, at most the rank's cores (each copies and sums its chunks: CPU work).
     """
-    for name, value in (("load_read", load_read), ("checksum", checksum), ("writer", writer),
-                        ("cores", cores)):
+    given = {"load_read": load_read, "checksum": checksum, "writer": writer, "copy": copy}
+    given = {name: None if value == AUTO else value for name, value in given.items()}
+    for name, value in (*given.items(), ("cores", cores)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
-            raise ValueError(f"thread_counts: {name} must be an integer >= 1, got {value!r}")
+            raise ValueError(f"thread_counts: {name} must be an integer >= 1 or {AUTO!r}, "
+                             f"got {value!r}")
     cores = cores_per_local_rank() if cores is None else cores
-    read = load_read if load_read is not None else min(_LOAD_READ_PER_HOST, cores)
+    read = given["load_read"] or min(_LOAD_READ_PER_HOST, cores)
     return ThreadCounts(cores=cores, load_read=read,
-                        checksum=checksum if checksum is not None else min(read, cores),
-                        writer=writer if writer is not None else 1)
+                        checksum=given["checksum"] or min(read, cores),
+                        writer=given["writer"] or 1,
+                        copy=given["copy"] or min(_COPY_PER_HOST, cores))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from ._threads import AUTO
 from .options import _DESTS_ATTR, Knob, _field_default, _range_text, knobs
 
 __all__ = ["GROUP_TITLE", "add_arguments", "flags"]
@@ -61,13 +62,15 @@ def _add(group: Any, knob: Knob) -> None:
             type=_int_type(knob),
             default=default,
             dest=knob.arg_dest,
-            metavar="N",
+            metavar=f"{{N,{AUTO}}}" if knob.auto else "N",
             help=f"{knob.help} (default: {default})",
         )
 
 
-def _int_type(knob: Knob) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _int_type(knob: Knob) -> Callable[[str], int | str]:
+    def parse(text: str) -> int | str:
+        if knob.auto and text == AUTO:
+            return AUTO
         try:
             value = int(text)
         except ValueError:

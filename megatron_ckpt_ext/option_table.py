@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._threads import AUTO
+
 __all__ = ["Knob"]
 
 _SAME = object()  # sentinel: the config default equals the CLI default
@@ -30,6 +32,7 @@ class Knob:
     choices: tuple[str, ...] | None = None  # a text knob's valid values
     excluded: tuple[int, ...] = ()  # integers in [minimum, maximum] that are not valid
     valid: str | None = None  # the valid values in words, where a range does not say it
+    auto: bool = False  # an integer knob that also takes "auto": a count derived at run time
 
     @property
     def arg_dest(self) -> str:
@@ -140,15 +143,17 @@ class _KnobTable:
         "every file, written at save) before loading it. Checkpoints without a manifest load "
         "unverified either way.",
     )
-    ckpt_load_threads: int = _knob(
-        8,
+    ckpt_load_threads: int | str = _knob(
+        AUTO,
         flag="--ckpt-load-threads",
         minimum=1,
+        auto=True,
         help="Threads per rank that read a checkpoint's bytes at load, each along its own stripe "
         "of the files, straight into the target tensors (through pinned chunks for GPU tensors). "
-        "1: megatron-core's own one-at-a-time loop. A verified load sums the bytes on as many "
-        "threads, at most the rank's share of the host's cores (the cores it may run on over "
-        "LOCAL_WORLD_SIZE).",
+        "'auto': 8, at most the rank's share of the host's cores (the cores it may run on over "
+        "LOCAL_WORLD_SIZE), so 8 ranks on 16 cores read on 2 threads each; an integer N: N "
+        "threads whatever the cores. 1: megatron-core's own one-at-a-time loop. A verified load "
+        "sums the bytes on as many threads, at most the rank's share of the cores.",
     )
     ckpt_load_fallback: bool = _knob(
         False,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
+from ._threads import AUTO
 from .errors import CkptOptionsError
 from .option_table import _SAME, Knob, _KnobTable
 
@@ -97,7 +98,7 @@ def knobs() -> Iterator[Knob]:
 
 def _check_value(knob: Knob, value: Any) -> None:
     default = _field_default(knob.name)
-    if value is None and knob.optional:
+    if (value is None and knob.optional) or (knob.auto and value == AUTO):
         return
     if knob.choices is not None:
         if value not in knob.choices:
@@ -127,13 +128,14 @@ def _field_default(name: str) -> Any:
 
 
 def _range_text(knob: Knob) -> str:
+    either = f" or '{AUTO}'" if knob.auto else ""
     if knob.valid is not None:
         return f" ({knob.valid})"
     if knob.minimum is not None and knob.maximum is not None:
-        return f" in [{knob.minimum}, {knob.maximum}]"
+        return f" in [{knob.minimum}, {knob.maximum}]{either}"
     if knob.minimum is not None:
-        return f" >= {knob.minimum}"
-    return ""
+        return f" >= {knob.minimum}{either}"
+    return either
 
 
 _TYPO_CUTOFF = 0.85  # difflib ratio: no Megatron-LM argument or NeMo-RL megatron_cfg key reaches it

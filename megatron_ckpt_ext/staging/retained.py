@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from .._crc import crc32 as _crc32
+from .._threads import cores_per_local_rank, thread_counts
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
            "list_seals", "read_seal", "remove_seal", "seal_path", "sealed_segments",
@@ -37,6 +38,7 @@ SEAL_PREFIX = "mcxseal_"
 MAX_AGE_S = 24 * 3600.0  # a seal older than this no longer protects its segments from the sweep
 _FORMAT = "megatron-ckpt-ext/seal/1"
 _CRC_CHUNK = 64 << 20
+_SEAL_SUM_THREADS = 4  # a seal's summing threads, at most the rank's share of the host's cores
 
 
 
@@ -189,7 +191,7 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     freshly mapped segment to the device, that was the fastest (docs/memory/)."""
     from ..manifest import crc32_combine
 
-    threads = threads or min(16, os.cpu_count() or 1)
+    threads = threads or thread_counts().copy  # the rank's share of the host's cores
     pieces = [(i, a, min(a + chunk, _nbytes(b))) for i, (b, _, _) in enumerate(jobs)
               for a in range(0, max(1, _nbytes(b)), chunk)]
 
@@ -220,9 +222,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def crc32_all(tensors: Sequence[torch.Tensor], *, threads: int = 4,
+def crc32_all(tensors: Sequence[torch.Tensor], *, threads: int | None = None,
               cancelled: threading.Event | None = None) -> list[int] | None:
-    """Every tensor's CRC-32, on ``threads`` threads; None when cancelled."""
+    """Every tensor's CRC-32, on ``threads`` threads (default 4, at most the rank's share of
+    the host's cores: it runs beside training); None when cancelled."""
+    threads = threads or min(_SEAL_SUM_THREADS, cores_per_local_rank())
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         crcs = list(pool.map(lambda t: buffer_crc32(t, cancelled), tensors))
     return None if any(c is None for c in crcs) else crcs  # type: ignore[return-value]

@@ -162,10 +162,13 @@ class _Sealing:
         they copy to the device at full speed, now and as the next save's staging."""
         from concurrent.futures import ThreadPoolExecutor
 
+        from .._threads import thread_counts
+
         todo = sorted((b for b in buffers if b.path), key=lambda b: -b.nbytes)
 
         def pin(buffer: _Buffer) -> None:
             buffer.registered = _register(buffer.tensor, buffer.nbytes)
 
-        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        # the rank's share of the host's cores: every rank of the host pins at once
+        with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:
             list(pool.map(pin, todo))

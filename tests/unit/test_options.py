@@ -13,7 +13,7 @@ CLI_DEFAULTS = dict(
     async_save=False, async_ckpt_use_cpu_shm=False, dist_ckpt_workers=1,
     ckpt_assume_constant_structure=False, use_persistent_ckpt_worker=False, ckpt_overlap_snapshot=False,
     ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, save_rng=True, load_rng=True,
-    exit_on_missing_checkpoint=False, ckpt_verify_load=True, ckpt_load_threads=8,
+    exit_on_missing_checkpoint=False, ckpt_verify_load=True, ckpt_load_threads="auto",
     ckpt_load_fallback=False, ckpt_memory_restore=True, ckpt_keep_memory_snapshot=False,
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,

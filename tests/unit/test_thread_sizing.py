@@ -4,15 +4,19 @@ load on a rank with few cores starts no more checksum threads than it has cores.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_ckpt_ext import Checkpointer, CkptOptions, _threads
+from megatron_ckpt_ext import Checkpointer, CkptOptions, _threads, add_arguments
 from megatron_ckpt_ext.backend import load_reader
+from megatron_ckpt_ext.errors import CkptOptionsError
 from megatron_ckpt_ext.load import verify
+from megatron_ckpt_ext.staging import retained
+from megatron_ckpt_ext.staging.sealing import _Sealing
 from tests._support.dist import sharded
 
 
@@ -34,20 +38,22 @@ def test_eight_local_ranks_on_sixteen_cores_get_two_threads_each(host):
     host(16, 8)
     assert _threads.cores_per_local_rank() == 2
     counts = _threads.thread_counts()
-    assert (counts.cores, counts.load_read, counts.checksum, counts.writer) == (2, 2, 2, 1)
+    assert (counts.cores, counts.load_read, counts.checksum, counts.writer, counts.copy) == (
+        2, 2, 2, 1, 2)
+    assert _threads.thread_counts(load_read="auto") == counts  # --ckpt-load-threads auto
 
 
 def test_one_rank_per_host_keeps_the_one_rank_defaults(host):
     host(16, None)  # no LOCAL_WORLD_SIZE: a world of one
     assert _threads.cores_per_local_rank() == 16
     counts = _threads.thread_counts()
-    assert (counts.load_read, counts.checksum, counts.writer) == (8, 8, 1)
+    assert (counts.load_read, counts.checksum, counts.writer, counts.copy) == (8, 8, 1, 16)
 
 
 def test_a_value_given_wins(host):
     host(16, 8)
-    counts = _threads.thread_counts(load_read=8, writer=3)
-    assert counts.load_read == 8 and counts.writer == 3
+    counts = _threads.thread_counts(load_read=8, writer=3, copy=6)
+    assert counts.load_read == 8 and counts.writer == 3 and counts.copy == 6
     assert counts.checksum == 2  # not given: at most the rank's cores
     assert _threads.thread_counts(load_read=8, checksum=5).checksum == 5
     assert _threads.thread_counts(cores=4).load_read == 4
@@ -57,7 +63,7 @@ def test_fewer_cores_than_ranks_still_get_one_thread(host):
     host(1, 8)
     assert _threads.cores_per_local_rank() == 1
     counts = _threads.thread_counts()
-    assert (counts.load_read, counts.checksum, counts.writer) == (1, 1, 1)
+    assert (counts.load_read, counts.checksum, counts.writer, counts.copy) == (1, 1, 1, 1)
 
 
 def test_without_an_affinity_call_the_cpu_count_is_used(monkeypatch):
@@ -74,39 +80,106 @@ def test_a_bad_local_world_size_counts_as_one(host, monkeypatch, value):
     assert _threads.cores_per_local_rank() == 6
 
 
-@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "Auto"])
 def test_a_bad_count_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match="load_read must be an integer >= 1"):
+    with pytest.raises(ValueError, match="load_read must be an integer >= 1 or 'auto'"):
         _threads.thread_counts(load_read=bad)
 
 
-@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
-def test_a_verified_load_sums_on_the_ranks_share_of_the_cores(host, monkeypatch, tmp_path: Path):
-    """--ckpt-load-threads 8 on a rank with 2 cores: 8 reading threads (the flag), 2 summing
-    threads and 2 manifest-check threads (derived), and the load is still verified."""
-    pools: dict[str, int] = {}
+class _Recording(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that records its size under its thread name prefix."""
 
-    class Recording(concurrent.futures.ThreadPoolExecutor):
-        def __init__(self, max_workers=None, thread_name_prefix="", **kw):
-            pools[thread_name_prefix] = max_workers
-            super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, **kw)
+    sizes: dict[str, int] = {}
 
-    workers: list[int] = []
+    def __init__(self, max_workers=None, thread_name_prefix="", **kw):
+        _Recording.sizes[thread_name_prefix] = max_workers
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, **kw)
+
+
+@pytest.fixture
+def pools(monkeypatch) -> dict[str, int]:
+    """The size of each pool a load's reader starts ({"mcx-read": n, "mcx-sum": n}) and the
+    manifest check's workers ("check")."""
+    _Recording.sizes = {}
     real_verify_files = verify.verify_files
 
     def recording_verify_files(*args, **kw):
-        workers.append(kw["workers"])
+        _Recording.sizes["check"] = kw["workers"]
         return real_verify_files(*args, **kw)
 
-    monkeypatch.setattr(load_reader, "ThreadPoolExecutor", Recording)
+    monkeypatch.setattr(load_reader, "ThreadPoolExecutor", _Recording)
     monkeypatch.setattr(verify, "verify_files", recording_verify_files)
+    return _Recording.sizes
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+@pytest.mark.parametrize("ranks,argv,read,summing", [
+    (8, [], 2, 2),  # auto: 16 cores over 8 ranks
+    (None, [], 8, 8),  # auto at one rank per host: the one-rank counts
+    (8, ["--ckpt-load-threads", "auto"], 2, 2),
+    (8, ["--ckpt-load-threads", "4"], 4, 2),  # the flag wins; summing at most the cores
+    (8, ["--ckpt-load-threads", "8"], 8, 2),
+])
+def test_a_load_reads_and_sums_on_the_ranks_share_of_the_cores(host, pools, tmp_path: Path,
+                                                               ranks, argv, read, summing):
+    """The load's reading threads (--ckpt-load-threads, auto by default), its summing threads and
+    its manifest-check threads, and the load is still verified."""
     state = {f"w{i}": torch.randn(4096) for i in range(4)}
     with Checkpointer(CkptOptions()) as ck:
         ck.save(sharded(0, 1, state), tmp_path, iteration=1)
-    host(16, 8)
-    with Checkpointer(CkptOptions(ckpt_load_threads=8)) as ck:
+    host(16, ranks)
+    pools.clear()
+    options = CkptOptions.from_args(add_arguments(argparse.ArgumentParser()).parse_args(argv))
+    with Checkpointer(options) as ck:
         got = ck.load(sharded(0, 1, {k: torch.zeros(4096) for k in state}), tmp_path)
         assert ck.load_reports[-1]["verified"] is True
     assert all(torch.equal(got[k], v) for k, v in state.items())
-    assert pools == {"mcx-read": 8, "mcx-sum": 2}, pools
-    assert workers and set(workers) == {2}, workers
+    assert pools == {"mcx-read": read, "mcx-sum": summing, "check": summing}, pools
+
+
+@pytest.mark.parametrize("source", ["cli", "mapping"])
+def test_load_threads_take_auto_or_an_integer_from_every_source(source):
+    def options(value):
+        if source == "cli":
+            parser = add_arguments(argparse.ArgumentParser())
+            return CkptOptions.from_args(parser.parse_args(["--ckpt-load-threads", value]))
+        return CkptOptions.from_config({"ckpt_load_threads": value})
+
+    assert CkptOptions().ckpt_load_threads == "auto"
+    assert CkptOptions.from_config({}).ckpt_load_threads == "auto"  # an absent key: auto
+    assert options("auto").ckpt_load_threads == "auto"
+    assert options("4" if source == "cli" else 4).ckpt_load_threads == 4
+
+
+@pytest.mark.parametrize("value", ["Auto", "many", 0, 2.0, True])
+def test_a_bad_load_thread_count_names_the_flag_and_the_valid_values(value):
+    with pytest.raises(CkptOptionsError, match=r"--ckpt-load-threads \(config key "
+                       r"'ckpt_load_threads'\) must be an integer >= 1 or 'auto'"):
+        CkptOptions.from_config({"ckpt_load_threads": value})
+
+
+@pytest.mark.parametrize("argv", [["--ckpt-load-threads", "Auto"], ["--ckpt-load-threads", "0"]])
+def test_a_bad_load_thread_flag_exits_naming_the_valid_values(argv, capsys):
+    with pytest.raises(SystemExit):
+        add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    assert "--ckpt-load-threads: must be an integer >= 1 or 'auto'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks,copy,seal", [(8, 2, 2), (None, 16, 4)])
+def test_a_memory_snapshots_pools_use_the_ranks_share_of_the_cores(host, monkeypatch, ranks,
+                                                                   copy, seal):
+    """Pinning an adopted snapshot, copying it into the targets and summing a seal: 16, 16 and
+    4 threads at one rank per host, at most the rank's cores with 8 ranks on 16 cores."""
+    host(16, ranks)
+    _Recording.sizes = {}
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", _Recording)  # _pin_all's
+    _Sealing._pin_all([])
+    assert _Recording.sizes.pop("") == copy
+    monkeypatch.setattr(retained, "ThreadPoolExecutor", _Recording)
+    source, target = torch.randn(1024), torch.zeros(1024)
+    assert retained.copy_verified([(source, retained.buffer_crc32(source), target)]) == []
+    assert torch.equal(source, target) and _Recording.sizes.pop("") == copy
+    retained.copy_verified([(source, retained.buffer_crc32(source), target)], threads=5)
+    assert _Recording.sizes.pop("") == 5  # a count given wins
+    assert retained.crc32_all([source]) == [retained.buffer_crc32(source)]
+    assert _Recording.sizes.pop("") == seal
