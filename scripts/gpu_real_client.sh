@@ -229,6 +229,7 @@ python3 - "$OUT/meta.json" <<'PY'
 import json, sys, torch, importlib.metadata as md
 import os
 meta = {"device": torch.cuda.get_device_name(0), "world_size": int(os.environ["NPROC"]),
+        "ranks_per_device": 1,  # one GPU per rank (torchrun's local rank picks the device)
         "layout": os.environ["LAYOUT"], "parallel_args": os.environ.get("PAR_ARGS", ""),
         "versions": {p: md.version(p) for p in ("megatron-core", "nvidia-resiliency-ext", "torch")},
         "command": " ".join(f"{k}={os.environ[k]!r}" for k in
