@@ -10,7 +10,6 @@ import atexit
 import functools
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -21,12 +20,12 @@ from . import backend
 from ._runtime import rank, warn_once
 from .errors import MegatronAdapterError
 from .options import CkptOptions
+from .save.layout import parse_iteration
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-_ITER_DIR = re.compile(r"iter_(\d{7})")
 _DEFAULT_STRICT = ("assume_ok_unexpected", "StrictHandling.ASSUME_OK_UNEXPECTED")
 
 CheckpointerFactory = Callable[[CkptOptions], Any]
@@ -194,8 +193,7 @@ class _DistCheckpointingProxy:
 
 
 def _iteration_of(checkpoint_dir: Any) -> int | None:
-    match = _ITER_DIR.fullmatch(os.path.basename(os.path.normpath(str(checkpoint_dir))))
-    return int(match.group(1)) if match else None
+    return parse_iteration(os.path.basename(os.path.normpath(str(checkpoint_dir))))
 
 
 def _save(sharded_state_dict: Any, checkpoint_dir: str, iteration: int, *,

@@ -9,37 +9,35 @@ import sys
 import time
 from pathlib import Path
 
-from .manifest import MANIFEST, ManifestError, read_manifest, unlisted, verify_files
-from .load.verify import missing_manifest
-from .save.layout import checkpoint_name, read_tracker
+from .manifest import MANIFEST, unlisted, verify_files
+from .load.verify import check_manifest
+from .save.layout import METADATA, checkpoint_name, read_tracker
 
 __all__ = ["run"]
+
+# what to do about a manifest that cannot be trusted, by ManifestCheck.kind
+_FIXES = {
+    "damaged": "the manifest is damaged: nothing in the checkpoint can be trusted to match it",
+    "missing": f"restore {MANIFEST} from a copy of this checkpoint; without it nothing here can "
+               "be verified",
+}
 
 
 def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
     path = _checkpoint(Path(folder), iteration)
     if path is None:
         return 2
-    try:
-        manifest = read_manifest(path)
-    except ManifestError as e:
-        print(f"BAD {path / MANIFEST}: {e}")
-        print(f"{path}: the manifest is damaged: nothing in the checkpoint can be trusted to "
-              "match it", file=sys.stderr)
+    check = check_manifest(path)
+    if check.kind:
+        print(f"BAD {path / MANIFEST}: {check.why}")
+        if check.kind in _FIXES:
+            print(f"{path}: {_FIXES[check.kind]}", file=sys.stderr)
         return 1
-    if manifest is None and (missing := missing_manifest(path)):
-        print(f"BAD {path / MANIFEST}: {missing}")
-        print(f"{path}: restore {MANIFEST} from a copy of this checkpoint; without it nothing "
-              "here can be verified", file=sys.stderr)
-        return 1
+    manifest = check.manifest
     if manifest is None:
         print(f"{path}: no {MANIFEST} (saved by stock Megatron or an older plugin): nothing to "
               "verify", file=sys.stderr)
         return 2
-    if path.name.startswith("iter_") and manifest.get("iteration") != int(path.name[5:]):
-        print(f"BAD {path / MANIFEST}: written for iteration {manifest.get('iteration')}, not "
-              f"{int(path.name[5:])}")
-        return 1
     total = sum(f["bytes"] for f in manifest["files"].values())
     print(f"verifying {path}: {len(manifest['files'])} files, {total / 1e9:.2f} GB, "
           f"{workers} at a time", file=sys.stderr)
@@ -66,7 +64,7 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
 
 
 def _checkpoint(folder: Path, iteration: int | None) -> Path | None:
-    if (folder / MANIFEST).exists() or (folder / "metadata.json").exists():
+    if (folder / MANIFEST).exists() or (folder / METADATA).exists():
         return folder
     try:
         iteration = iteration if iteration is not None else read_tracker(folder)

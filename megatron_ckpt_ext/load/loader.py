@@ -18,6 +18,7 @@ from .._threads import thread_counts
 from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..options import CkptOptions
+from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure
 from .report import LoadRecord
 from .verify import agree as verify_agree
@@ -42,13 +43,14 @@ class Loader:
              explicit: bool) -> dict:
         """Collective: megatron-core's load of ``path`` with its manifest check running beside
         it; on a mismatch, raise, or with the fallback load the newest older that verifies."""
-        record.path, record.iteration = path, int(path.name[len("iter_"):])
+        record.path, record.iteration = path, parse_iteration(path.name)  # a located iter_N
         t = time.perf_counter()
         verify = self.options.ckpt_verify_load
         if not verify and rank() == 0 and (missing := missing_manifest(path)):
             warn_once(f"unverified:{path}", f"checkpoint iteration {record.iteration}: {missing};"
                       " loading it unverified (--no-ckpt-verify-load).")
-        # reading threads as asked; checksum threads at most this rank's share of the cores
+        # reading threads as asked ("auto": from this rank's share of the cores), checksum
+        # threads at most that share; every comparison below reads the resolved counts
         threads = thread_counts(load_read=self.options.ckpt_load_threads)
         # the files the load's own reads sum as they pass are not read a second time
         pending = (verify_start(path, self._group, rank=rank(), workers=threads.checksum,
@@ -117,7 +119,7 @@ class Loader:
                 f"{what}. The loaded values are not to be trusted. Fix: "
                 f"{', '.join(fixes[:-1])}, or {fixes[-1]}")
         for older in committed_before(path.parent, record.iteration):
-            candidate = path.parent / f"iter_{older:07d}"
+            candidate = checkpoint_name(path.parent, older)
             has_manifest, bad = verify_collectively(candidate, self._group, rank=rank())
             if not bad:
                 warn_once(f"fallback:{path}", f"{what}; --ckpt-load-fallback: loading iteration "

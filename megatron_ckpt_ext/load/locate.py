@@ -9,7 +9,8 @@ from pathlib import Path
 from .. import backend
 from .._runtime import warn_once
 from ..errors import CheckpointNotFound
-from ..save.layout import TRACKER, checkpoint_name, read_tracker, warn_incomplete
+from ..save.layout import (TRACKER, checkpoint_name, has_metadata, parse_iteration, read_tracker,
+                           warn_incomplete)
 from .verify import committed_before
 
 __all__ = ["another_iteration", "locate"]
@@ -31,14 +32,14 @@ def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = No
             _missing(root, exit_on_missing)
             return None
     path = checkpoint_name(root, iteration)
-    if not (path / "metadata.json").exists():
+    if not has_metadata(path):
         path = _not_committed(root, path, iteration, explicit=explicit, fallback=fallback)
     if backend.common_state_present(path) is False:  # None: unreadable, the load says why
         raise CheckpointNotFound(
             f"checkpoint {path} has no common state: neither common.pt (megatron-core "
             "<= 0.16) nor a 'common_state' entry in its .metadata (0.19), both written by "
             "rank 0. The copy is incomplete or damaged. Fix: restore the file, or "
-            f"{another_iteration(root, below=int(path.name[5:]))}")
+            f"{another_iteration(root, below=parse_iteration(path.name))}")
     return path
 
 

@@ -23,6 +23,7 @@ from .._runtime import rank
 from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
+from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure
 from ..staging.retained import Seal, copy_verified, read_seal, seal_path
 from .report import LoadRecord
@@ -51,7 +52,9 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     """Collective: the loaded state restored from this node's sealed snapshots on every rank,
     or None on every rank (storage is read then; rank 0 has said why)."""
     t = t0 = time.perf_counter()
-    iteration = int(path.name[len("iter_"):])
+    iteration = parse_iteration(path.name)
+    if iteration is None:  # not a committed iteration's name: storage decides what it is
+        return None
     record.path, record.iteration = path, iteration
     steps: dict[str, float] = {}
     tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
@@ -136,7 +139,7 @@ def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration:
     if seal.iteration != iteration:
         return f"the snapshot holds iteration {seal.iteration}, the load asks for {iteration}"
     try:
-        manifest = read_manifest(root / f"iter_{iteration:07d}")
+        manifest = read_manifest(checkpoint_name(root, iteration))
     except ManifestError as e:
         return f"the checkpoint's manifest is damaged ({e})"
     committed = manifest.get("manifest_crc32") if manifest else None

@@ -5,17 +5,51 @@ single-threaded ones), and the ranks agree on the verdict once both are done (:f
 
 from __future__ import annotations
 
-import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..collectives import Group
 from ..manifest import MANIFEST, MARKER, ManifestError, read_manifest, unlisted, verify_files
+from ..save.layout import has_metadata, parse_iteration
 
-__all__ = ["Pending", "agree", "committed_before", "missing_manifest", "start",
-           "verify_collectively", "written_by_plugin"]
+__all__ = ["ManifestCheck", "Pending", "agree", "check_manifest", "committed_before",
+           "missing_manifest", "start", "verify_collectively", "written_by_plugin"]
 
-_ITER = re.compile(r"iter_(\d{7})")
+
+@dataclass(frozen=True)
+class ManifestCheck:
+    """What a checkpoint's manifest allows, before any file is read: check the files against
+    ``manifest``; nothing to check (a stock checkpoint: ``manifest`` None, no ``kind``); or
+    nothing to trust (``kind``: ``"damaged"``, ``"missing"`` (the plugin wrote the checkpoint,
+    its manifest is gone) or ``"iteration"`` (written for another), ``why`` says how)."""
+
+    manifest: dict | None
+    kind: str = ""
+    why: str = ""
+
+    @property
+    def problem(self) -> str:
+        """``why`` as the load reports it (naming the manifest); empty when there is none."""
+        return f"{MANIFEST}: {self.why}" if self.kind == "iteration" else self.why
+
+
+def check_manifest(path: Path) -> ManifestCheck:
+    """Read ``path``'s manifest and judge it as a whole (the load and ``verify`` both start here):
+    damaged, missing though the plugin wrote ``path``, or written for an iteration other than
+    the one ``path``'s name (``iter_NNNNNNN``) gives."""
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        return ManifestCheck(None, "damaged", str(e))
+    if manifest is None:
+        missing = missing_manifest(path)
+        return ManifestCheck(None, "missing", missing) if missing else ManifestCheck(None)
+    named = parse_iteration(Path(path).name)
+    if named is not None and manifest.get("iteration") != named:
+        return ManifestCheck(manifest, "iteration", f"written for iteration "
+                             f"{manifest.get('iteration')}, not {named}")
+    return ManifestCheck(manifest)
 
 
 class Pending:
@@ -100,18 +134,12 @@ def start(path: Path, group: Group, *, rank: int, workers: int = 8,
           defer: bool = False) -> Pending:
     """Start checking this rank's share of ``path``'s files (none without a manifest); with
     ``defer`` it waits for :meth:`Pending.skip` or :meth:`Pending.release` first."""
-    try:
-        manifest = read_manifest(path)
-    except ManifestError as e:  # every rank reads it: every rank reports it
-        return Pending(path, {"files": {}}, [], workers, problems=[str(e)])
-    if manifest is None and (missing := missing_manifest(path)):  # ours, yet no manifest
-        return Pending(path, {"files": {}}, [], workers, problems=[missing])
+    check = check_manifest(path)
+    if check.kind:  # every rank reads the manifest: every rank reports it
+        return Pending(path, check.manifest or {"files": {}}, [], workers,
+                       problems=[check.problem])
+    manifest = check.manifest
     names = sorted(manifest["files"]) if manifest is not None else []
-    match = _ITER.fullmatch(Path(path).name)
-    if manifest is not None and match and manifest.get("iteration") != int(match.group(1)):
-        return Pending(path, manifest, [], workers, problems=[
-            f"{MANIFEST}: written for iteration {manifest.get('iteration')}, not "
-            f"{int(match.group(1))}"])
     extra = ([str(p) for p in unlisted(path, manifest)]
              if manifest is not None and group.rank(rank) == 0 else [])
     return Pending(path, manifest, names[group.rank(rank)::group.size()], workers,
@@ -138,9 +166,9 @@ def committed_before(root: Path, iteration: int) -> list[int]:
     """Committed iterations under ``root`` older than ``iteration``, newest first."""
     found = []
     for entry in root.iterdir() if root.is_dir() else []:
-        match = _ITER.fullmatch(entry.name)
-        if match and int(match.group(1)) < iteration and (entry / "metadata.json").exists():
-            found.append(int(match.group(1)))
+        it = parse_iteration(entry.name)
+        if it is not None and it < iteration and has_metadata(entry):
+            found.append(it)
     return sorted(found, reverse=True)
 
 

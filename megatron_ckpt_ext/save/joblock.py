@@ -33,6 +33,7 @@ from typing import Any
 
 from .._runtime import pid_alive, rank
 from ..errors import SaveDirectoryInUse
+from .layout import INCOMPLETE
 
 __all__ = ["LOCK", "JobLock"]
 
@@ -188,8 +189,8 @@ def _warn_stale(path: Path, previous: dict) -> None:
     other_host = previous.get("host") not in (None, socket.gethostname())
     logger.warning(
         "%s: taking over the lock of a job that ended without closing its checkpointer (%s): "
-        "it was killed or crashed; its unfinished saves (iter_*.incomplete) are ignored.%s",
-        path, _describe(previous),
+        "it was killed or crashed; its unfinished saves (iter_*%s) are ignored.%s",
+        path, _describe(previous), INCOMPLETE,
         f" It ran on {previous.get('host')}: where this file system's locks are node-local "
         "(Lustre mounted with localflock), a job still running there is not seen; make sure it "
         "has stopped." if other_host else "")

@@ -1,11 +1,16 @@
 """The on-disk layout (Megatron's): ``<root>/iter_{iteration:07d}/`` per checkpoint, written
 under ``iter_XXXXXXX.incomplete`` until rank 0 commits it, and the tracker
-``<root>/latest_checkpointed_iteration.txt`` naming the newest committed one."""
+``<root>/latest_checkpointed_iteration.txt`` naming the newest committed one.
+
+This module is the layout's one home: every name (:func:`checkpoint_name`, :data:`TRACKER`, the
+suffixes :data:`INCOMPLETE`, :data:`DELETING`, :data:`OLD`) is spelled here and every directory
+name is read back through :func:`parse_iteration`; the rest of the package asks these."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -15,19 +20,52 @@ from ..collectives import Group
 from ..errors import CheckpointWriteError
 from ..manifest import MANIFEST, write_manifest, write_marker
 
-__all__ = ["INCOMPLETE", "REPORT", "TRACKER", "checkpoint_name", "commit_on_disk",
-           "incomplete_name", "is_committed", "open_workdir", "read_tracker", "tracker_text",
+__all__ = ["DELETING", "INCOMPLETE", "METADATA", "OLD", "REPORT", "TRACKER", "checkpoint_name",
+           "commit_on_disk", "has_metadata", "incomplete_name", "is_committed", "leftovers",
+           "open_workdir", "parse_iteration", "read_tracker", "suffixed", "tracker_text",
            "warn_incomplete"]
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-INCOMPLETE = ".incomplete"
+INCOMPLETE = ".incomplete"  # a save being written; the commit renames it to iter_N
+DELETING = ".deleting"  # retention's rename of iter_N before it removes the directory
+OLD = ".old"  # a committed iter_N moved aside while a re-save of it commits
 REPORT = "ckpt_report.jsonl"
+METADATA = "metadata.json"  # megatron-core's, written by its finalize
+
+_PREFIX = "iter_"
+# exactly the names checkpoint_name writes: seven digits, or more without a leading zero
+_COMMITTED = re.compile(_PREFIX + r"([0-9]{7}|[1-9][0-9]{7,})")
 
 
 def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
+    return Path(root) / f"{_PREFIX}{iteration:07d}"
+
+
+def parse_iteration(name: str) -> int | None:
+    """The iteration of the committed checkpoint directory name ``iter_NNNNNNN`` (the whole
+    name, as :func:`checkpoint_name` writes it), else None: a suffixed name (``.incomplete``,
+    ``.deleting``, ``.old``) or any other is not a committed checkpoint's."""
+    match = _COMMITTED.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def suffixed(path: Path, suffix: str) -> Path:
+    """``path`` with one of the layout's suffixes (:data:`INCOMPLETE`, :data:`DELETING`,
+    :data:`OLD`) appended to its name."""
+    return path.with_name(path.name + suffix)
+
+
+def leftovers(root: Path, suffix: str) -> list[Path]:
+    """The ``iter_*<suffix>`` entries under ``root``, sorted (none when it is no directory)."""
+    return sorted(root.glob(f"{_PREFIX}*{suffix}")) if root.is_dir() else []
+
+
+def has_metadata(path: Path) -> bool:
+    """Whether megatron-core's ``metadata.json`` is in ``path``: what the load takes for a
+    committed checkpoint (the save's own test, for a re-save, is :func:`is_committed`)."""
+    return (Path(path) / METADATA).exists()
 
 
 def read_tracker(root: str | os.PathLike[str]) -> int | None:
@@ -49,7 +87,7 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
 
 
 def incomplete_name(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}{INCOMPLETE}"
+    return suffixed(checkpoint_name(root, iteration), INCOMPLETE)
 
 
 def tracker_text(root: Path) -> str:
@@ -89,7 +127,7 @@ def commit_on_disk(root: Path, iteration: int, *,
 
 
 def _aside(dst: Path) -> Path:
-    return dst.with_name(dst.name + ".old")
+    return suffixed(dst, OLD)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -125,12 +163,10 @@ def _fsync(path: Path) -> None:
 
 def warn_incomplete(root: Path) -> None:
     """Once per root, on rank 0: name the uncommitted directories load skips."""
-    if not root.is_dir():
-        return
-    leftovers = sorted(p.name for p in root.glob(f"iter_*{INCOMPLETE}"))
-    if leftovers:
+    names = [p.name for p in leftovers(root, INCOMPLETE)]
+    if names:
         warn_once(f"incomplete:{root}",
-                  f"{root}: ignoring uncommitted checkpoint directories {leftovers} "
+                  f"{root}: ignoring uncommitted checkpoint directories {names} "
                   "(a save was interrupted before its commit)")
 
 
@@ -174,7 +210,7 @@ def is_committed(root: Path, iteration: int) -> bool:
             return True
     except (OSError, ValueError):
         pass
-    return (path / MANIFEST).is_file() or (path / "metadata.json").is_file()
+    return (path / MANIFEST).is_file() or (path / METADATA).is_file()
 
 
 def _make_workdir(record: Any, workdir: Path) -> OSError | None:

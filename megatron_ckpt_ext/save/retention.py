@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
 
-from .layout import _fsync, read_tracker
+from .layout import DELETING, _fsync, leftovers, parse_iteration, read_tracker, suffixed
 
 __all__ = ["DELETING", "Retention", "finish_interrupted", "to_delete"]
 
 logger = logging.getLogger(__name__)
-
-DELETING = ".deleting"
-_COMMITTED = re.compile(r"iter_(\d{7})")
 
 
 def to_delete(root: Path, *, most_recent_k: int, retain_interval: int | None) -> list[Path]:
@@ -38,9 +34,9 @@ def to_delete(root: Path, *, most_recent_k: int, retain_interval: int | None) ->
         return []
     keep_last = most_recent_k if most_recent_k > 0 else 1  # the interval alone: latest + Nth
     committed = sorted(
-        (int(m.group(1)), p) for p in root.iterdir()
-        if (m := _COMMITTED.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()
-        and int(m.group(1)) <= latest)
+        (it, p) for p in root.iterdir()
+        if (it := parse_iteration(p.name)) is not None and p.is_dir() and not p.is_symlink()
+        and it <= latest)
     recent = {it for it, _ in committed[-keep_last:]} | {latest}
     return [p for it, p in committed
             if it not in recent and not (retain_interval and it % retain_interval == 0)]
@@ -49,7 +45,7 @@ def to_delete(root: Path, *, most_recent_k: int, retain_interval: int | None) ->
 def finish_interrupted(root: Path) -> list[Path]:
     """Remove the ``iter_N.deleting`` directories a crash left; the ones removed."""
     done = []
-    for path in sorted(root.glob(f"iter_*{DELETING}")) if root.is_dir() else []:
+    for path in leftovers(root, DELETING):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
             done.append(path)
@@ -57,7 +53,7 @@ def finish_interrupted(root: Path) -> list[Path]:
 
 
 def _delete(path: Path) -> None:
-    aside = path.with_name(path.name + DELETING)
+    aside = suffixed(path, DELETING)
     os.rename(path, aside)  # from here on no load sees it as committed
     _fsync(path.parent)
     shutil.rmtree(aside)
