@@ -47,6 +47,7 @@ from .preempt import Preemption
 from .save.stage import choose_stager, stage
 from .save.steps import _SaveSteps
 from .save.writers import WriterPool
+from .staging.base import Stager
 from .validation import check
 
 # TRACKER, checkpoint_name and read_tracker (save.layout) are public from here as well.
@@ -63,7 +64,13 @@ class Checkpointer(_SaveSteps):
     ``process_group`` is used for the commit barriers (default: the world), ``dp_group`` for the
     fully-parallel save/load wrappers; ``save_dir``, when given, is checked for writability and
     its job lock taken here (else at the first save into a directory: one job per directory);
-    ``hooks`` act at the points of a save (:mod:`megatron_ckpt_ext.hooks`). Construction
+    ``hooks`` act at the points of a save (:mod:`megatron_ckpt_ext.hooks`). ``stager``, when
+    given, replaces the one the options choose (``save/stage.py``): a
+    :class:`~megatron_ckpt_ext.staging.Stager` of the kind they call for (with
+    ``--async-ckpt-use-cpu-shm`` a ``ShmStager`` or subclass built with ``reuse`` equal to
+    ``--ckpt-assume-constant-structure``; for other async saves one that owns its copies; for
+    sync saves one that copies nothing), else ``ValueError`` naming the option; the Checkpointer
+    closes it at :meth:`close`; ``job_id`` names the default one's segments. Construction
     validates the options against the installed backend (raising on errors, warning once on
     rank 0), starts the persistent worker and the writers' write-results queue; :meth:`prepare`
     then allocates the staging buffers in the background once the trainer has built its state.
@@ -72,7 +79,7 @@ class Checkpointer(_SaveSteps):
     def __init__(self, options: CkptOptions, *, process_group: Any = None, dp_group: Any = None,
                  caps: backend.Capabilities | None = None, job_id: str | None = None,
                  save_dir: str | os.PathLike[str] | None = None,
-                 hooks: SaveHooks | None = None) -> None:
+                 hooks: SaveHooks | None = None, stager: Stager | None = None) -> None:
         self.options = options
         if options.logging_level is not None:
             for name in _LOGGERS:
@@ -80,6 +87,11 @@ class Checkpointer(_SaveSteps):
             _show_our_logs()
         self.caps = caps or backend.detect()
         check(options, self.caps)
+        self._async = options.async_save and self.caps.async_provider != "sync"
+        cpu_shm = self._async and options.async_ckpt_use_cpu_shm
+        # before the job lock is taken: a passed stager of the wrong kind raises here
+        self._stager = choose_stager(is_async=self._async, cpu_shm=cpu_shm, job_id=job_id,
+                                     reuse=options.ckpt_assume_constant_structure, given=stager)
         if save_dir is not None:  # fail now, not at the first save hours later
             preflight.check_writable(save_dir)
         self.process_group, self.dp_group = process_group, dp_group
@@ -93,10 +105,6 @@ class Checkpointer(_SaveSteps):
         self._hooks = chain(hooks or SaveHooks(), writer_trace(rank()))
         self._planner = SavePlanner(options, dp_group=dp_group)
         self._cpu_shim = _cpu_shim.install()
-        self._async = options.async_save and self.caps.async_provider != "sync"
-        cpu_shm = self._async and options.async_ckpt_use_cpu_shm
-        self._stager = choose_stager(is_async=self._async, cpu_shm=cpu_shm, job_id=job_id,
-                                     reuse=options.ckpt_assume_constant_structure)
         self._cpu_shm = cpu_shm
         self.admission: dict | None = None  # the first staging's node admission (preflight)
         self._writers = WriterPool(options, self.caps, self._group, cpu_shm=cpu_shm,

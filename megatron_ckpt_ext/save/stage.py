@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 from .. import backend
 from .._runtime import rank
+from ..errors import CkptOptionsError
 from ..staging.base import Stager
 from .report import SaveRecord
 
@@ -20,16 +20,49 @@ __all__ = ["choose_stager", "stage"]
 logger = logging.getLogger(__name__)
 
 
-def choose_stager(*, is_async: bool, cpu_shm: bool, reuse: bool, job_id: str | None) -> Stager:
+def choose_stager(*, is_async: bool, cpu_shm: bool, reuse: bool, job_id: str | None,
+                  given: Stager | None = None) -> Stager:
     """Shared memory with ``--async-ckpt-use-cpu-shm``, plain CPU copies for other async saves,
-    none for synchronous ones. A shared-memory stager sweeps a crashed run's segments itself;
-    the others sweep here, so they do not outlive the next start in another mode."""
+    none for synchronous ones; ``given`` (``Checkpointer(stager=...)``) instead, once it fits
+    that choice. A shared-memory stager sweeps a crashed run's segments itself; the others
+    sweep here, so they do not outlive the next start in another mode."""
     from ..staging import HostCopyStager, InPlaceStager, ShmStager
 
+    if given is not None:
+        _check_fits(given, is_async=is_async, cpu_shm=cpu_shm, reuse=reuse)
+    if not cpu_shm:
+        _sweep_shm_orphans()
+    if given is not None:
+        return given
     if cpu_shm:
         return ShmStager(job_id=job_id or _job_id(), rank=rank(), reuse=reuse)
-    _sweep_shm_orphans()
     return HostCopyStager() if is_async else InPlaceStager()
+
+
+def _check_fits(stager: Stager, *, is_async: bool, cpu_shm: bool, reuse: bool) -> None:
+    """A passed stager must be the kind the options call for: the writers read shared memory
+    only with --async-ckpt-use-cpu-shm, an async save writes copies it owns, a sync one none."""
+    from ..staging import ShmStager
+
+    name, shm = type(stager).__name__, isinstance(stager, ShmStager)
+    if cpu_shm and not shm:
+        raise CkptOptionsError(f"Checkpointer(stager={name}) does not fit "
+                               "--async-ckpt-use-cpu-shm: its writers read the staged copies from "
+                               "shared memory; pass a ShmStager (or a subclass), or drop the flag")
+    if shm and not cpu_shm:
+        raise CkptOptionsError(f"Checkpointer(stager={name}) stages into shared memory, which "
+                               "only --async-save with --async-ckpt-use-cpu-shm reads: add both "
+                               "flags, or pass another stager")
+    if is_async != bool(stager.owns_copies):
+        fix = ("pass one whose copies the save owns (HostCopyStager), or drop --async-save"
+               if is_async else "pass InPlaceStager or none, or add --async-save")
+        raise CkptOptionsError(f"Checkpointer(stager={name}) does not fit --async-save "
+                               f"({'on' if is_async else 'off, or no async backend'}): an async "
+                               f"save writes copies it owns, a sync one the tensors; {fix}")
+    if shm and stager.reuse != reuse:  # type: ignore[attr-defined]
+        raise CkptOptionsError(f"Checkpointer(stager={name}(reuse={not reuse})) does not fit "
+                               f"--ckpt-assume-constant-structure ({'on' if reuse else 'off'}): "
+                               f"build it with reuse={reuse}")
 
 
 def stage(state: Any, record: SaveRecord, stager: Stager) -> None:
@@ -45,7 +78,7 @@ def stage(state: Any, record: SaveRecord, stager: Stager) -> None:
     if stager.owns_copies:
         record.snapshots = frozenset(c.untyped_storage().data_ptr() for c in batch.tensors)
         swap = iter(batch.tensors)
-        backend.map_sharded_tensors(state, lambda t: replace(t, data=next(swap)))
+        backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
         record.staging_s = time.perf_counter() - t0
 
 

@@ -55,3 +55,21 @@ def test_a_failed_save_on_a_full_disk_says_so(tmp_path, monkeypatch):
         assert "disk is likely full" not in str(writers.abandon("x", before=(8, tmp_path)))
     finally:
         writers.close(drained=True)
+
+
+def test_load_on_a_closed_checkpointer_names_close_and_reads_nothing(tmp_path, one_rank_group):
+    """The refusal comes first: the targets keep their values and no load is recorded (a load
+    that ran and failed afterwards would have overwritten them)."""
+    import pytest
+    import torch
+
+    from megatron_ckpt_ext import Checkpointer, CkptOptions
+    from tests._support.dist import sharded
+
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, {"w": torch.arange(16, dtype=torch.float32)}), tmp_path, iteration=1)
+    target = torch.full((16,), -1.0)
+    with pytest.raises(RuntimeError, match=r"close\(\)"):
+        ck.load(sharded(0, 1, {"w": target}), tmp_path)
+    assert torch.equal(target, torch.full((16,), -1.0)), "load() read before it refused"
+    assert ck.load_reports == []

@@ -1,4 +1,5 @@
-"""--fsdp-use-symm-mem: detection, validation, wrap_fsdp, and the FSDP checkpoint path on CPU.
+"""--fsdp-use-symm-mem: detection, validation, wrap_fsdp, the GPU script's refusals (its FSDP
+checkpoint round trip on two CPU ranks: tests/functional/multirank/test_fsdp.py).
 
 Megatron-FSDP's experimental fully_shard (the one with ``use_symm_mem``) is in megatron-core 0.19.2,
 whose top-level package does not import on this CPU machine (triton). Its ``megatron_fsdp`` package
@@ -20,7 +21,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,21 +30,11 @@ from torch import nn
 from megatron_ckpt_ext import CkptOptions, CkptOptionsError, _runtime, add_arguments, backend, fsdp
 from megatron_ckpt_ext.errors import BackendUnavailable
 from megatron_ckpt_ext.validation import check_fsdp
+from tests._support import ROOT
+from tests._support.mcore0192 import EXPERIMENTAL, FSDP_SRC, needs_0192
+from tests._support.mcore0192 import subprocess_env as _env
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "check_fsdp_symm_mem.py"
-WHEEL_0192 = Path(os.environ.get("MCORE0192_DIR") or ROOT / ".ext" / "mcore-0.19.2")
-FSDP_SRC = WHEEL_0192 / "megatron/core/distributed/fsdp/src"
-EXPERIMENTAL = FSDP_SRC / "megatron_fsdp/experimental"
-needs_0192 = pytest.mark.skipif(not EXPERIMENTAL.is_dir(),
-                                reason=f"megatron-core 0.19.2 sources not unpacked at {WHEEL_0192} "
-                                "(scripts/unpack_wheel.sh megatron-core 0.19.2 DIR; MCORE0192_DIR)")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", *extra)}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -315,7 +305,7 @@ def test_fsdp_module_imports_no_backend():
     assert r.stdout.strip().splitlines()[-1] == "[]"
 
 
-# -- the GPU script's refusals and its CPU checkpoint path ----------------------------------------
+# -- the GPU script's refusals -------------------------------------------------------------------
 @pytest.mark.parametrize("env, expected", [
     ({}, "launch with torchrun"),
     ({"RANK": "0", "WORLD_SIZE": "1"}, "needs 2 ranks"),
@@ -328,29 +318,6 @@ def test_script_refuses_clearly_without_two_gpus(tmp_path, env, expected):
     assert r.returncode == 2, r.stderr[-2000:]
     assert expected in r.stderr
     assert not (tmp_path / "fsdp_symm_mem.json").exists()
-
-
-@needs_0192
-@pytest.mark.multirank
-def test_fsdp_checkpoint_round_trip_on_two_cpu_ranks(tmp_path):
-    """The real Megatron-FSDP 0.19.2 code shards a model over 2 gloo ranks (uneven rows: Linear
-    bias and LayerNorm vectors); model + AdamW state go through the Checkpointer (async), are
-    overwritten, loaded back bit-exact, and whole parameters loaded on every rank equal the
-    all-gathered ones."""
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         str(SCRIPT), "--out", str(tmp_path), "--checkpoint-only", "--hidden", "48",
-         "--layers", "2", "--phase-timeout", "150"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-        env=_env(PYTHONPATH=os.pathsep.join([str(FSDP_SRC), str(ROOT)])))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    result = json.loads((tmp_path / "fsdp_symm_mem.json").read_text())
-    assert result["checks"] == {"roundtrip_bit_exact": True, "whole_tensors_match": True}
-    trips = result["roundtrip"]
-    assert len(trips) == 2 and all(t["n_differ"] == 0 and t["tensors"] > 0 for t in trips)
-    assert trips[0]["tensors"] != trips[1]["tensors"]  # uneven: some vectors live on one rank
-    assert trips[0]["mode"].startswith("async")
-    assert result["versions"]["fsdp_symm_mem_support"] is True
 
 
 # -- the other side of each symmetric collective, on the real Megatron-FSDP 0.19.2 objects ------

@@ -2,7 +2,7 @@
 deleted manifest is an error, or a warning with --no-ckpt-verify-load); a tracker naming a
 deleted directory gives a fix and --ckpt-load-fallback covers it; the fallback takes the newest
 older checkpoint that verifies; an integrity error names each bad file once, with fixes a
-command-line user can apply."""
+command-line user can apply (with two ranks: tests/functional/multirank/test_load_trust.py)."""
 
 from __future__ import annotations
 
@@ -91,15 +91,3 @@ def test_an_integrity_error_gives_fixes_a_command_line_user_can_apply(tmp_path):
     message = str(e.value)
     assert message.count(bad.name) == 1, message
     assert "--ckpt-step N" in message and f"echo N > {tmp_path}" in message, message
-
-
-def test_a_file_both_ranks_read_is_named_once(tmp_path):
-    """Both ranks read (and judge) the file that holds a replicated tensor: one problem."""
-    from tests.unit import _load_trust_workers as lw
-    from tests._support.dist import run_ranks
-
-    run_ranks(lw.save, world_size=2, timeout=120, args=(str(tmp_path),))
-    bad = tmp_path / "iter_0000001" / "__0_0.distcp"  # rank 0 wrote the replicated "b"
-    _flip_bit(bad, offset=len(bad.read_bytes()) // 2)
-    run_ranks(lw.load_names_each_bad_file_once, world_size=2, timeout=120,
-              args=(str(tmp_path), bad.name))

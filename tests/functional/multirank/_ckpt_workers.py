@@ -10,6 +10,7 @@ import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.save.layout import read_tracker
+from megatron_ckpt_ext.staging import ShmStager
 
 from tests._support.dist import device, sharded
 
@@ -317,20 +318,34 @@ class _LateCopies:
         self.synchronize()
 
 
+def shm_stager(cls: type[ShmStager], rank: int, options: dict, **kwargs: Any) -> ShmStager:
+    """A test's ShmStager subclass built as the Checkpointer's own would be for ``options``,
+    to pass as ``Checkpointer(stager=...)``."""
+    return cls(job_id=str(os.getppid()), rank=rank,
+               reuse=bool(options.get("ckpt_assume_constant_structure")), **kwargs)
+
+
+def _garbage_until_copied(staged: list, tensors: Any) -> list:
+    """Simulated device copies: the staged buffers hold garbage; the (buffer, source clone)
+    pairs are what landing the copies writes."""
+    pairs = [(d, s.detach().clone()) for d, s in zip(staged, tensors)]
+    for d in staged:
+        d.fill_(-999)
+    return pairs
+
+
+class _LateShm(ShmStager):
+    """Its copies land only when the trainer waits for them, 0.3 s later (:class:`_LateCopies`)."""
+
+    def _copy(self, staged, tensors):  # type: ignore[no-untyped-def]
+        return [_LateCopies(_garbage_until_copied(staged, tensors), 0.3)]
+
+
 def late_copies_roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> None:
     """Device copies simulated on CPU: each save's staged buffers hold garbage until the trainer
     waits for its copies (0.3 s after save() handed the request over). The writer must write
     only after the trainer published them: every checkpoint must load back its own values."""
-    from megatron_ckpt_ext import staging
-
-    def deferred(self, staged, tensors):
-        pairs = [(d, s.detach().clone()) for d, s in zip(staged, tensors)]
-        for d in staged:
-            d.fill_(-999)
-        return [_LateCopies(pairs, 0.3)]
-
-    staging.ShmStager._copy = deferred
-    with Checkpointer(CkptOptions(**options)) as ck:
+    with Checkpointer(CkptOptions(**options), stager=shm_stager(_LateShm, rank, options)) as ck:
         save_and_verify(ck, rank, world, root, range(1, saves + 1))
         assert all(r["phases"]["copy_wait_s"] >= 0.25 for r in ck.reports), ck.reports
 
@@ -413,6 +428,18 @@ class _GatedCopies(_LateCopies):
         self.landed.append(True)
 
 
+class _GatedShm(ShmStager):
+    """Each save's copies land once that save's gate (the last of ``gates``) opens."""
+
+    def __init__(self, gates: list, landed: list, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gates, self.landed = gates, landed
+
+    def _copy(self, staged, tensors):  # type: ignore[no-untyped-def]
+        pairs = _garbage_until_copied(staged, tensors)
+        return [_GatedCopies(pairs, self.gates[-1], self.landed[-1])]
+
+
 def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: int) -> None:
     """--ckpt-overlap-snapshot: save() returns with the copies in flight; a torch optimizer's
     step waits for them (the Checkpointer's step pre-hook) before the state changes; the writer
@@ -423,21 +450,12 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
     import logging
     import threading
 
-    from megatron_ckpt_ext import staging
-
     cuda = device() == "cuda"
     # one gate and one record per save: a save's copies land once its own gate opens (a shared
     # gate closed again for the next save could hold back a late publisher of the previous one,
     # and that publisher's landing would count for the next save)
     gates, landed = [threading.Event()], [[]]
-    if not cuda:
-        def gated(self, staged, tensors):
-            pairs = [(d, s.detach().clone()) for d, s in zip(staged, tensors)]
-            for d in staged:
-                d.fill_(-999)
-            return [_GatedCopies(pairs, gates[-1], landed[-1])]
-
-        staging.ShmStager._copy = gated
+    stager = None if cuda else shm_stager(_GatedShm, rank, options, gates=gates, landed=landed)
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -458,7 +476,7 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
         return ck.load(sharded(rank, world, like), root, iteration=step)
 
     live = expected(0)
-    with Checkpointer(CkptOptions(**options)) as ck:
+    with Checkpointer(CkptOptions(**options), stager=stager) as ck:
         real_wait = ck.wait_for_snapshot
         ck.wait_for_snapshot = lambda **kw: (waits.append(1), real_wait(**kw))[1]
         for step in range(1, saves + 1):
@@ -494,6 +512,18 @@ def overlap_roundtrip(rank: int, world: int, root: str, options: dict, saves: in
     assert len(waits) == before, "close() left the optimizer hook installed"
 
 
+class _SlowFirstWait(ShmStager):
+    """The wait for its first save's copies takes ``delay_s`` longer (a copy that lands late)."""
+
+    def __init__(self, delay_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delays = [delay_s]
+
+    def _copy(self, staged, tensors):  # type: ignore[no-untyped-def]
+        pending = super()._copy(staged, tensors)
+        return pending + [_LateCopies([], self.delays.pop())] if self.delays else pending
+
+
 def slowest_rank_report(rank: int, world: int, root: str, options: dict, delay_s: float) -> None:
     """The last rank holds more bytes (an extra tensor only it saves) and, at save 1 only, is
     ``delay_s`` slower waiting for its staged copies (the copy_wait phase, after the hand-over:
@@ -501,30 +531,16 @@ def slowest_rank_report(rank: int, world: int, root: str, options: dict, delay_s
     must carry the slowest rank's figures (blocking, phase, durable; host bytes: the largest),
     the sum of the bytes, and its own bytes; save 2 (no delay) must not carry save 1's."""
     import json
-    import time
 
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_ckpt_ext import staging
-
     slow = rank == world - 1
-    if slow:
-        real_wait = staging.StagedBatch.wait
-
-        def slow_wait(self: Any) -> None:
-            if not getattr(self, "_delayed", False):  # once per save (release() waits again)
-                self._delayed = True
-                time.sleep(delay_s)
-            real_wait(self)
-
-        staging.StagedBatch.wait = slow_wait
+    stager = shm_stager(_SlowFirstWait, rank, options, delay_s=delay_s) if slow else None
     extra = torch.arange(5000, dtype=torch.float32, device=device()) + rank if slow else None
     nbytes = {r: sum(v.numel() * v.element_size() for v in step_state(0, r).values())
               + (5000 * 4 if r == world - 1 else 0) for r in range(world)}
-    with Checkpointer(CkptOptions(**options)) as ck:
+    with Checkpointer(CkptOptions(**options), stager=stager) as ck:
         for step in (1, 2):
-            if step == 2 and slow:
-                staging.StagedBatch.wait = real_wait
             state = sharded(rank, world, step_state(step, rank))
             if extra is not None:
                 state["extra"] = ShardedTensor.from_rank_offsets("extra_on_last_rank", extra)

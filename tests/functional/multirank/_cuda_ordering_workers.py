@@ -1,16 +1,20 @@
 """Rank bodies of ``test_cuda_ordering.py`` (CUDA only; a module of its own so spawned ranks can
 import it). They run the real copy stream, events and optimizer hook of the staging path; the
 only test code around them makes the timing deterministic (a long kernel queued where the race
-would be) and, for the contrast runs, removes the one ordering call under test."""
+would be) and, for the contrast runs, removes the one ordering call under test: both in a
+ShmStager subclass each rank passes as ``Checkpointer(stager=...)``."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.staging import ShmStager
+from megatron_ckpt_ext.staging.batch import _Copies
 
 from tests._support.dist import sharded
 
@@ -35,6 +39,12 @@ def _spin(ms: float, per_ms: float) -> None:
     torch.cuda._sleep(int(ms * per_ms))
 
 
+def _stager(cls: type[ShmStager], rank: int, options: dict) -> ShmStager:
+    """``cls`` built as the Checkpointer's own stager would be for ``options``."""
+    return cls(job_id=str(os.getppid()), rank=rank,
+               reuse=bool(options.get("ckpt_assume_constant_structure")))
+
+
 def _load_matches(ck: Checkpointer, rank: int, world: int, root: str, like: torch.Tensor) -> list:
     out = []
     for step in STEPS:
@@ -51,21 +61,18 @@ def producer_before_staging(rank: int, world: int, root: str, options: dict, mut
     collective (an NCCL all-reduce read back on the host) already waits for the current stream,
     which would hide a copy stream that does not. ``mutate``: the copy stream does not wait
     (the contrast run). Writes, per rank, whether each checkpoint holds its save's values."""
-    from megatron_ckpt_ext import staging
-
     per_ms = _cycles_per_ms()
     big = torch.zeros(BIG, device="cuda")
     now = {"step": 0}
-    real_stage = staging.ShmStager.stage
 
-    def stage_after_producer(self, tensors, **kwargs):  # type: ignore[no-untyped-def]
-        _spin(300, per_ms)  # the producer's inputs: long work on the current stream...
-        big.fill_(float(now["step"]))  # ...then the kernel that writes the saved values
-        return real_stage(self, tensors, **kwargs)
+    class ProducerAtStage(ShmStager):
+        def stage(self, tensors, **kwargs):  # type: ignore[no-untyped-def]
+            _spin(300, per_ms)  # the producer's inputs: long work on the current stream...
+            big.fill_(float(now["step"]))  # ...then the kernel that writes the saved values
+            return super().stage(tensors, **kwargs)
 
-    staging.ShmStager.stage = stage_after_producer
-    if mutate:
-        def no_wait(self, device):  # type: ignore[no-untyped-def]
+    class CopyStreamThatDoesNotWait(ProducerAtStage):
+        def _copy_stream(self, device):  # type: ignore[no-untyped-def]
             if device not in self._streams:
                 self._streams[device] = torch.cuda.Stream(device=device)
             stream = self._streams[device]
@@ -73,8 +80,8 @@ def producer_before_staging(rank: int, world: int, root: str, options: dict, mut
             start.record(stream)
             return stream, start
 
-        staging.ShmStager._copy_stream = no_wait
-    with Checkpointer(CkptOptions(**options)) as ck:
+    stager = _stager(CopyStreamThatDoesNotWait if mutate else ProducerAtStage, rank, options)
+    with Checkpointer(CkptOptions(**options), stager=stager) as ck:
         ck.prepare(sharded(rank, world, {"big": big}))
         ck.wait_prepared()
         for step in STEPS:
@@ -95,27 +102,31 @@ def optimizer_step_after_overlapped_save(rank: int, world: int, root: str, optio
     step - 1) must run after them: every checkpoint holds its save's values. ``mutate``: the
     step pre-hook does not make the current stream wait (the contrast run). Writes, per rank,
     whether each save returned with its copies in flight and each checkpoint's match."""
-    from megatron_ckpt_ext import staging
-
     per_ms = _cycles_per_ms()
     param = torch.nn.Parameter(torch.zeros(BIG, device="cuda"))
     param.grad = torch.ones_like(param)
     opt = torch.optim.SGD([param], lr=1.0)
     streams: list = []
-    real_copy_stream = staging.ShmStager._copy_stream
 
-    def slow_copies(self, device):  # type: ignore[no-untyped-def]
-        stream, start = real_copy_stream(self, device)
-        with torch.cuda.stream(stream):
-            _spin(3000, per_ms)
-        streams.append(stream)
-        return stream, start
+    class SlowCopies(ShmStager):
+        def _copy_stream(self, device):  # type: ignore[no-untyped-def]
+            stream, start = super()._copy_stream(device)
+            with torch.cuda.stream(stream):
+                _spin(3000, per_ms)
+            streams.append(stream)
+            return stream, start
 
-    staging.ShmStager._copy_stream = slow_copies
-    if mutate:
-        staging.batch._Copies.order_before_current_stream = lambda self: None
+    class Unordered(_Copies):
+        def order_before_current_stream(self) -> None:
+            """The step pre-hook's wait, removed."""
+
+    class SlowCopiesNothingWaitsFor(SlowCopies):
+        def _copy(self, staged, tensors):  # type: ignore[no-untyped-def]
+            return [Unordered(c.start, c.end, c.device) for c in super()._copy(staged, tensors)]
+
+    stager = _stager(SlowCopiesNothingWaitsFor if mutate else SlowCopies, rank, options)
     in_flight = []
-    with Checkpointer(CkptOptions(**options)) as ck:
+    with Checkpointer(CkptOptions(**options), stager=stager) as ck:
         ck.prepare(sharded(rank, world, {"big": param.detach()}))
         ck.wait_prepared()
         for step in STEPS:

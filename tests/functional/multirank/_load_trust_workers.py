@@ -1,4 +1,4 @@
-"""Rank functions of tests/unit/test_load_trust.py (spawned: module level)."""
+"""Rank functions of test_load_trust.py (spawned: module level)."""
 
 from __future__ import annotations
 
