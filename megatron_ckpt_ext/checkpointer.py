@@ -143,8 +143,10 @@ class Checkpointer(_SaveSteps):
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
         nbytes = max(0, nbytes - self._stager.host_bytes())  # a snapshot adopted at load
         try:
-            self.admission = preflight.admit_node(nbytes, shm=self._cpu_shm,
-                                                  gather=self._group.all_gather)
+            limit = self.options.ckpt_node_memory_limit_mib
+            self.admission = preflight.admit_node(
+                nbytes, shm=self._cpu_shm, gather=self._group.all_gather,
+                limit_bytes=None if limit is None else limit * 2**20)
         except InsufficientHostMemory as e:  # raised on every rank alike: all decide the same
             if self.options.ckpt_node_memory_fallback != "sync":
                 raise

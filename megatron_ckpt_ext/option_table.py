@@ -277,6 +277,17 @@ class _KnobTable:
         "blocks for its whole write; the reports' blocking_s shows what that costs), with one "
         "rank-0 WARNING.",
     )
+    ckpt_node_memory_limit_mib: int | None = _knob(
+        None,
+        flag="--ckpt-node-memory-limit-mib",
+        minimum=1,
+        optional=True,
+        help="Node-level admission (read by the Checkpointer before the first async save's "
+        "staging) takes at most this many MiB of each node's MemAvailable and /dev/shm for "
+        "what its ranks stage, reserving the rest (data loaders, other jobs); a node whose "
+        "ranks stage more fails (or, with --ckpt-node-memory-fallback sync, saves "
+        "synchronously). Unset: the measured figures.",
+    )
     ckpt_max_consecutive_failures: int = _knob(
         3,
         flag="--ckpt-max-consecutive-failures",

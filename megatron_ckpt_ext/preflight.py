@@ -22,8 +22,8 @@ from typing import Any, Callable, NamedTuple
 from ._runtime import rank, warn_once
 from .errors import CkptOptionsError, InsufficientHostMemory, InsufficientSharedMemory
 
-__all__ = ["DiskUsage", "HostBudget", "admit_node", "check_disk", "check_writable",
-           "checkpoint_bytes_on_disk", "host_budget"]
+__all__ = ["LIMIT_FLAG", "DiskUsage", "HostBudget", "admit_node", "cap_budget", "check_disk",
+           "check_writable", "checkpoint_bytes_on_disk", "host_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,19 +168,34 @@ def host_budget(shm_path: str = "/dev/shm", *, meminfo: str = "/proc/meminfo",
     return HostBudget(shm_free, available, -1 if soft == resource.RLIM_INFINITY else soft)
 
 
+LIMIT_FLAG = "--ckpt-node-memory-limit-mib"
+
+
+def cap_budget(budget: HostBudget, limit_bytes: int | None) -> HostBudget:
+    """``budget`` with its MemAvailable and /dev/shm figures lowered to ``limit_bytes`` (the
+    node's memory this job may stage into; None: the measured figures stand)."""
+    if limit_bytes is None:
+        return budget
+    cap = lambda x: limit_bytes if x < 0 else min(x, limit_bytes)  # noqa: E731 - -1: unknown
+    return budget._replace(shm_free=cap(budget.shm_free), mem_available=cap(budget.mem_available))
+
+
 def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
-               budget: HostBudget | None = None, host: str | None = None) -> dict:
+               budget: HostBudget | None = None, host: str | None = None,
+               limit_bytes: int | None = None) -> dict:
     """Collective (``gather``: every rank's value, in rank order): admit the first save's
     staging of ``nbytes`` on this rank against its node's memory. The ranks are grouped by host
     name; a node's staging is the sum over its ranks; it must fit in the node's MemAvailable
-    (or container limit) and, with ``shm``, in its /dev/shm. Raises on every rank (all see the
+    (or container limit) and, with ``shm``, in its /dev/shm, each lowered to ``limit_bytes``
+    when given (``--ckpt-node-memory-limit-mib``). Raises on every rank (all see the
     same figures) when any node does not fit, naming the node, its ranks, the bytes and the
     fix; else returns the figures of the fullest node (``node_staging_bytes``, its budget,
-    ``nodes``), logged on rank 0."""
+    ``nodes``, ``limit_bytes``), logged on rank 0."""
     mine = (host or socket.gethostname(), int(nbytes),
             tuple(budget if budget is not None else host_budget()))
     nodes: dict[str, dict] = {}
-    for r, (name, n, b) in enumerate(gather(mine)):
+    for r, (name, n, measured) in enumerate(gather(mine)):
+        b = cap_budget(HostBudget(*measured), limit_bytes)  # the same limit on every rank
         node = nodes.setdefault(name, {"ranks": [], "bytes": 0, "budget": HostBudget(*b),
                                        "max_rank_bytes": 0})
         node["ranks"].append(r)
@@ -193,11 +208,13 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
     short = [s for s in short if s]
     if short:
         error = InsufficientSharedMemory if all(s[0] for s in short) else InsufficientHostMemory
-        raise error(" ".join(s[1] for s in short) + " Fix: " + _FIX + (_FIX_SHM if shm else ""))
+        raise error(" ".join(s[1] for s in short) + _limit_text(limit_bytes) + " Fix: "
+                    + _FIX + (_FIX_SHM if shm else "") + _fix_limit(limit_bytes))
     name, node = max(nodes.items(), key=lambda kv: kv[1]["bytes"])
     budget_used = node["budget"]
     result = {"nodes": len(nodes), "node": name, "node_ranks": len(node["ranks"]),
-              "node_staging_bytes": node["bytes"], **budget_used._asdict()}
+              "node_staging_bytes": node["bytes"], **budget_used._asdict(),
+              "limit_bytes": limit_bytes}
     if rank() == 0:
         logger.info("staging admitted: %d node(s); the fullest, %s, stages %s over %d ranks "
                     "(MemAvailable %s%s)", len(nodes), name, _size(node["bytes"]),
@@ -211,6 +228,20 @@ _FIX = ("stage less per node (more model parallelism, or fewer ranks per node), 
         "--async-save: nothing is staged).")
 _FIX_SHM = (" For /dev/shm: enlarge it (docker run --shm-size=..., Kubernetes: an emptyDir with "
             "medium: Memory), or drop --async-ckpt-use-cpu-shm (plain host copies, in RAM).")
+
+
+def _limit_text(limit_bytes: int | None) -> str:
+    if limit_bytes is None:
+        return ""
+    return (f" {LIMIT_FLAG} {limit_bytes // 2**20} caps each node's MemAvailable and /dev/shm "
+            f"figures at {_size(limit_bytes)}.")
+
+
+def _fix_limit(limit_bytes: int | None) -> str:
+    if limit_bytes is None:
+        return ""
+    return (f" Or raise {LIMIT_FLAG} (it reserves the rest of the node's memory for other "
+            "uses, such as data loaders), or drop it to admit against the measured figures.")
 
 
 def _node_shortfall(name: str, node: dict, *, shm: bool) -> tuple[bool, str] | None:

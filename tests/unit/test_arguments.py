@@ -26,7 +26,8 @@ FROZEN_FLAGS = [
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
     "--async-ckpt-io-priority", "--ckpt-timeout",
     "--most-recent-k", "--save-retain-interval", "--ckpt-failure-policy",
-    "--ckpt-node-memory-fallback", "--ckpt-max-consecutive-failures", "--exit-signal-handler",
+    "--ckpt-node-memory-fallback", "--ckpt-node-memory-limit-mib",
+    "--ckpt-max-consecutive-failures", "--exit-signal-handler",
     "--exit-signal",
     "--ckpt-preempt-grace-s",
 ]

@@ -18,7 +18,8 @@ CLI_DEFAULTS = dict(
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
     ckpt_timeout=1800, most_recent_k=-1, save_retain_interval=None, ckpt_failure_policy="raise",
-    ckpt_node_memory_fallback="none", ckpt_max_consecutive_failures=3, exit_signal_handler=False,
+    ckpt_node_memory_fallback="none", ckpt_node_memory_limit_mib=None,
+    ckpt_max_consecutive_failures=3, exit_signal_handler=False,
     exit_signal="SIGTERM", ckpt_preempt_grace_s=None,
 )
 # The config path's historical defaults (NeMo-RL megatron_cfg): these four differ from the CLI.

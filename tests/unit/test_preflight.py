@@ -75,6 +75,48 @@ def test_this_rank_sends_its_own_host_bytes_and_budget():
     assert sent == [("here", 123, (1, 2 * GiB, 3))]
 
 
+def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_it():
+    """--ckpt-node-memory-limit-mib: a node that fits its measured figures is refused once the
+    limit is below its staging (memory and /dev/shm alike), naming the flag; unset, the
+    measured figures stand; a limit above them changes nothing."""
+    gather = _cluster(*[("n", 3 * GiB, _budget(shm_free=64 * GiB))] * 4)  # 12 GiB of 100
+    assert preflight.admit_node(0, shm=True, gather=gather)["mem_available"] == 100 * GiB
+    with pytest.raises(InsufficientHostMemory) as e:
+        preflight.admit_node(0, shm=True, gather=gather, limit_bytes=8 * GiB)
+    msg = str(e.value)
+    assert "leaves 8.00 GiB" in msg and "/dev/shm has 8.00 GiB" in msg, msg
+    assert "--ckpt-node-memory-limit-mib 8192 caps" in msg and "raise --ckpt-node" in msg, msg
+    sent = []
+    got = preflight.admit_node(5, shm=True, gather=lambda mine: sent.append(mine) or [mine],
+                               budget=preflight.HostBudget(-1, 50 * GiB, 3),
+                               limit_bytes=10 * GiB, host="h")
+    assert sent == [("h", 5, (-1, 50 * GiB, 3))]  # measured figures; capped after the gather
+    assert (got["shm_free"], got["mem_available"]) == (10 * GiB, 10 * GiB)  # unknown shm: limit
+    assert got["limit_bytes"] == 10 * GiB
+    roomy = preflight.admit_node(0, shm=True, gather=gather, limit_bytes=1000 * GiB)
+    assert (roomy["mem_available"], roomy["shm_free"]) == (100 * GiB, 64 * GiB)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("one_rank_group")
+def test_checkpointer_passes_the_node_memory_limit_to_admission(tmp_path):
+    """The knob reaches the first save's admission: 4000 bytes staged, a 1 MiB limit admits
+    them (and is reported); the same state with the limit below it is refused, naming it."""
+    from megatron_ckpt_ext import Checkpointer, CkptOptions
+
+    sharded_tensor = backend.sharded_tensor_cls()
+    state = lambda n: {"w": sharded_tensor.from_rank_offsets("w", torch.ones(n))}  # noqa: E731
+    opts = dict(async_save=True, async_ckpt_use_cpu_shm=True,
+                ckpt_assume_constant_structure=True, ckpt_node_memory_limit_mib=1)
+    with Checkpointer(CkptOptions(**opts)) as ck:
+        ck.save(state(1000), tmp_path / "a", iteration=1)
+        assert ck.admission["limit_bytes"] == 2**20
+        assert ck.admission["mem_available"] <= 2**20
+    with Checkpointer(CkptOptions(**opts)) as ck:
+        with pytest.raises(InsufficientHostMemory, match="--ckpt-node-memory-limit-mib 1 caps"):
+            ck.save(state(2**20), tmp_path / "b", iteration=1)  # 4 MiB
+
+
 def test_host_budget_reads_meminfo_and_a_container_limit(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
     cg = tmp_path / "cg"
