@@ -39,7 +39,7 @@ from .load.report import LoadRecord, log_load
 from .options import CkptOptions
 from .save.joblock import JobLock
 from .save.layout import TRACKER, checkpoint_name, read_tracker
-from .save.planner import SavePlanner
+from .save.planner import SavePlanner, copy_structure
 from .save.publish import Publisher
 from .save.report import SaveRecord
 from .save.retention import Retention, finish_interrupted
@@ -126,14 +126,23 @@ class Checkpointer(_SaveSteps):
     def prepare(self, sharded_state_dict: Any) -> None:
         """Optional, once the model and optimizer exist: allocate (and pin, on CUDA) the staging
         buffers for this state in a background thread, so the first save copies into ready
-        memory instead of allocating on its critical path. Returns at once; a save meanwhile
-        waits for it. Only the shared-memory stager has anything to prepare."""
+        memory instead of allocating on its critical path; then, in the same thread, the
+        conversions of the state into megatron-core's save format that the first save's planning
+        would make (reused while nothing they depend on changed). Returns at once; a save
+        meanwhile waits for it. Only the shared-memory stager has anything to prepare."""
         self._check_open()
         tensors: list[Any] = []
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
+        self._planner.validate_ahead(sharded_state_dict)  # (C) megatron-core's own check, now
+        state = copy_structure(sharded_state_dict)
+
+        def ahead(staged: list) -> None:  # in the allocation's thread, once it is done
+            backend.writer_clones_cpu_tensors()  # read from the writer's source once, now
+            self._planner.convert_ahead(state, staged)
+
         self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
-                             background=True)
+                             background=True, then=ahead)
 
     def _admit(self, tensors: list[Any]) -> None:
         """Collective, once (the first save or :meth:`prepare`): node-level admission of what

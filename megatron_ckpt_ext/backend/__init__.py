@@ -46,7 +46,7 @@ from .async_queue import (async_writer_state, forked_writer, lone_writes_deferre
                           spawn_skips_main, stop_async_writers,
                           unblock_hand_over_if_worker_dies, warm_up_writer_imports,
                           writer_clones_cpu_tensors, writer_keeps_snapshots)
-from .conversions import ConversionCache, conversions_cached
+from .conversions import ConversionCache, conversions_cached, convert_ahead
 from .detection import Capabilities, detect, dist_sync_runs_here, persistent_worker_runs_here
 from .introspect import accepted_kwargs, call_arguments, call_with_supported
 from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cls,
@@ -58,7 +58,8 @@ from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cl
                     plain_tensors,
                     prime_write_results_queue, sequential_writer, sharded_tensor_cls,
                     shutdown_write_results_queues, torch_dist_load_strategy_cls,
-                    torch_dist_save_strategy_cls, with_data, without_host_preload)
+                    torch_dist_save_strategy_cls, validate_sharding, with_data,
+                    without_host_preload)
 from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coordinates,
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)
@@ -71,7 +72,9 @@ __all__ = [
     "Capabilities",
     "ConversionCache",
     "conversions_cached",
+    "convert_ahead",
     "with_data",
+    "validate_sharding",
     "FsdpApi",
     "MCORE_STRATEGIES",
     "MLM_MODULES",

@@ -20,10 +20,11 @@ import sys
 from typing import Any, Iterator
 
 from ..debug import env_switch
-from ._imports import MCORE_STRATEGIES
+from ..errors import BackendUnavailable
+from ._imports import MCORE_STRATEGIES, _import
 from .introspect import _takes
 
-__all__ = ["ConversionCache", "conversions_cached"]
+__all__ = ["ConversionCache", "convert_ahead", "conversions_cached"]
 
 _FN = "sharded_tensor_to_torch_sharded_tensor"
 _PARAMS = ("sh_tens", "rank", "load_legacy_1d_flatten_tensors")
@@ -58,6 +59,53 @@ def _fingerprint(sh_ten: Any) -> tuple | None:
             sh_ten.replica_id, sh_ten.allow_shape_mismatch)
 
 
+def _converter(*, load: bool = False) -> Any:
+    """megatron-core's conversion function where it can be reused here, else None (``load``:
+    import its module if it is not imported yet)."""
+    module = sys.modules.get(f"{MCORE_STRATEGIES}.torch")
+    if module is None and load:
+        try:
+            module = _import(f"{MCORE_STRATEGIES}.torch")
+        except BackendUnavailable:
+            return None
+    original = getattr(module, _FN, None)
+    if (original is None or getattr(original, "_mcx_cached", False)
+            or env_switch("MCX_CONVERT_EVERY_SAVE") == "1"
+            or not all(_takes(original, name) for name in _PARAMS)):
+        return None
+    return original
+
+
+def convert_ahead(cache: ConversionCache, groups: list[list[Any]]) -> int:
+    """Convert ahead of the first save (after ``prepare()`` allocated its staging): each group
+    is one key's shards, in megatron-core's order, holding the buffers the first save will
+    stage into. Only shards megatron-core converts through this function (a prepended axis or
+    a flattened range) are converted; the first save's planning finds them in ``cache`` (any it
+    does not use are dropped then). Returns how many were converted; no collective."""
+    original = _converter(load=True)
+    if original is None:
+        return 0
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    done = 0
+    for sh_tens in groups:
+        if not sh_tens or not (sh_tens[0].prepend_axis_num
+                               or sh_tens[0].flattened_range is not None):
+            continue
+        prints = tuple(_fingerprint(t) for t in sh_tens)
+        key = (rank, world, prints)
+        if None in prints or key in cache.entries:
+            continue
+        try:
+            cache.entries[key] = original(sh_tens, rank, False)
+        except Exception:  # noqa: BLE001 - megatron-core will say it at the save, if at all
+            continue
+        done += 1
+    return done
+
+
 @contextlib.contextmanager
 def conversions_cached(cache: ConversionCache | None) -> Iterator[None]:
     """While megatron-core plans a save: its torch strategy's conversion answers from
@@ -66,10 +114,8 @@ def conversions_cached(cache: ConversionCache | None) -> Iterator[None]:
     ``MCX_CONVERT_EVERY_SAVE=1``, or where this megatron-core has no such function (or one with
     other parameters), nothing changes."""
     module = sys.modules.get(f"{MCORE_STRATEGIES}.torch")
-    original = getattr(module, _FN, None)
-    if (cache is None or original is None or getattr(original, "_mcx_cached", False)
-            or env_switch("MCX_CONVERT_EVERY_SAVE") == "1"
-            or not all(_takes(original, name) for name in _PARAMS)):
+    original = _converter()
+    if cache is None or original is None:
         yield
         return
     import torch.distributed as dist

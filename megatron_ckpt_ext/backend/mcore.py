@@ -170,6 +170,19 @@ def with_data(sharded_tensor: Any, data: Any) -> Any:
     return new
 
 
+def validate_sharding(sharded_state_dict: Any) -> bool:
+    """Collective: megatron-core's own check that the shards of ``sharded_state_dict`` cover
+    every tensor exactly once (what its save runs under ``validate_access_integrity``), on a
+    state it may rearrange (pass a copy). False where this megatron-core has no such step
+    (found by its parameters); raises what megatron-core raises."""
+    utils = _import(f"{MCORE_DC}.state_dict_utils")
+    preprocess = getattr(utils, "save_preprocess", None)
+    if preprocess is None or not _takes(preprocess, "validate_access_integrity"):
+        return False
+    preprocess(sharded_state_dict, validate_access_integrity=True)
+    return True
+
+
 def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> None:
     """Replace every ShardedTensor ``t`` in nested dicts/lists with ``fn(t)``, in place."""
     cls = sharded_tensor_cls()

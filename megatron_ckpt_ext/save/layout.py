@@ -170,20 +170,23 @@ def warn_incomplete(root: Path) -> None:
                   "(a save was interrupted before its commit)")
 
 
-def open_workdir(record: Any, group: Group, *, new_structure: bool,
+def open_workdir(record: Any, group: Group, *, new_structure: bool, validate: bool | None = None,
                  plain: list[tuple[str, Any]] = ()) -> Path:
     """Collective: rank 0 creates ``record``'s ``iter_N.incomplete``; one small all-reduce (in
     place of a barrier) tells every rank whether it could, whether any rank's structure is new
     (sets ``record.new_structure``: validating and re-planning are collectives, so all ranks must
-    decide alike) and whether any rank holds a plain tensor (``plain``): each fails the save on
-    every rank before anything is staged."""
+    decide alike), whether any rank must validate its sharding (``validate``, default
+    ``new_structure``; sets ``record.validate``) and whether any rank holds a plain tensor
+    (``plain``): each fails the save on every rank before anything is staged."""
     workdir = incomplete_name(record.root, record.iteration)
     plain_large = [(k, t) for k, t in plain if t.numel() > 1]
     error = _make_workdir(record, workdir) if rank() == 0 and not plain_large else None
-    failed, changed, bad_rank = group.all_max(
+    failed, changed, check, bad_rank = group.all_max(
         [1.0 if error is not None else 0.0, float(new_structure),
+         float(new_structure if validate is None else validate),
          float(rank()) if plain_large else -1.0])
     record.new_structure = bool(changed)
+    record.validate = bool(check)
     if bad_rank >= 0:
         if rank() == 0 and workdir.exists() and error is None:
             shutil.rmtree(workdir, ignore_errors=True)

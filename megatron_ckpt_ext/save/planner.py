@@ -27,6 +27,7 @@ class SavePlanner:
         self._structure: tuple | None = None
         # megatron-core's conversions of the last save, reused while the structure holds
         self.conversions = backend.ConversionCache() if self.constant else None
+        self._validated: tuple | None = None  # the structure prepare() validated
 
     @property
     def constant(self) -> bool:
@@ -51,9 +52,7 @@ class SavePlanner:
                 logger.info("checkpoint structure changed on some rank (%s here): rebuilding "
                             "the cached save plan", describe_change(self._structure, key))
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
-            record.new_structure = True
-            if self.conversions is not None:
-                self.conversions.clear()
+            record.new_structure = True  # (the conversions' own keys hold their inputs)
         self._structure = key
 
     def strategy(self) -> Any:
@@ -62,8 +61,42 @@ class SavePlanner:
             return self._strategy
         return strategy.save_strategy(self.options, dp_group=self.dp_group)
 
+    def validate_ahead(self, state: Any) -> bool:
+        """Collective (``prepare()``, every rank): megatron-core's sharding validation of
+        ``state`` now, so the first save of the same structure need not run it (the save still
+        does where any rank's structure is not the validated one). Whether it validated; a
+        failure is left for the save to raise."""
+        if not self.constant:
+            return False
+        key = structure_key(state)
+        try:
+            ok = backend.validate_sharding(copy_structure(state))
+        except Exception as e:  # noqa: BLE001 - the first save validates again and raises it
+            logger.debug("sharding validation at prepare(): %s: %s", type(e).__name__, e)
+            ok = False
+        self._validated = key if ok else None
+        return ok
+
+    def validated(self, key: tuple | None) -> bool:
+        """Whether prepare() validated this rank's structure ``key`` already."""
+        return self.constant and key is not None and key == self._validated
+
+    def convert_ahead(self, state: Any, staged: list) -> int:
+        """After ``prepare()`` allocated the staging (``staged``: its buffers, in the order of
+        ``state``'s tensors): megatron-core's conversions of the first save, computed now, off
+        its critical path (:func:`backend.convert_ahead`). Returns how many; ``state`` is not
+        modified."""
+        if self.conversions is None:
+            return 0
+        swap = iter(staged)
+        state = copy_structure(state)
+        backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
+        groups: dict[str, list] = {}
+        backend.map_sharded_tensors(state, lambda t: groups.setdefault(t.key, []).append(t) or t)
+        return backend.convert_ahead(self.conversions, list(groups.values()))
+
     def reset(self) -> None:
-        self._strategy = self._structure = None
+        self._strategy = self._structure = self._validated = None
         if self.conversions is not None:
             self.conversions.clear()
 

@@ -40,7 +40,8 @@ class SaveRecord:
     mode: str = ""
     host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
     snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
-    new_structure: bool = True  # some rank's structure is new: validate sharding, re-plan
+    new_structure: bool = True  # some rank's structure is new: re-plan
+    validate: bool = True  # some rank's sharding is not validated yet (prepare() may have)
     seq: int = 0  # published in the stager's ready flag when the staged copies are complete
     copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see PHASES

@@ -67,7 +67,9 @@ class _SaveSteps:
 
     def _open(self, sharded_state_dict: Any, record: SaveRecord) -> tuple[Any, Path]:
         structure = self._planner.key(sharded_state_dict)
-        workdir = open_workdir(record, self._group, new_structure=self._planner.is_new(structure),
+        new = self._planner.is_new(structure)
+        workdir = open_workdir(record, self._group, new_structure=new,
+                               validate=new and not self._planner.validated(structure),
                                plain=backend.plain_tensors(sharded_state_dict))
         self._planner.use(structure, record)
         if self.reports and rank() == 0:
@@ -89,7 +91,7 @@ class _SaveSteps:
             try:  # the common state is rank 0's write alone: fail every rank alike
                 request = run_agreed(lambda: backend.dist_checkpointing().save(
                     state, str(workdir), self._planner.strategy(), async_sharded_save=True,
-                    validate_access_integrity=record.new_structure), self._group)
+                    validate_access_integrity=record.validate), self._group)
             except SaveStepFailed as e:
                 if e.raised is not None:  # megatron-core's own error (a sharding it rejects)
                     raise e.raised from e.raised.__cause__

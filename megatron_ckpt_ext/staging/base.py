@@ -39,8 +39,11 @@ class Stager(Protocol):
         """Release the write gated with ``ticket`` (``ok=False``: it writes nothing)."""
 
     def prepare(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
-                background: bool = False) -> None:
-        """Allocate buffers for ``tensors`` ahead of the first save."""
+                background: bool = False,
+                then: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Allocate buffers for ``tensors`` ahead of the first save; then call ``then`` with
+        them, in the order of ``tensors`` (in the background thread with ``background``), where
+        the stager has buffers. An error of ``then`` is logged, never raised."""
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is."""

@@ -19,8 +19,9 @@ class InPlaceStager:
     owns_copies = False
 
     def prepare(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
-                background: bool = False) -> None:
-        """Nothing to allocate."""
+                background: bool = False,
+                then: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Nothing to allocate (``then`` is not called: there are no buffers)."""
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         return True

@@ -63,8 +63,11 @@ class ShmStager(_Sealing, _CopyStreams):
 
     # -- public ----------------------------------------------------------------------------------
     def prepare(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
-                background: bool = False) -> None:
-        """Allocate (and pin) a buffer set ahead of the first save: start-up, not critical path.
+                background: bool = False,
+                then: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Allocate (and pin) a buffer set ahead of the first save: start-up, not critical path;
+        then ``then(buffers)`` (the set's tensors in the order of ``tensors``: what the first
+        save will stage into), whose error is logged, not raised.
 
         With ``background=True`` this returns at once; a stage() meanwhile waits for it."""
         self._check_open()
@@ -72,10 +75,12 @@ class ShmStager(_Sealing, _CopyStreams):
         if not background:
             with self._lock:
                 self._prepare_locked(specs)
+            self._then(specs, then)
             return
         self._join_prepare()
-        self._prepare_thread = threading.Thread(target=self._prepare_in_background, args=(specs,),
-                                                name="mcx-staging-prepare", daemon=True)
+        self._prepare_thread = threading.Thread(target=self._prepare_in_background,
+                                                args=(specs, then), name="mcx-staging-prepare",
+                                                daemon=True)
         self._prepare_thread.start()
 
     def stage(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
@@ -197,15 +202,33 @@ class ShmStager(_Sealing, _CopyStreams):
             self._sets.append(self._build(specs, donor=self._idle_donor()))
         self._ready_flag_locked()  # the first save's gate finds it too
 
-    def _prepare_in_background(self, specs: list[_Spec]) -> None:
+    def _prepare_in_background(self, specs: list[_Spec],
+                               then: Callable[[list[torch.Tensor]], None] | None) -> None:
         t0 = time.perf_counter()
         try:
             with self._lock:
                 self._prepare_locked(specs)
         except BaseException as e:  # re-raised by the next stage()/prepare()
             self._prepare_error = e
+            return
         finally:
             self.stats["prepare_s"] += time.perf_counter() - t0
+        self._then(specs, then)
+
+    def _then(self, specs: list[_Spec], then: Callable[[list[torch.Tensor]], None] | None) -> None:
+        """``then`` with the prepared set's tensors (before any save can take the set: a
+        stage() waits for the background prepare, this included)."""
+        if then is None:
+            return
+        with self._lock:
+            chosen = next((s for s in self._sets if not s.in_flight and s.fits(specs)), None)
+            buffers = [chosen.buffers[s].tensor for s in specs] if chosen is not None else None
+        if buffers is None:
+            return
+        try:
+            then(buffers)
+        except Exception as e:  # noqa: BLE001 - an optimisation of the first save, never fatal
+            logger.debug("staging: the step after prepare() failed: %s: %s", type(e).__name__, e)
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is.

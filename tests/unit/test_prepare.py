@@ -51,3 +51,58 @@ def test_the_report_says_what_a_first_save_without_prepare_spent_on_staging(one_
         assert first["allocations"] == 2 and first["allocate_s"] > 0, first
         assert "admit_s" in first and "admit_s" not in second, (first, second)
         assert second["allocations"] == 0 and second["allocate_s"] == 0, second
+
+
+def _stacked_state(tensors: dict[str, list[torch.Tensor]]) -> dict:
+    st = backend.sharded_tensor_cls()
+    n = len(next(iter(tensors.values())))
+    return {k: [st.from_rank_offsets(k, t, (0, i, n), replica_id=0, prepend_axis_num=1)
+                for i, t in enumerate(v)] for k, v in tensors.items()}
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Every megatron-core sharding validation, as the validate_access_integrity it ran with
+    (prepare()'s through state_dict_utils, the save's through serialization)."""
+    import importlib
+
+    seen: list[tuple[str, bool]] = []
+    for where in ("state_dict_utils", "serialization"):
+        module = importlib.import_module(f"megatron.core.dist_checkpointing.{where}")
+        real = module.save_preprocess
+
+        def spy(state, validate_access_integrity=True, *a, _real=real, _where=where, **k):
+            seen.append((_where, bool(validate_access_integrity)))
+            return _real(state, validate_access_integrity, *a, **k)
+
+        monkeypatch.setattr(module, "save_preprocess", spy)
+    return seen
+
+
+def test_prepare_validates_and_converts_so_the_first_save_does_neither(one_rank_group, tmp_path,
+                                                                         validations):
+    layers = {"w": [torch.randn(4, 6) for _ in range(3)], "b": [torch.randn(5) for _ in range(3)]}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.prepare(_stacked_state(layers))
+        assert ck.wait_prepared(timeout_s=60)
+        assert validations == [("state_dict_utils", True)]  # megatron-core's check, at prepare
+        cache = ck._planner.conversions
+        assert len(cache.entries) == len(layers) and cache.misses == 0
+        ck.save(_stacked_state(layers), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        assert validations[1:] == [("serialization", False)]  # not again at the first save
+        assert cache.misses == 0 and cache.hits == len(layers)  # converted ahead, reused
+
+
+def test_a_first_save_of_another_structure_than_prepared_validates(one_rank_group, tmp_path,
+                                                                  validations):
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.prepare(_stacked_state({"w": [torch.randn(4, 6) for _ in range(3)]}))
+        ck.save(_stacked_state({"w": [torch.randn(4, 7) for _ in range(3)]}), tmp_path,
+                iteration=1)
+        ck.maybe_finalize(blocking=True)
+    assert validations == [("state_dict_utils", True), ("serialization", True)]
