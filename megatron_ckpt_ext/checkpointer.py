@@ -276,14 +276,16 @@ class Checkpointer(_SaveSteps):
         ones when ``blocking``). Returns the iterations committed by this call.
 
         Raises :class:`CheckpointWriteError` on every rank when any rank's writer died, its
-        write failed, or the save is older than ``--ckpt-timeout`` seconds; with
+        write or the commit failed (the message says which), or the save is older than
+        ``--ckpt-timeout`` seconds; with
         ``--ckpt-failure-policy warn`` that save is abandoned with a rank-0 error instead, until
         ``--ckpt-max-consecutive-failures`` saves in a row have failed."""
         try:
-            return [r.iteration for r in self._writers.poll(blocking=blocking)]
+            written = self._writers.poll(blocking=blocking)
         except CheckpointWriteError as e:
             self._failed(e)
             return []
+        return [r.iteration for r in written if self._commit_or_fail(r)]
 
     def preempted(self) -> bool:
         """Collective at an iteration boundary, with ``--exit-signal-handler``: True once any

@@ -118,20 +118,36 @@ class _SaveSteps:
         if not self._async:
             try:
                 agreed_finalize(request, self._group).execute_sync()
-                del request
-                self._hooks.at("scheduled", record)
-                record.phase("write_commit_s", t)  # before the commit, which reports the phases
-                self._commit(record)
             except SaveStepFailed as e:  # on every rank alike
-                raise self._writers.failed(record, f"its write or commit failed: {e}") from e
+                raise self._writers.failed(record, f"its write failed: {e}") from e
+            del request
+            self._hooks.at("scheduled", record)
+            record.phase("write_commit_s", t)  # before the commit, which reports the phases
+            self._commit_or_fail(record)
             return
-        request.add_finalize_fn(lambda: self._commit(record))
+        # the commit is not a callback of the backend's finalization: maybe_finalize commits
+        # each save the writers report written (_commit_or_fail), as the synchronous path does
         self._writers.schedule(request, record)
         del request
         self._hooks.at("scheduled", record)
         t = record.phase("schedule_s", t)
         self._publisher.publish(record)  # returns with the copies in flight when overlapping
         record.phase("copy_wait_s", t)
+
+    def _commit_or_fail(self, record: SaveRecord) -> bool:
+        """Collective: :meth:`_commit` a written save; a commit that failed on every rank (a
+        full disk under rank 0 at the rename) is said as such, raised (synchronous saves, or
+        ``--ckpt-failure-policy raise``) or logged under ``warn``. Whether it committed."""
+        try:
+            self._commit(record)
+        except SaveStepFailed as e:
+            record.release()
+            error = self._writers.failed(record, f"its commit failed: {e}")
+            if not self._async:
+                raise error from e
+            self._failed(error)
+            return False
+        return True
 
     def _commit(self, record: SaveRecord) -> None:
         """Collective: make ``record``'s checkpoint visible and name it in the tracker."""

@@ -180,7 +180,8 @@ class WriterPool:
             self.agree(before=(iteration, root))
 
     def schedule(self, request: Any, record: SaveRecord) -> None:
-        """Hand ``request`` to a writer; its finalization (run by :meth:`poll`) commits."""
+        """Hand ``request`` to a writer; :meth:`poll` reports it written (the Checkpointer then
+        commits it)."""
         request = agreed_finalize(request, self.group)
         with backend.unblock_hand_over_if_worker_dies(self._queue, poll_s=POLL_S,
                                                       give_up=self._gave_up_on_start), \
@@ -192,8 +193,9 @@ class WriterPool:
             self._watch_start(backend.newest_writer_pid(self._queue))
 
     def poll(self, *, blocking: bool) -> list[SaveRecord]:
-        """Collective: finalize (metadata write and commit) the saves every rank's writer has
-        finished (all of them when ``blocking``); the records finalized."""
+        """Collective: finalize (megatron-core's metadata write) the saves every rank's writer
+        has finished (all of them when ``blocking``); the records written, for the Checkpointer
+        to commit, in schedule order."""
         done: list[SaveRecord] = []
         while self._queue is not None and self.pending:
             if self.agree():  # some rank's writer is still writing
@@ -289,17 +291,18 @@ class WriterPool:
 
     def _finalize_finished(self) -> list[SaveRecord]:
         """Every rank's head writer has finished: run the queue's finalization (megatron-core's
-        metadata write and our commit, collectives) for what is done."""
+        metadata write, collectives) for what is done; the records written (the Checkpointer
+        commits them)."""
         before = self._queue.get_num_unfinalized_calls()
         try:
             self._queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
         except (KeyboardInterrupt, SystemExit):
             raise
-        # a write or commit that raised: raised on every rank by agreed_finalize (a write's
-        # error also as torch's CheckpointException, a BaseException, from nvrx 0.7's finalize)
+        # a write that raised: raised on every rank by agreed_finalize (also as torch's
+        # CheckpointException, a BaseException, from nvrx 0.7's finalize)
         except BaseException as e:  # noqa: BLE001
             text = str(e) if isinstance(e, SaveStepFailed) else backend.checkpoint_failure_text(e)
-            raise self.abandon(f"its write or commit failed: {text}") from e
+            raise self.abandon(f"its write failed: {text}") from e
         # Count, do not trust the returned indices: the providers return each request's own
         # call_idx, which the queue never sets. Calls finalize in schedule order.
         finished = before - self._queue.get_num_unfinalized_calls()
@@ -328,8 +331,8 @@ class WriterPool:
         return error
 
     def failed(self, record: SaveRecord, why: str, *, after: str = ".") -> CheckpointWriteError:
-        """A save that failed on every rank in the trainer (its planning, or a synchronous
-        save's write or commit): what happened; the writers are untouched."""
+        """A save that failed on every rank in the trainer (its planning, a synchronous save's
+        write, or a commit): what happened; the writers are untouched."""
         return self._failure(f"checkpoint iteration {record.iteration} under {record.root}",
                              record.root, why, record.nbytes, after)
 
