@@ -8,83 +8,103 @@ on the way are :mod:`.load_sums`'s."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
 from . import direct_read
-from ._imports import MCORE_STRATEGIES
+from ._imports import MCORE_DC, MCORE_STRATEGIES
+from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
 from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
 
-__all__ = ["parallel_reads"]
+__all__ = ["ReadResult", "ReadSettings", "parallel_reads"]
 
 logger = logging.getLogger("megatron_ckpt_ext.backend")
 
 _NEEDED = ("storage_data", "fs", "path", "_slice_file")
 
 
+@dataclass(frozen=True)
+class ReadSettings:
+    """How a load reads: ``threads`` reading threads, ``chunk`` bytes at a time (None:
+    ``direct_read.DEFAULT_CHUNK`` as the load starts); with ``checksums`` the files this rank
+    reads whole are summed as the bytes pass, on ``checksum_threads`` (None: as many as reading
+    ones, at most this rank's share of the cores), and ``on_planned`` is told those files' names
+    as soon as the reads are planned (before the bytes are read). ``metadata``: {checkpoint
+    directory: its DCP ``Metadata``} that the caller has unpickled already (the load's readers
+    then do not read that ``.metadata`` again)."""
+
+    threads: int
+    chunk: int | None = None
+    checksums: bool = False
+    checksum_threads: int | None = None
+    on_planned: Callable[[set[str]], None] | None = None
+    metadata: Mapping[str, Any] | None = None
+
+
+@dataclass
+class ReadResult:
+    """What a load's parallel reads did. ``why_not``: None when they applied, else why not (the
+    load then ran as megatron-core's own, and the rest stays empty). Seconds of the metadata step
+    (where each item's bytes are) and of the read step, split into file reads and host-to-device
+    copies; how many items (and bytes) were read directly, how many the stock way (``why_stock``:
+    the first reason); ``file_crcs`` {file: (bytes, crc32)} of the ``planned_files`` summed as
+    read."""
+
+    why_not: str | None = None
+    metadata_s: float = 0.0
+    read_s: float = 0.0
+    h2d_s: float = 0.0
+    direct_items: int = 0
+    stock_items: int = 0
+    direct_bytes: int = 0
+    why_stock: str = ""
+    file_crcs: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    planned_files: set[str] = field(default_factory=set)
+
+
 @contextlib.contextmanager
-def parallel_reads(threads: int, stats: dict | None = None, chunk: int | None = None, *,
-                   checksums: bool = False, checksum_threads: int | None = None,
-                   on_planned: Callable[[set[str]], None] | None = None) -> Iterator[str | None]:
-    """While inside, megatron-core's torch_dist loads read with ``threads`` threads, ``chunk``
-    bytes at a time, and sum on ``checksum_threads`` (default: as many, at most this rank's
-    share of the cores). Yields None when applied, else why not (the load then runs as
-    megatron-core's own). ``stats`` gets the seconds of the metadata and read steps, and how many
-    items (and bytes) were read directly and how many the stock way (with the first reason).
+def parallel_reads(settings: ReadSettings) -> Iterator[ReadResult]:
+    """While inside, megatron-core's torch_dist loads read as ``settings`` say; the result
+    yielded fills in as they do (:class:`ReadResult`, its ``why_not`` set at once when they
+    cannot apply). Every reader megatron-core builds meanwhile unpickles ``.metadata`` at most
+    once between them (none where ``settings.metadata`` has it), parallel or not."""
+    result, memo = ReadResult(), MetadataMemo(settings.metadata)
+    settings = replace(settings, chunk=settings.chunk or direct_read.DEFAULT_CHUNK,
+                       checksum_threads=thread_counts(load_read=settings.threads,
+                                                      checksum=settings.checksum_threads).checksum)
 
-    With ``checksums`` every file whose every byte this rank reads (its items whole: the zip
-    headers, the records) gets its CRC-32 from the bytes as they pass (the chunks on summing
-    threads beside the reading ones), folded in file order: ``stats["file_crcs"]`` {file: (bytes, crc32)}. ``on_planned`` is told
-    those files' names as soon as the reads are planned (before the bytes are read), and
-    ``stats["planned_files"]`` keeps them."""
-    stats = {} if stats is None else stats
-    stats["_checksums"], stats["_on_planned"] = checksums, on_planned
-    stats["_checksum_threads"] = checksum_threads
-    chunk = chunk or direct_read.DEFAULT_CHUNK
-    try:
-        module = importlib.import_module(f"{MCORE_STRATEGIES}.torch")
-    except ImportError as e:
-        yield f"megatron-core's torch strategy does not import ({e})"
-        return
-    original = getattr(module, "_get_filesystem_reader", None)
-    if original is None or threads <= 1:
-        yield ("this megatron-core builds its reader without _get_filesystem_reader"
-               if original is None else "one read thread asked for")
-        return
+    def built(reader: Any) -> Any:
+        if result.why_not is None:
+            return _make_parallel(reader, settings, result, memo)
+        return share(reader, memo)
 
-    def parallel_reader(*args: Any, **kwargs: Any) -> Any:
-        return _make_parallel(original(*args, **kwargs), threads, stats, chunk)
-
-    module._get_filesystem_reader = parallel_reader
-    try:
-        yield None
-    finally:
-        module._get_filesystem_reader = original
+    # megatron-core 0.19's common-state load builds its reader by its own name for the factory
+    with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
+            factory_wrapped(f"{MCORE_STRATEGIES}.torch", built) as why_not:
+        result.why_not = why_not or (None if settings.threads > 1 else "one read thread asked for")
+        yield result
 
 
-def _make_parallel(reader: Any, threads: int, stats: dict, chunk: int) -> Any:
+def _make_parallel(reader: Any, settings: ReadSettings, result: ReadResult,
+                   memo: MetadataMemo) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     if not isinstance(reader, FileSystemReader) or not all(hasattr(reader, a) for a in _NEEDED):
         logger.info("parallel checkpoint reads do not apply to %s: megatron-core's reader is used",
                     type(reader).__name__)
-        if stats.get("_on_planned") is not None:
-            stats["_on_planned"](set())  # nothing is summed by the reads: the check reads all
+        if settings.on_planned is not None:
+            settings.on_planned(set())  # nothing is summed by the reads: the check reads all
         return reader
     reader.__class__ = _parallel_class(type(reader))
-    reader._mcx_threads, reader._mcx_stats, reader._mcx_chunk = threads, stats, chunk
-    stats["_threads"] = threads
-    stats["_checksum_threads"] = thread_counts(load_read=threads,
-                                               checksum=stats.get("_checksum_threads")).checksum
+    reader._mcx_settings, reader._mcx_result, reader._mcx_memo = settings, result, memo
     return reader
 
 
@@ -93,7 +113,8 @@ _CLASSES: dict[type, type] = {}
 
 def _parallel_class(base: type) -> type:
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Parallel{base.__name__}", (base,), {"read_data": _read_data})
+        _CLASSES[base] = type(f"Parallel{base.__name__}", (base,),
+                              {"read_data": _read_data, "read_metadata": memo_read_metadata})
     return _CLASSES[base]
 
 
@@ -102,11 +123,10 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     from torch.futures import Future
 
     lock = threading.Lock()
-    stats = self._mcx_stats
+    settings, result, busy = self._mcx_settings, self._mcx_result, _Busy()
     # as many summing threads as reading ones, at most this rank's share of the cores (more did
     # not help on the H100 host: docs/notes/benchmarks.md, the load's summing threads)
-    sums = _Sums(stats.get("_checksums", False), stats["_checksum_threads"],
-                 executor=ThreadPoolExecutor)
+    sums = _Sums(settings.checksums, settings.checksum_threads, executor=ThreadPoolExecutor)
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
     _read_byte_items(self, planner, [r for r in plan.items if r.type == LoadItemType.BYTE_IO],
@@ -115,7 +135,7 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     tensors.sort(key=lambda r: (self.storage_data[r.storage_index].relative_path,
                                 self.storage_data[r.storage_index].offset))
     with _Files(self) as files, ThreadPoolExecutor(
-            max_workers=self._mcx_threads, thread_name_prefix="mcx-read") as pool:
+            max_workers=settings.threads, thread_name_prefix="mcx-read") as pool:
         # 1. where each item's bytes are, and its target: the kernel is asked for every item's
         # header pages at once (a cold disk reads them in parallel), then they are parsed on
         # this thread (Python-bound: threads would only take turns on the GIL)
@@ -125,18 +145,20 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         for p in plans:
             sums.direct_item(p, self.storage_data[p.req.storage_index])
         covered = sums.planned(files)
-        stats.setdefault("planned_files", set()).update(covered)
-        if stats.get("_on_planned") is not None:
-            stats["_on_planned"](covered)
-        t = _add(stats, "metadata_s", t)
+        result.planned_files |= covered
+        if settings.on_planned is not None:
+            settings.on_planned(covered)
+        now = time.perf_counter()
+        result.metadata_s += now - t
+        t = now
         # 2. the bytes: the direct items' chunks in file order, cut into one contiguous stripe
         # per thread (each thread reads along its stripe: a cold disk streams it); the rest
         # of the items the stock way
         direct = [p for p in plans if p.span is not None]
-        chunks = sorted(((p, a, b) for p in direct for a, b in _chunks(p.span[1], self._mcx_chunk)),
+        chunks = sorted(((p, a, b) for p in direct for a, b in _chunks(p.span[1], settings.chunk)),
                         key=lambda c: (c[0].what, c[0].span[0] + c[1]))
-        jobs = [pool.submit(_read_stripe, files, stripe, stats, sums)
-                for stripe in _stripes(chunks, self._mcx_threads)]
+        jobs = [pool.submit(_read_stripe, files, stripe, settings, busy, sums)
+                for stripe in _stripes(chunks, settings.threads)]
         jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
                  for p in plans if p.span is None]
         failed = []
@@ -148,9 +170,9 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         sums.wait()  # every chunk lent back, every copy done, before anything else
         if failed:
             raise failed[0]
-        _split_read(stats, time.perf_counter() - t)
-        stats.setdefault("file_crcs", {}).update(sums.file_crcs(files, covered))
-    _commit_direct(planner, plans, direct, stats)
+        _split_read(result, busy, time.perf_counter() - t)
+        result.file_crcs.update(sums.file_crcs(files, covered))
+    _commit_direct(planner, plans, direct, result)
     fut: Future = Future()
     fut.set_result(None)
     return fut
@@ -166,40 +188,39 @@ def _read_byte_items(reader: Any, planner: Any, items: list, sums: _Sums) -> Non
 
 
 def _commit_direct(planner: Any, plans: list[_ItemPlan], direct: list[_ItemPlan],
-                   stats: dict) -> None:
-    """The items read directly go to the planner; ``stats`` counts how the items were read."""
+                   result: ReadResult) -> None:
+    """The items read directly go to the planner; ``result`` counts how the items were read."""
     for p in direct:
         planner.commit_tensor(p.req, p.target)
-    stats["direct_items"] = stats.get("direct_items", 0) + len(direct)
-    stats["stock_items"] = stats.get("stock_items", 0) + len(plans) - len(direct)
-    stats["direct_bytes"] = stats.get("direct_bytes", 0) + sum(p.span[1] for p in direct)
+    result.direct_items += len(direct)
+    result.stock_items += len(plans) - len(direct)
+    result.direct_bytes += sum(p.span[1] for p in direct)
     why = [p.why for p in plans if p.span is None]
-    if why:
-        stats.setdefault("why_stock", why[0])
+    if why and not result.why_stock:
+        result.why_stock = why[0]
 
 
-def _split_read(stats: dict, wall: float) -> None:
+class _Busy:
+    """The reading threads' seconds in file reads and in host-to-device copies."""
+
+    def __init__(self) -> None:
+        self.read = self.h2d = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            setattr(self, name, getattr(self, name) + now - since)
+        return now
+
+
+def _split_read(result: ReadResult, busy: _Busy, wall: float) -> None:
     """The read step's wall time, split into ``read_s`` and ``h2d_s`` in proportion to the time
     the reading threads spent in file reads and in host-to-device copies (they overlap across
     threads: the split says which of the two the step was made of)."""
-    busy = stats.pop("_busy", {"read": 0.0, "h2d": 0.0})
-    h2d = wall * busy["h2d"] / max(busy["read"] + busy["h2d"], 1e-12)
-    stats["h2d_s"] = stats.get("h2d_s", 0.0) + h2d
-    stats["read_s"] = stats.get("read_s", 0.0) + wall - h2d
-
-
-def _busy(stats: dict, lock: threading.Lock, name: str, since: float) -> float:
-    now = time.perf_counter()
-    with lock:
-        busy = stats.setdefault("_busy", {"read": 0.0, "h2d": 0.0})
-        busy[name] += now - since
-    return now
-
-
-def _add(stats: dict, name: str, since: float) -> float:
-    now = time.perf_counter()
-    stats[name] = stats.get(name, 0.0) + now - since
-    return now
+    h2d = wall * busy.h2d / max(busy.read + busy.h2d, 1e-12)
+    result.h2d_s += h2d
+    result.read_s += wall - h2d
 
 
 class _Files:
@@ -294,13 +315,14 @@ def _stripes(chunks: list, n: int) -> list[list]:
     return [s for s in out if s]
 
 
-def _read_stripe(files: _Files, stripe: list, stats: dict, sums: "_Sums") -> None:
+def _read_stripe(files: _Files, stripe: list, settings: ReadSettings, busy: _Busy,
+                 sums: "_Sums") -> None:
     for plan, a, b in stripe:
-        _read_chunk(files, plan, a, b, stats, sums)
+        _read_chunk(files, plan, a, b, settings, busy, sums)
 
 
-def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict,
-                sums: "_Sums") -> None:
+def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, settings: ReadSettings,
+                busy: _Busy, sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
     a device target (copied on this thread's stream). A chunk to be summed goes to the summing
     threads, which lend the host chunk again once both its sum and its copy are done; this
@@ -314,17 +336,17 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict,
     if target.device.type == "cpu":
         view = direct_read.tensor_bytes(flat[a:b])
         direct_read.pread_into(plan.fd, view, offset, plan.what)
-        _busy(stats, _STATS_LOCK, "read", t)
+        busy.add("read", t)
         sums.chunk(plan, offset, view)
         return
-    chunks = _host_chunks(stats)
+    chunks = _host_chunks(settings)
     buf = chunks.take()
     handed_over = False
     try:
         n = b - a
         view = direct_read.tensor_bytes(buf[:n])
         direct_read.pread_into(plan.fd, view, offset, plan.what)
-        t = _busy(stats, _STATS_LOCK, "read", t)
+        t = busy.add("read", t)
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):
             flat[a:b].copy_(buf[:n], non_blocking=True)
@@ -332,27 +354,26 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, stats: dict,
             copied = torch.cuda.Event()
             copied.record(stream)
             sums.chunk(plan, offset, view,
-                       then=partial(_release_when_copied, copied, chunks, buf, stats))
+                       then=partial(_release_when_copied, copied, chunks, buf, busy))
             handed_over = True
         else:
             stream.synchronize()
-            _busy(stats, _STATS_LOCK, "h2d", t)
+            busy.add("h2d", t)
     finally:
         if not handed_over:
             chunks.give(buf)
 
 
-def _release_when_copied(copied: Any, chunks: Any, buf: Any, stats: dict) -> None:
+def _release_when_copied(copied: Any, chunks: Any, buf: Any, busy: _Busy) -> None:
     t = time.perf_counter()
     try:
         copied.synchronize()
     finally:
         chunks.give(buf)
-    _busy(stats, _STATS_LOCK, "h2d", t)
+    busy.add("h2d", t)
 
 
 _local = threading.local()
-_STATS_LOCK = threading.Lock()
 
 
 def _thread_stream(device: Any) -> Any:
@@ -368,9 +389,9 @@ def _thread_stream(device: Any) -> Any:
     return stream
 
 
-def _host_chunks(stats: dict) -> Any:
+def _host_chunks(settings: ReadSettings) -> Any:
     # two per reading thread, one more per summing thread (in its hands)
-    return direct_read.PinnedChunks.shared(2 * stats["_threads"] + stats["_checksum_threads"],
+    return direct_read.PinnedChunks.shared(2 * settings.threads + settings.checksum_threads,
                                            pin=True)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from .. import backend
 from .._runtime import rank, warn_once
 from .._threads import thread_counts
+from ..backend.load_reader import ReadResult, ReadSettings
 from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..options import CkptOptions
@@ -40,9 +41,10 @@ class Loader:
         self.options, self._group, self._load_strategy = options, group, load_strategy
 
     def load(self, sharded_state_dict: Any, path: Path, record: LoadRecord, *,
-             explicit: bool) -> dict:
+             explicit: bool, metadata: Any = None) -> dict:
         """Collective: megatron-core's load of ``path`` with its manifest check running beside
-        it; on a mismatch, raise, or with the fallback load the newest older that verifies."""
+        it; on a mismatch, raise, or with the fallback load the newest older that verifies.
+        ``metadata``: ``path``'s DCP ``Metadata`` where the caller has unpickled it already."""
         record.path, record.iteration = path, parse_iteration(path.name)  # a located iter_N
         t = time.perf_counter()
         verify = self.options.ckpt_verify_load
@@ -55,36 +57,17 @@ class Loader:
         # the files the load's own reads sum as they pass are not read a second time
         pending = (verify_start(path, self._group, rank=rank(), workers=threads.checksum,
                                 defer=threads.load_read > 1) if verify else None)
-        load_strategy = self._load_strategy()
-        failure: BaseException | None = None
-        reads: dict = {}
-        try:
-            with _no_gc_pause(), backend.parallel_reads(
-                    threads.load_read, reads, checksum_threads=threads.checksum,
-                    checksums=pending is not None and pending.checks,
-                    on_planned=pending.skip if pending is not None else None) as why_not:
-                if pending is not None and why_not is not None:
-                    pending.release()
-                if why_not is not None and threads.load_read > 1 and rank() == 0:
-                    logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
-                                "reader", why_not)
-                state = backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
-                                                          str(path), load_strategy)
+        settings = ReadSettings(
+            threads.load_read, checksums=pending is not None and pending.checks,
+            checksum_threads=threads.checksum,
+            metadata={str(path): metadata} if metadata is not None else None,
+            on_planned=pending.skip if pending is not None else None)
+        state, failure, reads = self._read(sharded_state_dict, path, settings, pending)
+        if failure is None:
             _note_reads(record, reads)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        # a damaged file can fail the load itself (torch raises CheckpointException, a
-        # BaseException): say which file, when the check finds it
-        except BaseException as e:  # noqa: BLE001
-            if pending is None:
-                raise
-            failure, state = e, None
-        finally:
-            if pending is not None:
-                pending.release()
         t = record.phase("other_s", t)
         if pending is not None:
-            pending.check_inline(reads.get("file_crcs", {}), reads.get("planned_files", set()))
+            pending.check_inline(reads.file_crcs, reads.planned_files)
         has_manifest, problems = verify_agree(pending, self._group) if pending else (False, [])
         record.phase("verify_s", t)  # the part of the check the load did not hide
         uncovered = list((pending.manifest or {}).get("unverified", [])) if pending else []
@@ -100,6 +83,34 @@ class Loader:
         if not problems:
             return state
         return self._fall_back(sharded_state_dict, path, record, problems, explicit=explicit)
+
+    def _read(self, sharded_state_dict: Any, path: Path, settings: ReadSettings,
+              pending: Any) -> tuple[dict | None, BaseException | None, ReadResult]:
+        """Collective: megatron-core's load of ``path``, read as ``settings`` say: (the state,
+        None, how it was read), or with a manifest check beside it (``pending``) (None, the
+        failure, ...) when the load fails: the check may say which file broke it."""
+        load_strategy = self._load_strategy()
+        reads = ReadResult()
+        try:
+            with _no_gc_pause(), backend.parallel_reads(settings) as reads:
+                if pending is not None and reads.why_not is not None:
+                    pending.release()
+                if reads.why_not is not None and settings.threads > 1 and rank() == 0:
+                    logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
+                                "reader", reads.why_not)
+                return (backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
+                                                          str(path), load_strategy), None, reads)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        # a damaged file can fail the load itself (torch raises CheckpointException, a
+        # BaseException): say which file, when the check finds it
+        except BaseException as e:  # noqa: BLE001
+            if pending is None:
+                raise
+            return None, e, reads
+        finally:
+            if pending is not None:
+                pending.release()
 
     def _fall_back(self, sharded_state_dict: Any, path: Path, record: LoadRecord,
                    problems: list[str], *, explicit: bool) -> dict:
@@ -149,14 +160,11 @@ def _no_gc_pause():
             gc.enable()
 
 
-def _note_reads(record: LoadRecord, reads: dict) -> None:
+def _note_reads(record: LoadRecord, reads: ReadResult) -> None:
     """Split megatron-core's load into the reader's steps; say once why items went stock."""
-    for name in ("metadata_s", "read_s", "h2d_s"):
-        record.phases[name] = record.phases.get(name, 0.0) + reads.get(name, 0.0)
-        record.phases["other_s"] = record.phases.get("other_s", 0.0) - reads.get(name, 0.0)
-    for name in ("direct_items", "stock_items"):
-        record.reads[name] = record.reads.get(name, 0) + reads.get(name, 0)
-    if reads.get("stock_items") and rank() == 0:
+    record.add_reads(reads.metadata_s, reads.read_s, reads.h2d_s,
+                     direct_items=reads.direct_items, stock_items=reads.stock_items)
+    if reads.stock_items and rank() == 0:
         logger.info("%d of %d checkpoint items were read the stock way (unpickled, then "
-                    "copied): %s", reads["stock_items"],
-                    reads["stock_items"] + reads.get("direct_items", 0), reads.get("why_stock"))
+                    "copied): %s", reads.stock_items, reads.stock_items + reads.direct_items,
+                    reads.why_stock)

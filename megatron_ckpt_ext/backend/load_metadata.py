@@ -1,0 +1,94 @@
+"""A checkpoint's DCP ``.metadata`` unpickled once per load on each rank: every reader
+megatron-core builds during the load (its sharded load's; on 0.19 its common-state load's too)
+answers ``read_metadata`` from one memo, which a caller that has read the file already fills.
+Only megatron-core's reader factories are wrapped, and only for the load: torch's classes stay
+as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+from typing import Any, Callable, Iterator, Mapping
+
+__all__: list[str] = []
+
+_FACTORY = "_get_filesystem_reader"
+
+
+class MetadataMemo:
+    """One load's DCP ``Metadata`` by checkpoint directory: read by the first reader that asks
+    (or handed in, ``known``), the same object for every later one."""
+
+    def __init__(self, known: Mapping[str, Any] | None = None) -> None:
+        self._by_dir = {_key(path): md for path, md in (known or {}).items()}
+        self._lock = threading.Lock()
+
+    def read(self, reader: Any, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``reader``'s metadata: the memo's, else ``read(*args, **kwargs)`` (its class's own
+        read), kept. A per-rank metadata file (``rank=``) is read as asked."""
+        if kwargs.get("rank") is not None:
+            return read(*args, **kwargs)
+        key = _key(reader.path)
+        with self._lock:  # two readers at once: still one read
+            metadata = self._by_dir.get(key)
+            if metadata is None:
+                metadata = self._by_dir[key] = read(*args, **kwargs)
+                return metadata
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is not None:  # as a fresh read says: loaded by this reader
+            storage_meta.load_id = getattr(reader, "load_id", storage_meta.load_id)
+        return metadata
+
+
+def _key(path: Any) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+def memo_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``read_metadata`` of a swapped reader: through its memo (``_mcx_memo``)."""
+    return self._mcx_memo.read(self, super(type(self), self).read_metadata, *args, **kwargs)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def share(reader: Any, memo: MetadataMemo) -> Any:
+    """``reader`` answering ``read_metadata`` from ``memo`` (a torch ``FileSystemReader`` with
+    a local ``path``); any other reader as it is."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not isinstance(reader, FileSystemReader) or not hasattr(reader, "path"):
+        return reader
+    base = type(reader)
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"SharedMetadata{base.__name__}", (base,),
+                              {"read_metadata": memo_read_metadata})
+    reader.__class__ = _CLASSES[base]
+    reader._mcx_memo = memo
+    return reader
+
+
+@contextlib.contextmanager
+def factory_wrapped(module_name: str, wrap: Callable[[Any], Any]) -> Iterator[str | None]:
+    """While inside, the readers ``module_name``'s ``_get_filesystem_reader`` builds pass
+    through ``wrap``; yields None, or why nothing is wrapped (no such module or factory)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        yield f"{module_name} does not import ({e})"
+        return
+    original = getattr(module, _FACTORY, None)
+    if original is None:
+        yield f"this megatron-core builds its reader without {_FACTORY}"
+        return
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return wrap(original(*args, **kwargs))
+
+    setattr(module, _FACTORY, wrapped)
+    try:
+        yield None
+    finally:
+        setattr(module, _FACTORY, original)

@@ -1,0 +1,44 @@
+"""Rank functions of test_load_values.py (spawned: module level)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from tests._support.dist import sharded
+
+
+def _state(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of each tensor."""
+    n = 2048 // world
+    return {f"w{i}": (torch.arange(2048, dtype=torch.float32) + i)[rank * n:(rank + 1) * n]
+            for i in range(3)}
+
+
+def save(rank: int, world: int, root: str) -> None:
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(rank, world, _state(rank, world)), root, iteration=1)
+
+
+def load_counting_metadata_reads(rank: int, world: int, root: str, threads: int) -> None:
+    """This rank's load unpickles the checkpoint's .metadata exactly once."""
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem.FileSystemReader.read_metadata
+    reads: list[str] = []
+
+    def counting(self, *args, **kwargs):
+        reads.append(os.fspath(self.path))
+        return real(self, *args, **kwargs)
+
+    filesystem.FileSystemReader.read_metadata = counting
+    try:
+        like = {k: torch.zeros_like(v) for k, v in _state(rank, world).items()}
+        with Checkpointer(CkptOptions(ckpt_load_threads=threads)) as ck:
+            got = ck.load(sharded(rank, world, like), root)
+    finally:
+        filesystem.FileSystemReader.read_metadata = real
+    assert len(reads) == 1, f"rank {rank}: .metadata read {len(reads)} times: {reads}"
+    assert all(torch.equal(got[k], v) for k, v in _state(rank, world).items())

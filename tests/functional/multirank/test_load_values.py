@@ -1,0 +1,16 @@
+"""A load on two ranks: each rank unpickles the checkpoint's DCP .metadata once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support.dist import run_ranks
+
+from . import _load_values_workers as vw
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_each_rank_unpickles_the_metadata_once(tmp_path, threads):
+    run_ranks(vw.save, world_size=2, timeout=120, args=(str(tmp_path),))
+    run_ranks(vw.load_counting_metadata_reads, world_size=2, timeout=120,
+              args=(str(tmp_path), threads))
