@@ -313,9 +313,10 @@ class Checkpointer(_SaveSteps):
         stages like a steady one."""
         self._check_open()
         record = LoadRecord(root=Path(checkpoint_dir))
+        read: dict = {}  # the .metadata locate() unpickled, for the load: read once per rank
         path = locate(checkpoint_dir, iteration=iteration,
                       exit_on_missing=self.options.exit_on_missing_checkpoint,
-                      fallback=self.options.ckpt_load_fallback)
+                      fallback=self.options.ckpt_load_fallback, metadata=read)
         if path is None:
             return None
         record.phase("locate_s", record.started)
@@ -329,7 +330,8 @@ class Checkpointer(_SaveSteps):
             discard_snapshot(self._stager, path.parent)
         if state is None:
             loader = Loader(self.options, self._group, load_strategy=load_strategy)
-            state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None)
+            state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None,
+                                metadata=read.get(str(path)))
         # The first save after a resume stages into buffers allocated meanwhile, as a steady one
         # does (a no-op where they exist, such as an adopted snapshot). Every rank calls it: its
         # first call is the collective node admission, whatever this rank holds.

@@ -279,24 +279,28 @@ def plain_tensors(sharded_state_dict: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def common_state_present(checkpoint_dir: str | Path) -> bool | None:
+def common_state_present(checkpoint_dir: str | Path, *, keep: dict | None = None) -> bool | None:
     """Whether a megatron-core checkpoint holds its common (rank 0, non-sharded) state: the
     ``common.pt`` of megatron-core <= 0.16, or the ``common_state`` object that 0.19 keeps inside
     the torch_dist files (named in their ``.metadata``). Without it megatron-core's load fails
     with an AttributeError that names neither. None when the ``.metadata`` cannot be read
     (missing, or damaged: unpickling damaged bytes raises anything), which the load's
-    verification then names."""
+    verification then names. ``keep``: where the ``.metadata`` was unpickled here, it is kept
+    there under ``str(checkpoint_dir)``, for the load to use instead of reading it again."""
     path = Path(checkpoint_dir)
     if (path / "common.pt").exists():
         return True
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = FileSystemReader(str(path)).read_metadata()
+        keys = metadata.state_dict_metadata
     except FileNotFoundError:
         return False
     except Exception:  # noqa: BLE001 - damaged bytes: the integrity check says which file
         return None
+    if keep is not None:
+        keep[str(checkpoint_dir)] = metadata
     return any(str(k).split("/", 1)[0] == "common_state" for k in keys)
 
 

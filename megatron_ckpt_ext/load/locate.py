@@ -17,12 +17,15 @@ __all__ = ["another_iteration", "locate"]
 
 
 def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = None,
-           exit_on_missing: bool = False, fallback: bool = False) -> Path | None:
+           exit_on_missing: bool = False, fallback: bool = False,
+           metadata: dict | None = None) -> Path | None:
     """The directory of the checkpoint to load, or None where ``checkpoint_dir`` holds no
     committed checkpoint (no tracker: a missing or empty directory) after a rank-0 warning, as
     Megatron-LM starts from scratch; ``exit_on_missing`` raises FileNotFoundError instead. A
     checkpoint that was never committed (or was deleted) or lacks its common state is an error;
-    with ``fallback`` the tracker's missing target gives way to the newest older committed one."""
+    with ``fallback`` the tracker's missing target gives way to the newest older committed one.
+    ``metadata``: the DCP ``.metadata`` this check unpickled (megatron-core 0.19 checkpoints),
+    kept under ``str(path)`` for the load, so a rank reads it once."""
     root = Path(checkpoint_dir)
     warn_incomplete(root)
     explicit = iteration is not None
@@ -34,7 +37,7 @@ def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = No
     path = checkpoint_name(root, iteration)
     if not has_metadata(path):
         path = _not_committed(root, path, iteration, explicit=explicit, fallback=fallback)
-    if backend.common_state_present(path) is False:  # None: unreadable, the load says why
+    if backend.common_state_present(path, keep=metadata) is False:  # None: unreadable, the load says why
         raise CheckpointNotFound(
             f"checkpoint {path} has no common state: neither common.pt (megatron-core "
             "<= 0.16) nor a 'common_state' entry in its .metadata (0.19), both written by "

@@ -102,3 +102,22 @@ def test_the_readers_of_one_load_share_one_read(tmp_path, metadata_reads, monkey
     assert serialization._get_filesystem_reader is factory
     factory(str(path)).read_metadata()  # outside the load: a read of its own
     assert metadata_reads == [str(path)] * 2
+
+
+def test_locate_hands_the_metadata_it_read_to_the_load(tmp_path, metadata_reads):
+    """A megatron-core 0.19 checkpoint keeps its common state inside the torch_dist files: the
+    check that it is there unpickles ``.metadata`` and keeps it for the load."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_ckpt_ext.load.locate import locate
+    from megatron_ckpt_ext.save.layout import TRACKER, checkpoint_name
+
+    path = checkpoint_name(tmp_path, 3)
+    dcp.save({"common_state": torch.zeros(2), "w": torch.ones(4)}, checkpoint_id=str(path),
+             no_dist=True)
+    (path / "metadata.json").write_text("{}")
+    (tmp_path / TRACKER).write_text("3")
+    kept: dict = {}
+    assert locate(tmp_path, metadata=kept) == path
+    assert metadata_reads == [os.path.abspath(path)]
+    assert "common_state" in kept[str(path)].state_dict_metadata
