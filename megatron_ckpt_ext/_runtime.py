@@ -16,12 +16,34 @@ import time
 from typing import Iterator
 
 __all__ = ["ForkStarts", "die_with_parent", "forks_die_with_this_process", "ignore_job_signals",
-           "note_exit_signal", "pid_alive", "rank", "warn_once"]
+           "note_exit_signal", "pid_alive", "rank", "unheld", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def unheld(path: str) -> Iterator[bool]:
+    """The one test of "does a live process still hold this file" (a staging segment, a spool
+    directory's lock file; their holders keep a shared ``flock`` on it): opens ``path`` (no
+    symlink followed) and tries its exclusive flock without waiting. Yields True while this
+    process holds that lock (nobody else holds the file: safe to remove it now, as nobody can
+    attach meanwhile), False when another process does (or the lock cannot be taken: leave
+    it). Raises OSError when ``path`` cannot be opened."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by a live process (perhaps in another pid namespace)
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def rank() -> int:

@@ -45,7 +45,7 @@ from multiprocessing.reduction import ForkingPickler
 from multiprocessing.util import Finalize
 from typing import Any
 
-from ._runtime import pid_alive
+from ._runtime import pid_alive, unheld
 
 __all__ = ["SpoolQueue", "sweep_stale"]
 
@@ -199,20 +199,15 @@ def sweep_stale(base: str | None = None) -> list[str]:
 
 def _remove_if_unheld(directory: str) -> bool:
     try:
-        fd = os.open(os.path.join(directory, _LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with unheld(os.path.join(directory, _LOCK)) as free:
+            if not free:  # held by a live creator or writer
+                return False
+            shutil.rmtree(directory, ignore_errors=True)  # under the lock: nobody attaches
+            return not os.path.lexists(directory)
     except FileNotFoundError:
         return _remove_legacy(directory)
     except OSError:  # not a directory, or not ours to open: leave it
         return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # held by a live creator or writer (perhaps in another pid namespace)
-        shutil.rmtree(directory, ignore_errors=True)  # under the lock: nobody attaches meanwhile
-        return not os.path.lexists(directory)
-    finally:
-        os.close(fd)
 
 
 def _remove_legacy(directory: str) -> bool:

@@ -15,7 +15,7 @@ from ..errors import CkptOptionsError
 from ..staging.base import Stager
 from .report import SaveRecord
 
-__all__ = ["choose_stager", "stage"]
+__all__ = ["choose_stager", "stage", "sweep_at_start"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +24,16 @@ def choose_stager(*, is_async: bool, cpu_shm: bool, reuse: bool, job_id: str | N
                   given: Stager | None = None) -> Stager:
     """Shared memory with ``--async-ckpt-use-cpu-shm``, plain CPU copies for other async saves,
     none for synchronous ones; ``given`` (``Checkpointer(stager=...)``) instead, once it fits
-    that choice. A shared-memory stager sweeps a crashed run's segments itself; the others
-    sweep here, so they do not outlive the next start in another mode."""
+    that choice. First the one start-up sweep (:func:`sweep_at_start`), in every mode."""
     from ..staging import HostCopyStager, InPlaceStager, ShmStager
 
     if given is not None:
         _check_fits(given, is_async=is_async, cpu_shm=cpu_shm, reuse=reuse)
-    if not cpu_shm:
-        _sweep_shm_orphans()
+    sweep_at_start()
     if given is not None:
         return given
-    if cpu_shm:
-        return ShmStager(job_id=job_id or _job_id(), rank=rank(), reuse=reuse)
+    if cpu_shm:  # (swept above: the stager's own sweep is for those who build one directly)
+        return ShmStager(job_id=job_id or _job_id(), rank=rank(), reuse=reuse, sweep=False)
     return HostCopyStager() if is_async else InPlaceStager()
 
 
@@ -82,15 +80,18 @@ def stage(state: Any, record: SaveRecord, stager: Stager) -> None:
         record.staging_s = time.perf_counter() - t0
 
 
-def _sweep_shm_orphans() -> None:
+def sweep_at_start() -> None:
+    """The one start-up sweep (every Checkpointer, every mode): the shared-memory segments and
+    the write-results spool directories that crashed runs left, those no live process holds
+    (``_runtime.unheld``); a sealed snapshot younger than its age bound is kept."""
     from ..spool import sweep_stale
     from ..staging import sweep_orphans
 
-    try:
-        sweep_orphans()
-        sweep_stale()
-    except OSError as e:  # best effort: a start-up must not fail over another run's files
-        logger.debug("shm orphan sweep: %s", e)
+    for sweep in (sweep_orphans, sweep_stale):
+        try:
+            sweep()
+        except OSError as e:  # best effort: a start-up must not fail over another run's files
+            logger.debug("start-up sweep (%s): %s", sweep.__name__, e)
 
 
 def _job_id() -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._runtime import pid_alive, warn_once
+from .._runtime import pid_alive, unheld, warn_once
 from ..errors import InsufficientSharedMemory
 
 __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "drop_kept_mappings", "is_mapped", "sweep_orphans"]
@@ -237,31 +237,19 @@ def _owner_pid(name: str, prefix: str) -> int | None:
 def is_mapped(path: str) -> bool:
     """Whether a live process maps the segment at ``path`` (holds its shared flock)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with unheld(path) as free:
+            return not free
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def _remove_if_unmapped(path: str, *, dry_run: bool) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with unheld(path) as free:
+            if not free:  # still mapped by a live process (a writer, another pid namespace)
+                return False
+            if not dry_run:
+                _unlink(path)
+            return True
     except OSError:
         return False  # gone already (another rank swept it) or not a regular file of ours
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False  # still mapped by a live process (a writer, another pid namespace)
-    try:
-        if not dry_run:
-            _unlink(path)
-        return True
-    finally:
-        os.close(fd)

@@ -195,3 +195,52 @@ def test_directories_without_a_lock_are_swept_only_when_dead_and_old(tmp_path):
             os.utime(d, (old, old))
     assert spool.sweep_stale(str(tmp_path)) == [dead_old.name]
     assert not dead_old.exists() and dead_new.exists() and live_old.exists() and other.exists()
+
+
+@pytest.mark.parametrize("cpu_shm", [True, False], ids=["cpu-shm", "plain"])
+def test_every_checkpointer_start_up_sweeps_stale_spool_directories(tmp_path, monkeypatch,
+                                                                    cpu_shm):
+    """The one start-up sweep runs in every mode (with cpu-shm staging too, whose stager used
+    to sweep only its segments)."""
+    from megatron_ckpt_ext import Checkpointer, CkptOptions, spool
+
+    monkeypatch.setattr(spool, "_base_dir", lambda: str(tmp_path))
+    stale = tmp_path / "mcx-results-1-stale"
+    stale.mkdir()
+    (stale / ".lock").touch()  # nobody holds it: a killed run's
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=cpu_shm)
+    with Checkpointer(options):
+        assert not stale.exists()
+
+
+def test_unheld_is_false_while_another_process_holds_the_file(tmp_path):
+    import fcntl
+
+    from megatron_ckpt_ext._runtime import unheld
+
+    path = tmp_path / "held"
+    path.touch()
+    with unheld(str(path)) as free:
+        assert free
+    parent, child = mp.get_context("fork").Pipe()
+
+    def hold(conn) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        conn.send("held")
+        conn.recv()
+
+    proc = mp.get_context("fork").Process(target=hold, args=(child,))
+    proc.start()
+    try:
+        assert parent.recv() == "held"
+        with unheld(str(path)) as free:
+            assert not free
+    finally:
+        parent.send("go")
+        proc.join(30)
+    with unheld(str(path)) as free:
+        assert free
+    with pytest.raises(OSError):
+        with unheld(str(tmp_path / "missing")):
+            pass
