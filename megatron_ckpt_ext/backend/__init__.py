@@ -63,7 +63,7 @@ from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cl
 from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coordinates,
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)
-from .load_reader import parallel_reads
+from .load_reader import ReadResult, ReadSettings, parallel_reads
 from .writer_files import checksummed_writes
 from .megatron_training import (MLM_MODULES, MegatronSeams, megatron_sharded_state,
                                 megatron_training_module, megatron_training_seams)
@@ -71,6 +71,8 @@ from .megatron_training import (MLM_MODULES, MegatronSeams, megatron_sharded_sta
 __all__ = [
     "Capabilities",
     "ConversionCache",
+    "ReadResult",
+    "ReadSettings",
     "conversions_cached",
     "convert_ahead",
     "with_data",

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from .. import backend
 from .._runtime import rank, warn_once
 from .._threads import thread_counts
-from ..backend.load_reader import ReadResult, ReadSettings
 from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..options import CkptOptions
@@ -57,7 +56,7 @@ class Loader:
         # the files the load's own reads sum as they pass are not read a second time
         pending = (verify_start(path, self._group, rank=rank(), workers=threads.checksum,
                                 defer=threads.load_read > 1) if verify else None)
-        settings = ReadSettings(
+        settings = backend.ReadSettings(
             threads.load_read, checksums=pending is not None and pending.checks,
             checksum_threads=threads.checksum,
             metadata={str(path): metadata} if metadata is not None else None,
@@ -84,13 +83,13 @@ class Loader:
             return state
         return self._fall_back(sharded_state_dict, path, record, problems, explicit=explicit)
 
-    def _read(self, sharded_state_dict: Any, path: Path, settings: ReadSettings,
-              pending: Any) -> tuple[dict | None, BaseException | None, ReadResult]:
+    def _read(self, sharded_state_dict: Any, path: Path, settings: backend.ReadSettings,
+              pending: Any) -> tuple[dict | None, BaseException | None, backend.ReadResult]:
         """Collective: megatron-core's load of ``path``, read as ``settings`` say: (the state,
         None, how it was read), or with a manifest check beside it (``pending``) (None, the
         failure, ...) when the load fails: the check may say which file broke it."""
         load_strategy = self._load_strategy()
-        reads = ReadResult()
+        reads = backend.ReadResult()
         try:
             with _no_gc_pause(), backend.parallel_reads(settings) as reads:
                 if pending is not None and reads.why_not is not None:
@@ -160,7 +159,7 @@ def _no_gc_pause():
             gc.enable()
 
 
-def _note_reads(record: LoadRecord, reads: ReadResult) -> None:
+def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
     """Split megatron-core's load into the reader's steps; say once why items went stock."""
     record.add_reads(reads.metadata_s, reads.read_s, reads.h2d_s,
                      direct_items=reads.direct_items, stock_items=reads.stock_items)

@@ -83,3 +83,21 @@ def test_no_import_circle_in_the_package():
     for mod in sorted(graph):
         if mod not in state:
             visit(mod, [mod])
+
+
+@pytest.mark.parametrize("path", _outside_backend(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_outside_backend_only_the_backends_public_names_are_used(path):
+    """backend/ is one room behind one door: other modules use the names its ``__init__``
+    exports, never a submodule of it (``..backend.load_reader``) nor a private name
+    (``backend._x``), so backend/ can be rearranged without touching the rest."""
+    tree = ast.parse(path.read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            if "backend" in parts and parts.index("backend") < len(parts) - 1:
+                bad.append((node.lineno, f"from {'.' * node.level}{node.module} import ..."))
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "backend" and node.attr.startswith("_")):
+            bad.append((node.lineno, f"backend.{node.attr}"))
+    assert not bad, f"{path.relative_to(PACKAGE)} reaches into backend/: {bad}"
