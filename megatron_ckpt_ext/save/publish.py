@@ -42,7 +42,7 @@ class Publisher:
     def wait_staged(self, record: SaveRecord) -> None:
         """Until ``record``'s staged copies are in host memory; staging_s then covers the
         copies, not the planning that overlapped them. Idempotent."""
-        batch = record.staged
+        batch = record.held.batch
         if batch is None:
             return
         batch.wait()
@@ -52,7 +52,7 @@ class Publisher:
     def publish(self, record: SaveRecord) -> None:
         """Release ``record``'s gated writer once its copies landed (from a thread when
         overlapping and the write is gated); on failure tell it to write nothing, and raise."""
-        if self.overlap and record.seq:
+        if self.overlap and record.held.seq:
             self._publish_in_background(record)
         else:
             self._publish(record)
@@ -61,14 +61,14 @@ class Publisher:
         try:
             self.wait_staged(record)
         except BaseException:
-            self.stager.publish(record.seq, ok=False)
+            self.stager.publish(record.held.seq, ok=False)
             raise
-        self.stager.publish(record.seq, ok=True)
+        self.stager.publish(record.held.seq, ok=True)
 
     def _publish_in_background(self, record: SaveRecord) -> None:
         """A failure of the copies is published too (the writer writes nothing, the save is
         reported failed at its finalize) and logged here."""
-        record.copies = record.staged.copies_in_flight()
+        record.held.copies = record.held.batch.copies_in_flight()
         self.join()
         self._snapshot = record
 
@@ -100,7 +100,7 @@ class Publisher:
         ``blocking``: also wait on the host until they are published. Idempotent."""
         record, self._snapshot = self._snapshot, None
         if record is not None:
-            for copies in record.copies:
+            for copies in record.held.copies:
                 copies.order_before_current_stream()
         if blocking:
             self.join()

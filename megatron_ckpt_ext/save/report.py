@@ -14,7 +14,7 @@ from typing import Any
 from .._runtime import rank
 from .layout import REPORT
 
-__all__ = ["PHASES", "SaveRecord", "gather", "log_report", "report_entry"]
+__all__ = ["PHASES", "Held", "SaveRecord", "gather", "log_report", "report_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,33 +27,47 @@ PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s",
 
 
 @dataclass
+class Held:
+    """What one save keeps alive until its write is done: the staging buffers handed to the
+    writer (released at the commit, or when the save is abandoned), and what the hand-over and
+    the overlapped snapshot track of them. Nothing here is a figure of the report."""
+
+    batch: Any = None  # the StagedBatch whose buffers the writer reads
+    snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
+    seq: int = 0  # published in the stager's ready flag when the staged copies are complete
+    copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
+
+    def release(self) -> None:
+        if self.batch is not None and hasattr(self.batch, "release"):
+            self.batch.release()
+        self.batch = None
+
+
+@dataclass
 class SaveRecord:
-    """One save in flight: what must stay alive until it is committed."""
+    """One save in flight: its identity, the decisions every rank agreed on, what it holds
+    alive (``held``), and the figures its report is built from."""
 
     iteration: int
     root: Path
     started: float
+    held: Held = field(default_factory=Held)
+    new_structure: bool = True  # some rank's structure is new: re-plan
+    validate: bool = True  # some rank's sharding is not validated yet (prepare() may have)
+    # the report's figures
     blocking_s: float = 0.0
-    staged: Any = None  # staging buffers handed to the writer (released at commit)
     nbytes: int = 0
     staging_s: float = 0.0
     mode: str = ""
     host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
-    snapshots: frozenset = frozenset()  # storage pointers of this save's staged copies
-    new_structure: bool = True  # some rank's structure is new: re-plan
-    validate: bool = True  # some rank's sharding is not validated yet (prepare() may have)
-    seq: int = 0  # published in the stager's ready flag when the staged copies are complete
-    copies: list = field(default_factory=list)  # device copies in flight (overlapped snapshot)
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see PHASES
     # this rank's breakdown of stage_s (admission, waiting for prepare(), allocation, pinning)
     detail: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     def release(self) -> None:
-        """Hand the staging buffers back (after the commit, or when the save is abandoned)."""
-        if self.staged is not None and hasattr(self.staged, "release"):
-            self.staged.release()
-        self.staged = None
+        """The save is over (committed or abandoned): what it held goes back."""
+        self.held.release()
 
     def phase(self, name: str, since: float) -> float:
         now = time.perf_counter()

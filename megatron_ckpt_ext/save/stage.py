@@ -70,11 +70,11 @@ def stage(state: Any, record: SaveRecord, stager: Stager) -> None:
     tensors: list[Any] = []
     backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
     batch = stager.stage([t.data for t in tensors], keys=[t.key for t in tensors], wait=False)
-    record.staged = batch
+    record.held.batch = batch
     record.nbytes = batch.nbytes
     record.host_bytes = stager.host_bytes()
     if stager.owns_copies:
-        record.snapshots = frozenset(c.untyped_storage().data_ptr() for c in batch.tensors)
+        record.held.snapshots = frozenset(c.untyped_storage().data_ptr() for c in batch.tensors)
         swap = iter(batch.tensors)
         backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
         record.staging_s = time.perf_counter() - t0

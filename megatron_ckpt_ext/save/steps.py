@@ -81,7 +81,7 @@ class _SaveSteps:
         """megatron-core's save request. Planning reads only the staged tensors' metadata, so it
         runs while their copies are in flight, and the writer need not clone this save's copies
         again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first."""
-        snapshots = record.snapshots
+        snapshots = record.held.snapshots
         with backend.writer_keeps_snapshots(
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps, \
                 backend.into_fresh_directory(), backend.version_checks_cached(), \
@@ -184,7 +184,7 @@ class _SaveSteps:
         except (OSError, ValueError) as e:
             logger.debug("no memory snapshot of iteration %d: %s", record.iteration, e)
             return
-        self._stager.seal(record.staged, root=str(record.root), iteration=record.iteration,
+        self._stager.seal(record.held.batch, root=str(record.root), iteration=record.iteration,
                           world=self._group.size(), layout=record.extra.get("layout", []),
                           manifest_crc32=(manifest or {}).get("manifest_crc32"))
 

@@ -147,7 +147,8 @@ def preload_in_writer(request: Any, ctx: WriteContext) -> Any:
 def gated(request: Any, ctx: WriteContext) -> Any:
     if not ctx.is_async or request.async_fn is None:
         return request
-    write, ctx.record.seq = ctx.stager.gate(request.async_fn, timeout_s=ctx.options.ckpt_timeout)
+    write, ctx.record.held.seq = ctx.stager.gate(request.async_fn,
+                                                 timeout_s=ctx.options.ckpt_timeout)
     return request._replace(async_fn=write)
 
 

@@ -178,10 +178,10 @@ def test_the_staging_gate_is_outermost_and_the_hooks_inside_it(monkeypatch):
         fn = next((a for a in fn.args if callable(a)), None)
     assert chain[:2] == [_gate_marker, _hook_marker], chain
     assert write_path.call_without_crc32 in chain[2:] and chain[-1] is print
-    assert ctx.record.seq == 7 and shaped == [_gate_marker]
+    assert ctx.record.held.seq == 7 and shaped == [_gate_marker]
     sync = _ctx(CkptOptions(), stager=_GateStager(), is_async=False)
     plain = write_path.build(R(async_fn=partial(print), async_fn_args=(), preload_fn=None), sync)
-    assert plain.async_fn.func is not _gate_marker and sync.record.seq == 0
+    assert plain.async_fn.func is not _gate_marker and sync.record.held.seq == 0
 
 
 def test_a_persistent_worker_gets_a_write_for_a_rank_with_nothing_to_write():
