@@ -63,7 +63,8 @@ def thread_counts(*, load_read: int | str | None = None, checksum: int | str | N
     """Each count given wins (``None`` or ``"auto"``: not given); the others derive from
     ``cores`` (default :func:`cores_per_local_rank`):
 
-    * reading threads: 8, at most the rank's cores;
+    * reading threads: 8, at most the rank's cores, at least 2 (one would leave our reader
+      for megatron-core's own loop, which reads the files again to verify them);
     * checksum threads: as many as reading ones, at most the rank's cores (summing is CPU work:
       more threads than cores only take turns);
     * writer threads: one (each more forks a writer process competing for the same cores);
@@ -77,7 +78,9 @@ def thread_counts(*, load_read: int | str | None = None, checksum: int | str | N
             raise ValueError(f"thread_counts: {name} must be an integer >= 1 or {AUTO!r}, "
                              f"got {value!r}")
     cores = cores_per_local_rank() if cores is None else cores
-    read = given["load_read"] or min(_LOAD_READ_PER_HOST, cores)
+    # at least 2 when derived: 1 means megatron-core's own loop, which reads every file a
+    # second time to verify it (seen with 4 ranks on 2 cores)
+    read = given["load_read"] or max(2, min(_LOAD_READ_PER_HOST, cores))
     return ThreadCounts(cores=cores, load_read=read,
                         checksum=given["checksum"] or min(read, cores),
                         writer=given["writer"] or 1,

@@ -151,7 +151,8 @@ class _KnobTable:
         help="Threads per rank that read a checkpoint's bytes at load, each along its own stripe "
         "of the files, straight into the target tensors (through pinned chunks for GPU tensors). "
         "'auto': 8, at most the rank's share of the host's cores (the cores it may run on over "
-        "LOCAL_WORLD_SIZE), so 8 ranks on 16 cores read on 2 threads each; an integer N: N "
+        "LOCAL_WORLD_SIZE) and at least 2, so 8 ranks on 16 cores read on 2 threads each; an "
+        "integer N: N "
         "threads whatever the cores. 1: megatron-core's own one-at-a-time loop. A verified load "
         "sums the bytes on as many threads, at most the rank's share of the cores.",
     )

@@ -59,11 +59,14 @@ def test_a_value_given_wins(host):
     assert _threads.thread_counts(cores=4).load_read == 4
 
 
-def test_fewer_cores_than_ranks_still_get_one_thread(host):
+def test_fewer_cores_than_ranks_still_get_one_thread_and_two_readers(host):
+    """Two reading threads at least: one would leave our reader for megatron-core's own loop,
+    which reads every file again to verify it."""
     host(1, 8)
     assert _threads.cores_per_local_rank() == 1
     counts = _threads.thread_counts()
-    assert (counts.load_read, counts.checksum, counts.writer, counts.copy) == (1, 1, 1, 1)
+    assert (counts.load_read, counts.checksum, counts.writer, counts.copy) == (2, 1, 1, 1)
+    assert _threads.thread_counts(load_read=1).load_read == 1  # given: megatron-core's loop
 
 
 def test_without_an_affinity_call_the_cpu_count_is_used(monkeypatch):
