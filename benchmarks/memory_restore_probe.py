@@ -6,6 +6,10 @@ process does) to the GPU, with its CRC-32, each on a fresh mapping of the same f
 * ``mmap_populate``: the same after ``madvise(MADV_POPULATE_READ)`` of the mapping;
 * ``register``: map, ``cudaHostRegister`` the mapping, then pinned copies (sum on N threads);
 * ``pread_pinned``: ``preadv`` from the file into per-thread pinned chunks, sum, copy async;
+* ``map_bounce``: map, then per thread: copy a chunk of the mapping into one of its two pinned
+  bounce chunks (numpy, GIL released; the copy faults the mapping's pages in), sum the bounce
+  chunk (cache-hot), copy it to the device async on the thread's stream;
+* ``map_bounce_populate``: the same with ``MADV_POPULATE_READ`` of each chunk before its copy;
 * floors: pinned host-to-device of the same bytes, and the CRC-32 alone over the mapping.
 
     python benchmarks/memory_restore_probe.py --gib 8 --json $OUT/probe.json
@@ -98,11 +102,54 @@ def pread_pinned(path: str, dst: torch.Tensor, threads: int, chunk: int) -> floa
     return time.perf_counter() - t0
 
 
+def map_bounce(path: str, dst: torch.Tensor, threads: int, chunk: int,
+               populate: bool = False) -> float:
+    """Fresh mapping -> per-thread pinned bounce chunks -> device (see the module's text)."""
+    import numpy as np
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    local = threading.local()
+    t0 = time.perf_counter()
+    src = fresh_map(path, dst.numel())
+    base = src.data_ptr()
+    src_np = src.numpy()
+
+    def run(span):
+        a, z = span
+        if not hasattr(local, "bufs"):
+            local.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            local.events = [None, None]
+            local.i = 0
+            local.stream = torch.cuda.Stream()
+        i = local.i = 1 - local.i
+        if local.events[i] is not None:
+            local.events[i].synchronize()
+        buf = local.bufs[i][: z - a]
+        if populate:
+            libc.madvise(ctypes.c_void_p(base + a), ctypes.c_size_t(z - a), MADV_POPULATE_READ)
+        np.copyto(buf.numpy(), src_np[a:z])
+        crc32(memoryview(buf.numpy()))
+        with torch.cuda.stream(local.stream):
+            dst[a:z].copy_(buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(local.stream)
+        local.events[i] = ev
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run, chunks(dst.numel(), chunk)))
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    del src_np, src
+    return took
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=8)
     p.add_argument("--threads", default="8,16")
     p.add_argument("--chunk-mib", type=int, default=16)
+    p.add_argument("--variants", default="mmap_pageable,mmap_populate,register,pread_pinned,"
+                   "map_bounce,map_bounce_populate,crc_only_faulted")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     nbytes = int(args.gib * 2**30)
@@ -120,10 +167,23 @@ def main() -> int:
            "runs": []}
     del pinned
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    want = set(args.variants.split(","))
+    for name in ("map_bounce", "map_bounce_populate"):
+        for threads in [int(t) for t in args.threads.split(",")] if name in want else []:
+            for c in (4 << 20, chunk):
+                out["runs"].append((name, threads, map_bounce(path, dst, threads, c,
+                                                              populate=name.endswith("populate")),
+                                    {"chunk_mib": c >> 20}))
     for threads in [int(t) for t in args.threads.split(",")]:
-        src = fresh_map(path, nbytes)
-        out["runs"].append(("mmap_pageable", threads, copy_sum(src, dst, threads, chunk)))
-        del src
+        if "mmap_pageable" in want:
+            src = fresh_map(path, nbytes)
+            out["runs"].append(("mmap_pageable", threads, copy_sum(src, dst, threads, chunk)))
+            del src
+        if "register" not in want:
+            if "pread_pinned" in want:
+                out["runs"].append(("pread_pinned", threads,
+                                    pread_pinned(path, dst, threads, chunk)))
+            continue
         src = fresh_map(path, nbytes)
         t0 = time.perf_counter()
         rc = libc.madvise(ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(nbytes),

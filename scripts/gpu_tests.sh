@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU evidence for the checkpointer and staging (issues 4, 5 and 20): the same functional tests as
+# GPU evidence for the checkpointer and staging (issues 4, 5, 20 and 32): the same functional tests as
 # CI, with CUDA tensors, NCCL, one rank per GPU, on the newest stack (see ../shared/GPU.md: install
 # .whl first), plus the device-side ordering tests that only run on CUDA
 # (tests/functional/multirank/test_cuda_ordering.py: the copy stream waits for the producing
@@ -15,4 +15,5 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 python3 -m pytest -v -s -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
   tests/functional/multirank/test_checkpointer.py tests/functional/multirank/test_cuda_ordering.py \
   tests/functional/multirank/test_trust.py tests/functional/multirank/test_cuda_load.py \
+  tests/functional/multirank/test_memory_tier.py \
   tests/functional/e2e/test_train_loop.py "$@" 2>&1 | tee "$OUT/tests.log"

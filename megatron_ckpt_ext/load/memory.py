@@ -61,6 +61,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     t = _step(steps, "adopt_s", t)
     if tensors is not None:  # checked and copied into the targets in one pass (a refusal
         why = _check_and_copy(stager, tensors, sharded_state_dict)  # is overwritten by storage)
+        if not why:  # the next save stages into the adopted buffers: pinned meanwhile
+            stager.pin_adopted()
     t = _step(steps, "check_and_copy_s", t)
     views = group.all_gather((socket.gethostname(), why))
     record.memory_steps = steps

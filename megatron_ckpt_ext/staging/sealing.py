@@ -36,6 +36,8 @@ class _Sealing:
         _seal_thread: threading.Thread | None
         _seal_cancel: threading.Event
         _seal_lock: threading.Lock
+        _prepare_thread: threading.Thread | None
+        _prepare_error: BaseException | None
 
     def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
              layout: Sequence[tuple], manifest_crc32: str | None) -> None:
@@ -103,7 +105,10 @@ class _Sealing:
 
     def adopt(self, seal: Seal) -> list[torch.Tensor]:
         """Map a sealed snapshot left by an earlier run as this stager's buffer set (the next
-        save stages into it); its tensors in the seal's order. The seal stays valid until then."""
+        save stages into it); its tensors in the seal's order. The seal stays valid until then.
+        The buffers are not pinned yet: the restore copies them through pinned bounce chunks,
+        faster than pinning first (:func:`.retained.copy_verified`); :meth:`pin_adopted` pins
+        them afterwards, in the background, for the next save's staging."""
         self._check_open()
         own = self._own_sealed(seal)
         if own is not None:  # a load in the run that sealed it: its own buffers
@@ -115,8 +120,6 @@ class _Sealing:
                 buffer = self._map(e)  # raises on an unknown dtype before mapping anything
                 keys.append((e.spec, tuple(e.shape), buffer.tensor.dtype))
                 buffers[keys[-1]] = buffer
-            if self.pin:
-                self._pin_all(list(buffers.values()))
         except BaseException:
             self._free_all(buffers.values(), unlink=False)
             raise
@@ -125,6 +128,26 @@ class _Sealing:
             self._sets.append(buffer_set)
         self._sealed = (buffer_set, seal.root)
         return [buffers[key].tensor for key in keys]
+
+    def pin_adopted(self) -> None:
+        """Pin the adopted snapshot's buffers (the next save stages into them) on a background
+        thread: off the restore's path; the next stage() or close() waits for it, and a
+        prepare() meanwhile runs after it."""
+        sealed = self._sealed
+        if sealed is None or not self.pin:
+            return
+        todo = [b for b in sealed[0].buffers.values() if b.path and not b.registered]
+        if not todo:
+            return
+        self._prepare_thread = threading.Thread(target=self._pin_in_background, args=(todo,),
+                                                name="mcx-pin-adopted", daemon=True)
+        self._prepare_thread.start()
+
+    def _pin_in_background(self, buffers: list[_Buffer]) -> None:
+        try:
+            self._pin_all(buffers)
+        except BaseException as e:  # re-raised by the next stage()/prepare()
+            self._prepare_error = e
 
     def discard_stale(self, seal: Seal) -> None:
         """A snapshot of this rank's save root that this run will not adopt (another iteration,
@@ -158,8 +181,8 @@ class _Sealing:
     @staticmethod
     def _pin_all(buffers: list[_Buffer]) -> None:
         """``cudaHostRegister`` an adopted snapshot's buffers, largest first, on several threads
-        (pinning a fresh mapping faults its pages in: the bulk of a restore from memory). Pinned,
-        they copy to the device at full speed, now and as the next save's staging."""
+        (the driver serialises most of it: 0.1-0.2 s per GiB). Pinned, they are the next save's
+        staging at full copy speed."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .._threads import thread_counts

@@ -77,10 +77,13 @@ class ShmStager(_Sealing, _CopyStreams):
                 self._prepare_locked(specs)
             self._then(specs, then)
             return
-        self._join_prepare()
+        earlier = self._prepare_thread  # still pinning an adopted snapshot: run after it
+        if earlier is None or not earlier.is_alive():
+            earlier = None
+            self._join_prepare()
         self._prepare_thread = threading.Thread(target=self._prepare_in_background,
-                                                args=(specs, then), name="mcx-staging-prepare",
-                                                daemon=True)
+                                                args=(specs, then, earlier),
+                                                name="mcx-staging-prepare", daemon=True)
         self._prepare_thread.start()
 
     def stage(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
@@ -203,7 +206,10 @@ class ShmStager(_Sealing, _CopyStreams):
         self._ready_flag_locked()  # the first save's gate finds it too
 
     def _prepare_in_background(self, specs: list[_Spec],
-                               then: Callable[[list[torch.Tensor]], None] | None) -> None:
+                               then: Callable[[list[torch.Tensor]], None] | None,
+                               earlier: threading.Thread | None = None) -> None:
+        if earlier is not None:
+            earlier.join()
         t0 = time.perf_counter()
         try:
             with self._lock:

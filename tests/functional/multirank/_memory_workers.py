@@ -52,6 +52,9 @@ def restore(rank: int, world: int, root: str, options: dict, iteration: int | No
         ck.save(sharded(rank, world, live), root, iteration=9)
         ck.maybe_finalize(blocking=True)
         stats = getattr(ck._stager, "stats", {})
+        if getattr(ck._stager, "pin", False):  # (CUDA) the adopted buffers, pinned after the
+            assert all(b.registered for s in ck._stager._sets  # restore, staged this save
+                       for b in s.buffers.values() if b.path)
         with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
             json.dump({"report": report, "allocated_before_save": allocated,
                        "allocated_after_save": stats.get("bytes_allocated", -1)}, fh)

@@ -1,0 +1,91 @@
+"""A restore from memory adopts the snapshot's segments unpinned (the restore copies through
+pinned bounce chunks) and pins them afterwards on a background thread, before the next save
+stages into them: the next stage() waits for the pinning, a prepare() meanwhile runs after it,
+and close() waits for it before unpinning. CUDA's register calls are stood in for (CPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_ckpt_ext.staging import sealing
+from megatron_ckpt_ext.staging.retained import read_seal, seal_path
+from megatron_ckpt_ext.staging.shm import ShmStager
+
+
+@pytest.fixture
+def pins(monkeypatch):
+    """A fake cudaHostRegister that takes a while, recording what it pinned and when."""
+    done: list[tuple[int, float]] = []
+    unpinned: list[int] = []
+
+    def register(tensor: torch.Tensor, nbytes: int) -> bool:
+        time.sleep(0.15)
+        done.append((tensor.data_ptr(), time.monotonic()))
+        return True
+
+    class _Cudart:
+        @staticmethod
+        def cudaHostUnregister(ptr: int) -> int:
+            unpinned.append(ptr)
+            return 0
+
+    monkeypatch.setattr(sealing, "_register", register)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart)
+    return done, unpinned
+
+
+def _sealed_snapshot(tmp_path, root) -> list[torch.Tensor]:
+    """A snapshot sealed by a first stager (then abandoned, as by a crash)."""
+    state = [torch.arange(1000, dtype=torch.float32), torch.ones(300, dtype=torch.bfloat16)]
+    first = ShmStager(job_id="first", rank=0, reuse=True, pin=False, shm_dir=str(tmp_path),
+                      sweep=False)
+    batch = first.stage(state, keys=["w", "b"])
+    layout = [("w", [0], [1000], "torch.float32"), ("b", [0], [300], "torch.bfloat16")]
+    first.seal(batch, root=str(root), iteration=1, world=1, layout=layout, manifest_crc32="1")
+    first._seal_thread.join()
+    first._closed = True  # gone as by a crash: no cleanup runs (tmp_path holds the segments)
+    return state
+
+
+def test_the_adopted_snapshot_is_pinned_in_the_background_before_the_next_save(tmp_path, pins):
+    done, unpinned = pins
+    root = tmp_path / "ckpt"
+    state = _sealed_snapshot(tmp_path, root)
+    seal = read_seal(seal_path(str(tmp_path), root, 0))
+    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    adopted = stager.adopt(seal)
+    assert done == []  # adopting maps, it does not pin (the restore's bounce copy is faster)
+    assert all(torch.equal(a, s) for a, s in zip(adopted, state))
+
+    t0 = time.monotonic()
+    stager.pin_adopted()
+    assert time.monotonic() - t0 < 0.1  # off the restore's path
+    prepared = threading.Event()
+    stager.prepare(state, keys=["w", "b"], background=True, then=lambda _: prepared.set())
+    assert time.monotonic() - t0 < 0.1  # a prepare() meanwhile does not wait either
+    assert not prepared.is_set()
+
+    batch = stager.stage([s + 1 for s in state], keys=["w", "b"])  # waits for the pinning
+    assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)
+    assert prepared.is_set()
+    assert [t.data_ptr() for t in batch.tensors] == [a.data_ptr() for a in adopted]
+    assert stager.stats["sets_built_at_stage"] == 0  # staged into the adopted, pinned, buffers
+    stager.close()
+    assert sorted(unpinned) == sorted(a.data_ptr() for a in adopted)
+
+
+def test_close_waits_for_the_pinning_before_unpinning(tmp_path, pins):
+    done, unpinned = pins
+    root = tmp_path / "ckpt"
+    _sealed_snapshot(tmp_path, root)
+    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    stager.pin_adopted()
+    stager.close()  # while the pinning runs
+    assert len(done) == len(adopted) and sorted(unpinned) == sorted(p for p, _ in done)
