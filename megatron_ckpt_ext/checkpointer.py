@@ -339,6 +339,8 @@ class Checkpointer(_SaveSteps):
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)
+        if hasattr(self._stager, "pin_adopted"):  # an adopted snapshot, staged into by the next
+            self._stager.pin_adopted()  # save: pinned in the background, after the load
         return state
 
     def close(self, *, after_error: bool = False) -> None:
@@ -406,10 +408,11 @@ def _mode(is_async: bool, persistent: bool, cpu_shm: bool, overlap: bool) -> str
 
 def _stager_delta(before: dict, after: dict) -> dict:
     """What one save's staging cost the stager beyond the copies (rank 0's report names it):
-    waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
+    waiting for a background prepare(), buffers allocated and pinned, sets built at the save,
+    an adopted snapshot's pinning after a restore from memory (in the background)."""
     out = {}
     for key in ("prepare_wait_s", "allocate_s", "register_s", "allocations",
-                "sets_built_at_stage"):
+                "sets_built_at_stage", "pin_adopted_s"):
         if key in after:
             out[key] = after[key] - before.get(key, 0)
     return out

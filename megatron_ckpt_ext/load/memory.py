@@ -60,9 +60,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
     t = _step(steps, "adopt_s", t)
     if tensors is not None:  # checked and copied into the targets in one pass (a refusal
-        why = _check_and_copy(stager, tensors, sharded_state_dict)  # is overwritten by storage)
-        if not why:  # the next save stages into the adopted buffers: pinned meanwhile
-            stager.pin_adopted()
+        why = _check_and_copy(stager, tensors, sharded_state_dict,  # is overwritten by storage)
+                              detail=record.memory_detail)
     t = _step(steps, "check_and_copy_s", t)
     views = group.all_gather((socket.gethostname(), why))
     record.memory_steps = steps
@@ -114,7 +113,8 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
     return list(zip(buffers, seal.entries)), ""
 
 
-def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any) -> str:
+def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
+                    detail: dict | None = None) -> str:
     """Each buffer's CRC-32 against its seal and its copy into the target, chunk by chunk on
     the copy threads; why not (a mismatch), or ''."""
     targets: list = []
@@ -122,7 +122,7 @@ def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any) -> str:
     if not all(t.is_contiguous() for t in targets):
         stager.drop_adopted(unlink=False)
         return "a target tensor is not contiguous (the copies go to contiguous targets only)"
-    bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)])
+    bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)], detail=detail)
     if bad:
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
         keys = [adopted[i][1].key for i in bad]

@@ -35,6 +35,7 @@ class LoadRecord:
     tier: str = "storage"  # or "memory": restored from the node's sealed snapshot
     memory_bytes: int = 0
     memory_steps: dict = field(default_factory=dict)  # this rank's steps of the memory tier
+    memory_detail: dict = field(default_factory=dict)  # its copy: threads, pieces, step times
     phases: dict = field(default_factory=dict)
     direct_items: int = 0  # items read straight into their targets
     stock_items: int = 0  # items read the stock way (unpickled, then copied)
@@ -65,6 +66,7 @@ class LoadRecord:
                 "verified": self.verified, "fell_back_from": self.fell_back_from,
                 "tier": self.tier, "memory_bytes": self.memory_bytes,
                 "memory_steps": self.memory_steps,
+                "memory_detail": self.memory_detail,
                 "world": group.size(), "direct_items": self.direct_items,
                 "stock_items": self.stock_items,
                 "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}

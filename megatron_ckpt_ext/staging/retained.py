@@ -183,7 +183,8 @@ def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None)
 
 
 def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
-                  threads: int | None = None, chunk: int = 16 << 20) -> list[int]:
+                  threads: int | None = None, chunk: int = 16 << 20,
+                  detail: dict | None = None) -> list[int]:
     """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
     chunk on ``threads`` threads, summing each chunk on the way; the indices of the buffers whose
     CRC-32 differs (the chunks' sums are folded in order per buffer).
@@ -192,7 +193,8 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     pinned bounce chunks (:class:`_Bounce`): each thread faults a chunk's pages in with one
     ``madvise``, copies it into one of its two pinned chunks, sums it there (cache-hot) and
     copies it to the device on its own stream. Of the ways measured to bring a fresh mapping to
-    the device that was the fastest: 2.5-3.5x pinning the mapping first (docs/memory/)."""
+    the device that was the fastest: 2.5-3.5x pinning the mapping first (docs/memory/).
+    ``detail`` (a dict) receives the threads, the pieces and the time of each step."""
     from ..manifest import crc32_combine
 
     threads = threads or thread_counts().copy  # the rank's share of the host's cores
@@ -200,7 +202,9 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
               for a in range(0, max(1, _nbytes(b)), chunk)]
     bounced = {i for i, (src, _, dst) in enumerate(jobs)
                if dst.is_cuda and _nbytes(src) and not src.is_pinned()}
+    t0 = time.perf_counter()
     bounce = _Bounce(threads, chunk) if bounced else None
+    t1 = time.perf_counter()
 
     def run(piece: tuple[int, int, int]) -> tuple[int, int, int]:
         i, a, z = piece
@@ -219,11 +223,18 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
                 sums[i] = crc if i not in sums else crc32_combine(sums[i], crc, n)
+        t2 = time.perf_counter()
         if any(dst.is_cuda for _, _, dst in jobs):
             torch.cuda.synchronize()
+        t3 = time.perf_counter()
     finally:
         if bounce is not None:
             bounce.close()
+    if detail is not None:
+        detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
+                      bounced=len(bounced), bounce_pinned=bool(bounce and bounce.was_pinned),
+                      bounce_setup_s=round(t1 - t0, 6), copy_s=round(t2 - t1, 6),
+                      sync_s=round(t3 - t2, 6), release_s=round(time.perf_counter() - t3, 6))
     return [i for i, (_, want, _) in enumerate(jobs) if sums.get(i, 0) != want]
 
 
@@ -235,8 +246,8 @@ class _Bounce:
     def __init__(self, threads: int, chunk: int) -> None:
         self.chunk = chunk
         self.host = torch.empty(2 * threads * chunk, dtype=torch.uint8)
-        self.pinned = torch.cuda.cudart().cudaHostRegister(
-            self.host.data_ptr(), self.host.numel(), 0) == 0  # pageable copies work, slower
+        err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.host.numel(), 0)
+        self.pinned = self.was_pinned = int(err) == 0  # else pageable copies: correct, slower
         self._slots = iter(range(threads))
         self._lock = threading.Lock()
         self._local = threading.local()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -38,6 +39,7 @@ class _Sealing:
         _seal_lock: threading.Lock
         _prepare_thread: threading.Thread | None
         _prepare_error: BaseException | None
+        stats: dict
 
     def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
              layout: Sequence[tuple], manifest_crc32: str | None) -> None:
@@ -131,23 +133,31 @@ class _Sealing:
 
     def pin_adopted(self) -> None:
         """Pin the adopted snapshot's buffers (the next save stages into them) on a background
-        thread: off the restore's path; the next stage() or close() waits for it, and a
-        prepare() meanwhile runs after it."""
+        thread, after a prepare() running in the background: off the restore's path; the next
+        stage() or close() waits for it, and a prepare() meanwhile runs after it. The time it
+        took is ``stats["pin_adopted_s"]``."""
         sealed = self._sealed
         if sealed is None or not self.pin:
             return
         todo = [b for b in sealed[0].buffers.values() if b.path and not b.registered]
         if not todo:
             return
-        self._prepare_thread = threading.Thread(target=self._pin_in_background, args=(todo,),
-                                                name="mcx-pin-adopted", daemon=True)
+        earlier = self._prepare_thread
+        self._prepare_thread = threading.Thread(target=self._pin_in_background,
+                                                args=(todo, earlier), name="mcx-pin-adopted",
+                                                daemon=True)
         self._prepare_thread.start()
 
-    def _pin_in_background(self, buffers: list[_Buffer]) -> None:
+    def _pin_in_background(self, buffers: list[_Buffer],
+                           earlier: threading.Thread | None) -> None:
+        if earlier is not None:
+            earlier.join()
+        t0 = time.perf_counter()
         try:
             self._pin_all(buffers)
         except BaseException as e:  # re-raised by the next stage()/prepare()
             self._prepare_error = e
+        self.stats["pin_adopted_s"] = round(time.perf_counter() - t0, 6)
 
     def discard_stale(self, seal: Seal) -> None:
         """A snapshot of this rank's save root that this run will not adopt (another iteration,
