@@ -13,7 +13,7 @@
 #                load-checkpoint cold, first_after_resume, end_of_training
 #   resume_warm  the same with the checkpoint's pages read first, no --save: load-checkpoint warm
 # Ours only, the memory tier (KILL=1): kill -9 every process of a run (torchrun, trainer, writer)
-# at a random time after its save at 2*SAVE_EVERY committed, relaunch the same command: its
+# at a random time (0.1-1 s) after its save at 2*SAVE_EVERY committed and was sealed, relaunch the same command: its
 # load-checkpoint timer and tier, its losses against train's, and a warm storage load of a copy
 # of the same checkpoint (restart_storage).
 # Floors in the same run: pinned device-to-host copy of the state's bytes, cold and warm reads.
@@ -164,7 +164,12 @@ kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it 
       echo "$name: no commit of $target"; kill -9 -- -$pid 2>/dev/null; return 1
     fi
   done
-  local delay; delay=$(python3 -c "import random; print(round(random.uniform(1.0, 4.0), 2))")
+  # at a random time after the committed save's snapshot is sealed and before the next save
+  # (100 iterations of the 134M take about 3 s: a kill inside the next save's staging leaves no
+  # snapshot of either save, and the restart reads storage, correctly but measuring nothing)
+  local w=0; until ls /dev/shm/mcxseal_*_0.json >/dev/null 2>&1 || [ $w -ge 50 ]; do
+    sleep 0.1; w=$((w + 1)); done
+  local delay; delay=$(python3 -c "import random; print(round(random.uniform(0.1, 1.0), 2))")
   sleep "$delay"
   # every process of the run: torchrun's group, and its trainer, which torchrun starts in a
   # session of its own, with the writer it forked (all name the --save directory)
