@@ -233,46 +233,35 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     if detail is not None:
         detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
                       bounced=len(bounced), bounce_pinned=bool(bounce and bounce.was_pinned),
-                      chunk_mib=chunk >> 20,
                       bounce_setup_s=round(t1 - t0, 6), copy_s=round(t2 - t1, 6),
                       sync_s=round(t3 - t2, 6), release_s=round(time.perf_counter() - t3, 6))
     return [i for i, (_, want, _) in enumerate(jobs) if sums.get(i, 0) != want]
 
 
 class _Bounce:
-    """Two pinned chunks per copy thread, a stream per thread and device, and an event per
-    chunk: a chunk is refilled only once its last device copy is done. Each thread pins its own
-    two chunks at its first copy (``cudaHostRegister``, undone by close()), so the pinning of
-    one thread's chunks overlaps the others' copies instead of delaying the first copy."""
+    """Two pinned chunks per copy thread (one registered allocation, unregistered by close()),
+    a stream per thread and device, and an event per chunk: a chunk is refilled only once its
+    last device copy is done."""
 
     def __init__(self, threads: int, chunk: int) -> None:
         self.chunk = chunk
         self.host = torch.empty(2 * threads * chunk, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.host.numel(), 0)
+        self.pinned = self.was_pinned = int(err) == 0  # else pageable copies: correct, slower
         self._slots = iter(range(threads))
-        self._pinned: list[int] = []  # addresses registered, unregistered by close()
-        self.was_pinned = True  # every thread's chunks pinned (else pageable copies: slower)
         self._lock = threading.Lock()
         self._local = threading.local()
-
-    def _chunks(self) -> list[torch.Tensor]:
-        local = self._local
-        with self._lock:
-            slot = next(self._slots)
-        pair = self.host[2 * slot * self.chunk:2 * (slot + 1) * self.chunk]
-        err = torch.cuda.cudart().cudaHostRegister(pair.data_ptr(), pair.numel(), 0)
-        with self._lock:
-            if int(err) == 0:
-                self._pinned.append(pair.data_ptr())
-            else:
-                self.was_pinned = False
-        local.events, local.turn, local.streams = [None, None], 0, {}
-        return [pair[:self.chunk], pair[self.chunk:]]
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         """``src`` (bytes of a host buffer) into ``dst`` (bytes on a device); its CRC-32."""
         local = self._local
         if not hasattr(local, "chunks"):
-            local.chunks = self._chunks()
+            with self._lock:
+                slot = next(self._slots)
+            base = 2 * slot * self.chunk
+            local.chunks = [self.host[base:base + self.chunk],
+                            self.host[base + self.chunk:base + 2 * self.chunk]]
+            local.events, local.turn, local.streams = [None, None], 0, {}
         turn = local.turn = 1 - local.turn
         if local.events[turn] is not None:
             local.events[turn].synchronize()
@@ -292,11 +281,10 @@ class _Bounce:
         return crc
 
     def close(self) -> None:
-        if self._pinned:
+        if self.pinned:
             torch.cuda.synchronize()
-        for address in self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(address)
-        self._pinned = []
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+            self.pinned = False
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it and the copy faults pages in
