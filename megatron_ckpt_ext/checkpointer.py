@@ -91,7 +91,8 @@ class Checkpointer(_SaveSteps):
         cpu_shm = self._async and options.async_ckpt_use_cpu_shm
         # before the job lock is taken: a passed stager of the wrong kind raises here
         self._stager = choose_stager(is_async=self._async, cpu_shm=cpu_shm, job_id=job_id,
-                                     reuse=options.ckpt_assume_constant_structure, given=stager)
+                                     reuse=options.ckpt_assume_constant_structure, given=stager,
+                                     snapshot_sets=options.ckpt_memory_snapshot_sets)
         if save_dir is not None:  # fail now, not at the first save hours later
             preflight.check_writable(save_dir)
         self.process_group, self.dp_group = process_group, dp_group
@@ -150,6 +151,7 @@ class Checkpointer(_SaveSteps):
         if self.admission is not None or not self._stager.owns_copies:
             return
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
+        nbytes *= getattr(self._stager, "snapshot_sets", 1)  # a second set for the snapshot
         nbytes = max(0, nbytes - self._stager.host_bytes())  # a snapshot adopted at load
         try:
             limit = self.options.ckpt_node_memory_limit_mib
@@ -253,6 +255,9 @@ class Checkpointer(_SaveSteps):
         before = self.staging_stats()
         stage(state, record, self._stager)
         record.detail.update(_stager_delta(before, self.staging_stats()))
+        pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)
+        if pinned is not None:  # a restored snapshot's pinning (after the load), said once
+            record.detail["pin_adopted_s"] = pinned
         self._hooks.at("staged", record)
         t = record.phase("stage_s", t)
         request = self._plan(state, workdir, record)
@@ -408,11 +413,10 @@ def _mode(is_async: bool, persistent: bool, cpu_shm: bool, overlap: bool) -> str
 
 def _stager_delta(before: dict, after: dict) -> dict:
     """What one save's staging cost the stager beyond the copies (rank 0's report names it):
-    waiting for a background prepare(), buffers allocated and pinned, sets built at the save,
-    an adopted snapshot's pinning after a restore from memory (in the background)."""
+    waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
     out = {}
     for key in ("prepare_wait_s", "allocate_s", "register_s", "allocations",
-                "sets_built_at_stage", "pin_adopted_s"):
+                "sets_built_at_stage"):
         if key in after:
             out[key] = after[key] - before.get(key, 0)
     return out

@@ -180,6 +180,18 @@ class _KnobTable:
         "same node restores from it); by default close() frees it. It is freed by the next "
         "seal, by age, or by 'python -m megatron_ckpt_ext shm clean'.",
     )
+    ckpt_memory_snapshot_sets: int = _knob(
+        1,
+        flag="--ckpt-memory-snapshot-sets",
+        minimum=1,
+        maximum=2,
+        help="Staging buffer sets per rank kept for the memory tier (--async-ckpt-use-cpu-shm). "
+        "1: the next save stages into the sealed snapshot's buffers, so a job killed while a "
+        "save stages, writes or commits restarts from storage. 2: the next save stages into a "
+        "second set and the last committed snapshot stays sealed until the next commit, so a "
+        "restart on the node restores from memory whenever it dies; costs twice the staging "
+        "host memory (node admission counts both).",
+    )
     distributed_timeout_minutes: int | None = _knob(
         10,
         flag="--distributed-timeout-minutes",

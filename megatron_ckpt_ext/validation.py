@@ -228,6 +228,22 @@ def _symm_mem_ranks(o: CkptOptions, caps: Capabilities | None,
         )
 
 
+def _snapshot_sets(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
+    if o.ckpt_memory_snapshot_sets < 2:
+        return
+    missing = [flag for flag, on in (("--async-save", o.async_save),
+                                     ("--async-ckpt-use-cpu-shm", o.async_ckpt_use_cpu_shm))
+               if not on]
+    if missing or not o.ckpt_memory_restore:
+        why = (f"add {' and '.join(missing)}" if missing
+               else "drop --no-ckpt-memory-restore (the snapshot is the memory tier's)")
+        yield _error(
+            "snapshot-sets-need-memory-tier",
+            "--ckpt-memory-snapshot-sets 2 keeps a second set of shared-memory staging buffers "
+            f"for the memory tier, which this run does not use: {why}, or drop the flag.",
+        )
+
+
 def _versions(caps: Capabilities) -> str:
     return f"nvidia-resiliency-ext {caps.nvrx_version}, megatron-core {caps.mcore_version}"
 
@@ -247,6 +263,7 @@ RULES: tuple[Rule, ...] = (
     _cached_metadata,
     _fully_parallel_load_needs_cuda,
     _symm_mem,
+    _snapshot_sets,
 )
 
 

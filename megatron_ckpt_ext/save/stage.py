@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def choose_stager(*, is_async: bool, cpu_shm: bool, reuse: bool, job_id: str | None,
-                  given: Stager | None = None) -> Stager:
+                  given: Stager | None = None, snapshot_sets: int = 1) -> Stager:
     """Shared memory with ``--async-ckpt-use-cpu-shm``, plain CPU copies for other async saves,
     none for synchronous ones; ``given`` (``Checkpointer(stager=...)``) instead, once it fits
     that choice. First the one start-up sweep (:func:`sweep_at_start`), in every mode."""
@@ -33,7 +33,8 @@ def choose_stager(*, is_async: bool, cpu_shm: bool, reuse: bool, job_id: str | N
     if given is not None:
         return given
     if cpu_shm:  # (swept above: the stager's own sweep is for those who build one directly)
-        return ShmStager(job_id=job_id or _job_id(), rank=rank(), reuse=reuse, sweep=False)
+        return ShmStager(job_id=job_id or _job_id(), rank=rank(), reuse=reuse, sweep=False,
+                         snapshot_sets=snapshot_sets)
     return HostCopyStager() if is_async else InPlaceStager()
 
 

@@ -35,8 +35,12 @@ class ShmStager(_Sealing, _CopyStreams):
     owns_copies = True
 
     def __init__(self, *, job_id: str, rank: int, reuse: bool, pin: bool | None = None,
-                 shm_dir: str = SHM_DIR, sweep: bool = True) -> None:
+                 shm_dir: str = SHM_DIR, sweep: bool = True, snapshot_sets: int = 1) -> None:
         self.job_id, self.rank, self.reuse = _sanitize(job_id), rank, reuse
+        # 2 (--ckpt-memory-snapshot-sets 2): a save stages into a set other than the sealed one,
+        # so the last committed snapshot stays sealed while the next save stages, writes and
+        # commits (twice the staging memory); 1: the next save unseals it first
+        self.snapshot_sets = snapshot_sets
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.shm_dir = shm_dir
         self._sets: list[_BufferSet] = []
@@ -94,12 +98,14 @@ class ShmStager(_Sealing, _CopyStreams):
         self._check_open()
         self._join_prepare()
         t0 = time.perf_counter()
-        self.unseal()  # before any byte of the sealed set changes
+        keep = self._sealed[0] if self.snapshot_sets > 1 and self._sealed is not None else None
+        if keep is None:
+            self.unseal()  # before any byte of the sealed set changes
         specs = _specs(tensors, keys)
         with self._lock:
             if self.reuse:
                 self._check_key(tensors, specs)
-            buffer_set = self._acquire(specs)
+            buffer_set = self._acquire(specs, avoid=keep)  # never the sealed set
         staged = [buffer_set.buffers[s].tensor for s in specs]
         pending = self._copy(staged, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in staged)
@@ -201,8 +207,14 @@ class ShmStager(_Sealing, _CopyStreams):
 
     # -- buffer sets -----------------------------------------------------------------------------
     def _prepare_locked(self, specs: list[_Spec]) -> None:
-        if not any(s.fits(specs) and not s.in_flight for s in self._sets):
+        """The sets the next saves stage into, allocated now: one, or with two snapshot sets
+        two (an adopted snapshot counts as one: the next save stages into the other)."""
+        fitting = sum(1 for s in self._sets if s.fits(specs) and not s.in_flight)
+        if not fitting:
             self._sets.append(self._build(specs, donor=self._idle_donor()))
+            fitting = 1
+        for _ in range(fitting, self.snapshot_sets if self.reuse else 1):
+            self._sets.append(self._build(specs, donor=None))
         self._ready_flag_locked()  # the first save's gate finds it too
 
     def _prepare_in_background(self, specs: list[_Spec],
@@ -256,12 +268,13 @@ class ShmStager(_Sealing, _CopyStreams):
             error, self._prepare_error = self._prepare_error, None
             raise error
 
-    def _acquire(self, specs: list[_Spec]) -> _BufferSet:
-        chosen = next((s for s in self._sets if not s.in_flight and s.fits(specs)), None)
+    def _acquire(self, specs: list[_Spec], *, avoid: _BufferSet | None = None) -> _BufferSet:
+        chosen = next((s for s in self._sets
+                       if not s.in_flight and s is not avoid and s.fits(specs)), None)
         if chosen is None:
-            if self._sets:  # prepared, adopted or earlier sets, none of them fitting this state
-                self._say_why_no_set_fits(specs)
-            chosen = self._build(specs, donor=self._idle_donor())
+            if [s for s in self._sets if s is not avoid]:  # prepared, adopted or earlier sets,
+                self._say_why_no_set_fits(specs)  # none of them fitting this state
+            chosen = self._build(specs, donor=self._idle_donor(avoid=avoid))
             self._sets.append(chosen)
         chosen.in_flight = True
         return chosen
@@ -282,9 +295,10 @@ class ShmStager(_Sealing, _CopyStreams):
                     len(self._sets), sum(s.in_flight for s in self._sets),
                     missing[:2], extra[:2])
 
-    def _idle_donor(self) -> _BufferSet | None:
-        """An idle set whose matching buffers a new set may take over (the rest is freed)."""
-        donor = next((s for s in self._sets if not s.in_flight), None)
+    def _idle_donor(self, *, avoid: _BufferSet | None = None) -> _BufferSet | None:
+        """An idle set whose matching buffers a new set may take over (the rest is freed);
+        never ``avoid`` (the sealed snapshot, with two snapshot sets)."""
+        donor = next((s for s in self._sets if not s.in_flight and s is not avoid), None)
         if donor is not None:
             self._sets.remove(donor)
         return donor

@@ -22,6 +22,7 @@ FROZEN_FLAGS = [
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--no-save-rng",
     "--no-load-rng", "--exit-on-missing-checkpoint", "--no-ckpt-verify-load", "--ckpt-load-threads",
     "--ckpt-load-fallback", "--no-ckpt-memory-restore", "--ckpt-keep-memory-snapshot",
+    "--ckpt-memory-snapshot-sets",
     "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
     "--async-ckpt-io-priority", "--ckpt-timeout",

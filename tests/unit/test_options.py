@@ -15,6 +15,7 @@ CLI_DEFAULTS = dict(
     ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, save_rng=True, load_rng=True,
     exit_on_missing_checkpoint=False, ckpt_verify_load=True, ckpt_load_threads="auto",
     ckpt_load_fallback=False, ckpt_memory_restore=True, ckpt_keep_memory_snapshot=False,
+    ckpt_memory_snapshot_sets=1,
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
     ckpt_timeout=1800, most_recent_k=-1, save_retain_interval=None, ckpt_failure_policy="raise",
@@ -68,7 +69,8 @@ def test_from_config_reads_every_knob_by_its_key():
     for knob in knobs():
         default = getattr(CkptOptions(), knob.name)
         value = ((not default) if isinstance(default, bool)
-                 else knob.choices[-1] if knob.choices else 3)
+                 else knob.choices[-1] if knob.choices
+                 else knob.maximum if knob.maximum is not None and knob.maximum < 3 else 3)
         assert getattr(CkptOptions.from_config({knob.key: value}), knob.name) == value, knob.key
 
 

@@ -171,3 +171,20 @@ def test_overlap_snapshot_complete_is_clean_on_cuda_and_warned_without(caps_fact
     assert not {c for c in codes(opts, cuda) if c.startswith("overlap")}
     f = codes(opts, caps_factory(cuda_available=False, queue_persistent=True))["overlap-snapshot-no-cuda"]
     assert "--ckpt-overlap-snapshot" in f.message and "Drop the flag" in f.message
+
+
+@pytest.mark.parametrize("given,fix", [
+    ({}, "add --async-save and --async-ckpt-use-cpu-shm"),
+    ({"async_save": True}, "add --async-ckpt-use-cpu-shm"),
+    ({"async_save": True, "async_ckpt_use_cpu_shm": True, "ckpt_memory_restore": False},
+     "drop --no-ckpt-memory-restore"),
+])
+def test_two_snapshot_sets_without_the_memory_tier_is_an_error_naming_the_fix(given, fix):
+    f = codes(CkptOptions(ckpt_memory_snapshot_sets=2, **given))["snapshot-sets-need-memory-tier"]
+    assert f.level == "error" and "--ckpt-memory-snapshot-sets 2" in f.message and fix in f.message
+
+
+def test_two_snapshot_sets_with_the_memory_tier_is_fine():
+    assert validate(CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                                ckpt_assume_constant_structure=True,
+                                ckpt_memory_snapshot_sets=2)) == []

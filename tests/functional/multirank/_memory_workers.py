@@ -38,6 +38,29 @@ def save_and_die(rank: int, world: int, root: str, options: dict, saves: int) ->
     os._exit(0)  # no close(): the staging segments and the seal are left, as after a crash
 
 
+def die_in_the_next_save(rank: int, world: int, root: str, options: dict, saves: int) -> None:
+    """``saves`` committed and sealed saves, then one more staged and handed to the writer but
+    never committed (no maybe_finalize), and the process ends there, as a kill in the middle of
+    a save does."""
+    live = step_state(0, rank)
+    ck = Checkpointer(CkptOptions(**options))
+    ck.prepare(sharded(rank, world, live))
+    for step in range(1, saves + 2):
+        for k, v in step_state(step, rank).items():
+            live[k].copy_(v)
+        ck.save(sharded(rank, world, live), root, iteration=step)
+        if step == saves:
+            ck.maybe_finalize(blocking=True)
+            deadline = time.monotonic() + 30
+            while not os.path.exists(seal_path("/dev/shm", root, rank)):
+                assert time.monotonic() < deadline, "the committed save was never sealed"
+                time.sleep(0.02)
+            torch.distributed.barrier()
+    time.sleep(0.3)  # the uncommitted save's staging landed in its buffers
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def restore(rank: int, world: int, root: str, options: dict, iteration: int | None,
             want_step: int, want_tier: str, out: str) -> None:
     """Load (the tracker's, or ``iteration``), check the values bit-exact and the tier, then

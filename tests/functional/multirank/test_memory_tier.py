@@ -64,6 +64,20 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
             assert rep["allocated_after_save"] == rep["allocated_before_save"]
 
 
+@pytest.mark.parametrize("sets,tier", [(2, "memory"), (1, "storage")])
+def test_a_job_killed_in_the_middle_of_a_save_restores_memory_only_with_two_sets(
+        sets, tier, root, tmp_path):
+    """--ckpt-memory-snapshot-sets 2: the committed snapshot stays sealed while the next save
+    stages into the other set, so a job dying inside that save restores the tracker's iteration
+    from memory; with one set those buffers hold the uncommitted save: storage."""
+    options = {**MODES["persistent-constant"], "ckpt_memory_snapshot_sets": sets}
+    run_ranks(w.die_in_the_next_save, args=(str(root), options, 2))
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    run_ranks(w.restore, args=(str(root), options, None, 2, tier, str(tmp_path)))
+    for rep in _reports(tmp_path):
+        assert rep["report"]["tier"] == tier and rep["report"]["iteration"] == 2
+
+
 def test_a_flipped_byte_in_a_snapshot_reads_storage(root, tmp_path, caplog):
     run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
     seal = read_seal(seal_path("/dev/shm", root, world() - 1))

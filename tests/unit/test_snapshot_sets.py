@@ -1,0 +1,94 @@
+"""--ckpt-memory-snapshot-sets 2: a save stages into a set other than the sealed snapshot's, so
+the last committed snapshot stays sealed (and intact) while the next save stages, writes and
+commits; the sets alternate, and prepare() allocates both. With 1 set the next save unseals the
+snapshot before it stages (the contrast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ckpt_ext.staging.retained import buffer_crc32, read_seal, seal_path
+from megatron_ckpt_ext.staging.shm import ShmStager
+
+KEYS = ["w", "b"]
+LAYOUT = [("w", [0], [1000], "torch.float32"), ("b", [0], [300], "torch.bfloat16")]
+
+
+def _state(step: int) -> list[torch.Tensor]:
+    return [torch.arange(1000, dtype=torch.float32) + step,
+            torch.full((300,), float(step), dtype=torch.bfloat16)]
+
+
+def _save_and_seal(stager: ShmStager, root, step: int):
+    batch = stager.stage(_state(step), keys=KEYS)
+    stager.seal(batch, root=str(root), iteration=step, world=1, layout=LAYOUT, manifest_crc32="1")
+    stager._seal_thread.join()
+    stager._release(batch._set)  # the save's writer is done with it
+    return batch
+
+
+def _sealed(tmp_path, root):
+    return read_seal(seal_path(str(tmp_path), root, 0))
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def build(sets: int) -> ShmStager:
+        made.append(ShmStager(job_id=f"s{sets}", rank=0, reuse=True, pin=False,
+                              shm_dir=str(tmp_path), sweep=False, snapshot_sets=sets))
+        return made[-1]
+
+    yield build
+    for s in made:
+        s.close()
+
+
+def test_the_snapshot_stays_sealed_and_intact_while_the_next_save_stages(tmp_path, make):
+    root = tmp_path / "ckpt"
+    stager = make(2)
+    stager.prepare(_state(0), keys=KEYS)
+    assert len(stager._sets) == 2  # both sets allocated ahead of the first save
+    first = _save_and_seal(stager, root, 1)
+    seal = _sealed(tmp_path, root)
+    assert seal.iteration == 1
+
+    second = stager.stage(_state(2), keys=KEYS)  # a save in flight (not yet committed)
+    still = _sealed(tmp_path, root)
+    assert still is not None and still.iteration == 1 and still.generation == seal.generation
+    assert {t.data_ptr() for t in second.tensors}.isdisjoint(t.data_ptr() for t in first.tensors)
+    for entry, buffer, want in zip(still.entries, first.tensors, _state(1)):
+        assert torch.equal(buffer, want) and buffer_crc32(buffer) == entry.crc32
+
+    stager.seal(second, root=str(root), iteration=2, world=1, layout=LAYOUT, manifest_crc32="1")
+    stager._seal_thread.join()
+    stager._release(second._set)
+    assert _sealed(tmp_path, root).iteration == 2
+    third = stager.stage(_state(3), keys=KEYS)  # back into the first set: no allocation
+    assert [t.data_ptr() for t in third.tensors] == [t.data_ptr() for t in first.tensors]
+    assert stager.stats["sets_built_at_stage"] == 0 and len(stager._sets) == 2
+
+
+def test_with_one_set_the_next_save_unseals_the_snapshot_first(tmp_path, make):
+    root = tmp_path / "ckpt"
+    stager = make(1)
+    stager.prepare(_state(0), keys=KEYS)
+    assert len(stager._sets) == 1
+    first = _save_and_seal(stager, root, 1)
+    second = stager.stage(_state(2), keys=KEYS)
+    assert _sealed(tmp_path, root) is None  # its buffers now hold the uncommitted save
+    assert [t.data_ptr() for t in second.tensors] == [t.data_ptr() for t in first.tensors]
+
+
+def test_an_adopted_snapshot_counts_as_one_of_the_two_sets(tmp_path, make):
+    root = tmp_path / "ckpt"
+    _save_and_seal(make(2), root, 1)
+    restarted = make(2)
+    adopted = restarted.adopt(_sealed(tmp_path, root))
+    restarted.prepare(_state(0), keys=KEYS)
+    assert len(restarted._sets) == 2  # the adopted set and one more
+    nxt = restarted.stage(_state(2), keys=KEYS)
+    assert {t.data_ptr() for t in nxt.tensors}.isdisjoint(a.data_ptr() for a in adopted)
+    assert _sealed(tmp_path, root).iteration == 1  # still restorable while this save runs
