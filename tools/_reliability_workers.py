@@ -43,6 +43,14 @@ MODES: dict[str, dict[str, Any]] = {
     "temporal": {"async_save": True},
     # a fresh forked writer per save, shm staging (a new buffer set per save, sealed at commit)
     "temporal-shm": {"async_save": True, "async_ckpt_use_cpu_shm": True},
+    # the new stack with --ckpt-memory-snapshot-sets 2: the last committed snapshot stays sealed
+    # while the next save stages, writes and commits
+    "persistent-shm-2sets": {"async_save": True, "use_persistent_ckpt_worker": True,
+                             "async_ckpt_use_cpu_shm": True,
+                             "ckpt_assume_constant_structure": True,
+                             "ckpt_memory_snapshot_sets": 2},
+    "temporal-shm-2sets": {"async_save": True, "async_ckpt_use_cpu_shm": True,
+                           "ckpt_memory_snapshot_sets": 2},
 }
 # Where a crash job holds (so the harness SIGKILLs it exactly there), in save order.
 PHASES = ("before_save", "staging", "write", "before_rename", "after_rename", "after_tracker")
