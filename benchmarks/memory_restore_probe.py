@@ -70,28 +70,39 @@ def copy_sum(src: torch.Tensor, dst: torch.Tensor, threads: int, chunk: int) -> 
     return time.perf_counter() - t0
 
 
+def next_chunk(local: threading.local, chunk: int, n: int) -> tuple[int, torch.Tensor]:
+    """This thread's next of its two pinned chunks (allocated at its first call), once the
+    device copy from it is done; its index and its first ``n`` bytes."""
+    if not hasattr(local, "bufs"):
+        local.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        local.events = [None, None]
+        local.i = 0
+        local.stream = torch.cuda.Stream()
+    i = local.i = 1 - local.i
+    if local.events[i] is not None:
+        local.events[i].synchronize()
+    return i, local.bufs[i][:n]
+
+
+def to_device(local: threading.local, i: int, buf: torch.Tensor, dst: torch.Tensor) -> None:
+    """``buf`` (chunk ``i``) to ``dst`` on this thread's stream; the chunk's event records it."""
+    with torch.cuda.stream(local.stream):
+        dst.copy_(buf, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(local.stream)
+    local.events[i] = ev
+
+
 def pread_pinned(path: str, dst: torch.Tensor, threads: int, chunk: int) -> float:
     fd = os.open(path, os.O_RDONLY)
     local = threading.local()
 
     def run(span):
         a, z = span
-        if not hasattr(local, "bufs"):
-            local.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            local.events = [None, None]
-            local.i = 0
-            local.stream = torch.cuda.Stream()
-        i = local.i = 1 - local.i
-        if local.events[i] is not None:
-            local.events[i].synchronize()
-        buf = local.bufs[i][: z - a]
+        i, buf = next_chunk(local, chunk, z - a)
         os.preadv(fd, [memoryview(buf.numpy())], a)
         crc32(memoryview(buf.numpy()))
-        with torch.cuda.stream(local.stream):
-            dst[a:z].copy_(buf, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(local.stream)
-        local.events[i] = ev
+        to_device(local, i, buf, dst[a:z])
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda _: None, range(threads)))
@@ -116,24 +127,12 @@ def map_bounce(path: str, dst: torch.Tensor, threads: int, chunk: int,
 
     def run(span):
         a, z = span
-        if not hasattr(local, "bufs"):
-            local.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            local.events = [None, None]
-            local.i = 0
-            local.stream = torch.cuda.Stream()
-        i = local.i = 1 - local.i
-        if local.events[i] is not None:
-            local.events[i].synchronize()
-        buf = local.bufs[i][: z - a]
+        i, buf = next_chunk(local, chunk, z - a)
         if populate:
             libc.madvise(ctypes.c_void_p(base + a), ctypes.c_size_t(z - a), MADV_POPULATE_READ)
         np.copyto(buf.numpy(), src_np[a:z])
         crc32(memoryview(buf.numpy()))
-        with torch.cuda.stream(local.stream):
-            dst[a:z].copy_(buf, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(local.stream)
-        local.events[i] = ev
+        to_device(local, i, buf, dst[a:z])
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(run, chunks(dst.numel(), chunk)))

@@ -17,48 +17,40 @@ from tests._support.dist import sharded
 from ._ckpt_workers import assert_equal, load_back, step_state
 
 
-def save_and_die(rank: int, world: int, root: str, options: dict, saves: int) -> None:
-    """``saves`` saves, every one committed and the last one sealed, then the process ends
-    without close() (as a crash would: no cleanup runs)."""
-    live = step_state(0, rank)
-    ck = Checkpointer(CkptOptions(**options))
-    ck.prepare(sharded(rank, world, live))
-    for step in range(1, saves + 1):
-        for k, v in step_state(step, rank).items():
-            live[k].copy_(v)
-        ck.save(sharded(rank, world, live), root, iteration=step)
-        ck.maybe_finalize()
-    ck.maybe_finalize(blocking=True)
+def _wait_sealed(root: str, rank: int) -> None:
+    """Until this rank's committed save is sealed (in the background), then every rank."""
     deadline = time.monotonic() + 30
-    while not os.path.exists(seal_path("/dev/shm", root, rank)):  # sealed in the background
+    while not os.path.exists(seal_path("/dev/shm", root, rank)):
         assert time.monotonic() < deadline, "the committed save was never sealed"
         time.sleep(0.02)
     torch.distributed.barrier()
+
+
+def save_and_die(rank: int, world: int, root: str, options: dict, saves: int,
+                 in_the_next_save: bool = False) -> None:
+    """``saves`` saves, every one committed and the last one sealed, then the process ends
+    without close() (as a crash would: no cleanup runs); ``in_the_next_save``: after one more
+    save staged and handed to the writer but never committed (no maybe_finalize), as a kill in
+    the middle of a save leaves it."""
+    live = step_state(0, rank)
+    ck = Checkpointer(CkptOptions(**options))
+    ck.prepare(sharded(rank, world, live))
+    for step in range(1, saves + 1 + in_the_next_save):
+        for k, v in step_state(step, rank).items():
+            live[k].copy_(v)
+        ck.save(sharded(rank, world, live), root, iteration=step)
+        if step <= saves:  # the one after them is never finalized (so never committed)
+            ck.maybe_finalize(blocking=step == saves)
+        if step == saves:
+            _wait_sealed(root, rank)
+    if in_the_next_save:
+        time.sleep(0.3)  # the uncommitted save's staging landed in its buffers
     sys.stdout.flush()
     os._exit(0)  # no close(): the staging segments and the seal are left, as after a crash
 
 
 def die_in_the_next_save(rank: int, world: int, root: str, options: dict, saves: int) -> None:
-    """``saves`` committed and sealed saves, then one more staged and handed to the writer but
-    never committed (no maybe_finalize), and the process ends there, as a kill in the middle of
-    a save does."""
-    live = step_state(0, rank)
-    ck = Checkpointer(CkptOptions(**options))
-    ck.prepare(sharded(rank, world, live))
-    for step in range(1, saves + 2):
-        for k, v in step_state(step, rank).items():
-            live[k].copy_(v)
-        ck.save(sharded(rank, world, live), root, iteration=step)
-        if step == saves:
-            ck.maybe_finalize(blocking=True)
-            deadline = time.monotonic() + 30
-            while not os.path.exists(seal_path("/dev/shm", root, rank)):
-                assert time.monotonic() < deadline, "the committed save was never sealed"
-                time.sleep(0.02)
-            torch.distributed.barrier()
-    time.sleep(0.3)  # the uncommitted save's staging landed in its buffers
-    sys.stdout.flush()
-    os._exit(0)
+    save_and_die(rank, world, root, options, saves, in_the_next_save=True)
 
 
 def restore(rank: int, world: int, root: str, options: dict, iteration: int | None,
