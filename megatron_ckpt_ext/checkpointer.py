@@ -39,7 +39,7 @@ from .load.report import LoadRecord, log_load
 from .options import CkptOptions
 from .save.joblock import JobLock
 from .save.layout import TRACKER, checkpoint_name, read_tracker
-from .save.planner import SavePlanner, copy_structure
+from .save.planner import SavePlanner, copy_leaves, copy_structure
 from .save.publish import Publisher
 from .save.report import SaveRecord
 from .save.retention import Retention, finish_interrupted
@@ -328,14 +328,18 @@ class Checkpointer(_SaveSteps):
         load_strategy = lambda: strategy.load_strategy(  # noqa: E731
             self.options, dp_group=self.dp_group, caps=self.caps)
         state = None
+        # megatron-core's load reassigns its ShardedTensors' data: it gets copies of them (the
+        # same tensors), so the caller's state and the prepare() below see them as given
+        work = copy_leaves(sharded_state_dict)
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
-            state = restore_from_memory(self._stager, sharded_state_dict, path, record,
+            state = restore_from_memory(self._stager, work, path, record,
                                         self._group, load_strategy=load_strategy)
+            work = copy_leaves(sharded_state_dict)
         elif self._cpu_shm:  # a snapshot an earlier run left will not be adopted: free it
             discard_snapshot(self._stager, path.parent)
         if state is None:
             loader = Loader(self.options, self._group, load_strategy=load_strategy)
-            state = loader.load(sharded_state_dict, path, record, explicit=iteration is not None,
+            state = loader.load(work, path, record, explicit=iteration is not None,
                                 metadata=read.get(str(path)))
         # The first save after a resume stages into buffers allocated meanwhile, as a steady one
         # does (a no-op where they exist, such as an adopted snapshot). Every rank calls it: its

@@ -3,6 +3,7 @@ structure holds (``--ckpt-assume-constant-structure``: megatron-core's cached pl
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ from .. import backend, strategy
 from .._runtime import rank
 from ..options import CkptOptions
 
-__all__ = ["SavePlanner", "copy_structure", "state_bytes", "structure_key"]
+__all__ = ["SavePlanner", "copy_leaves", "copy_structure", "state_bytes", "structure_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,15 @@ def copy_structure(node: Any) -> Any:
     if isinstance(node, list):
         return [copy_structure(v) for v in node]
     return node
+
+
+def copy_leaves(node: Any) -> Any:
+    """:func:`copy_structure`, and every ShardedTensor a shallow copy sharing its data tensor:
+    megatron-core's load reassigns each one's ``data`` (a view with the prepended axes, a
+    detached or contiguous one), which must not reach the caller's objects."""
+    state = copy_structure(node)
+    backend.map_sharded_tensors(state, copy.copy)
+    return state
 
 
 def structure_key(state: Any) -> tuple:

@@ -106,3 +106,31 @@ def test_a_first_save_of_another_structure_than_prepared_validates(one_rank_grou
                 iteration=1)
         ck.maybe_finalize(blocking=True)
     assert validations == [("state_dict_utils", True), ("serialization", True)]
+
+
+def test_the_first_save_after_a_load_stages_into_the_buffers_the_load_prepared(one_rank_group,
+                                                                               tmp_path):
+    """The load prepares the staging from the caller's state as it was handed over: megatron-
+    core's load reassigns each ShardedTensor's data (a view with the prepended axes), which
+    once left the load preparing buffers of other shapes for stacked layers and the first save
+    after a resume allocating again; the caller's ShardedTensors are not changed either."""
+    def layers():
+        return {"w": [torch.randn(4, 6) for _ in range(3)], "b": [torch.randn(5) for _ in range(3)]}
+
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.save(_stacked_state(layers()), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True, ckpt_memory_restore=False)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        given = _stacked_state(layers())
+        shapes = [[tuple(t.data.shape) for t in v] for v in given.values()]
+        ck.load(given, tmp_path)
+        assert [[tuple(t.data.shape) for t in v] for v in given.values()] == shapes
+        assert ck.wait_prepared(timeout_s=60)
+        ck.save(_stacked_state(layers()), tmp_path, iteration=2)
+        ck.maybe_finalize(blocking=True)
+        detail = ck.reports[-1]["stage_detail"]
+        assert detail["allocations"] == 0 and detail["sets_built_at_stage"] == 0, detail
