@@ -82,10 +82,11 @@ def test_load_benchmark_with_four_ranks_sharing_the_host(tmp_path):
 @pytest.mark.functional
 def test_memory_restore_benchmark_smoke(tmp_path):
     """bench_memory_restore.py --cpu-smoke: a killed child's snapshot is restored from memory,
-    every load is bit-exact and takes the tier it should; the JSON has the documented fields."""
+    in each of two repeats (the storage loads between them must leave it alone), every load is
+    bit-exact and takes the tier it should; the JSON has the documented fields."""
     out = tmp_path / "restore.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
-                    "--cpu-smoke", "--repeats", "1", "--out", str(tmp_path / "ckpt"),
+                    "--cpu-smoke", "--repeats", "2", "--out", str(tmp_path / "ckpt"),
                     "--json", str(out)], check=True, cwd=ROOT, timeout=300)
     data = json.loads(out.read_text())
     assert {"device", "versions", "world_size", "command", "floors", "runs"} <= set(data)
@@ -95,3 +96,4 @@ def test_memory_restore_benchmark_smoke(tmp_path):
         ("stock", "storage", "warm"), ("stock", "storage", "cold")}
     assert all(r["bit_exact"] and r["bytes"] > 0 for r in data["runs"])
     assert data["summary"]["tiers_as_expected"] and data["summary"]["all_bit_exact"]
+    assert [r["tier"] for r in data["runs"] if r["expected_tier"] == "memory"] == ["memory"] * 2
