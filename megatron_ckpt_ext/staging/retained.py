@@ -219,6 +219,7 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
         return i, crc, z - a
 
     sums: dict[int, int] = {}
+    synced = False
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
@@ -226,10 +227,11 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
         t2 = time.perf_counter()
         if any(dst.is_cuda for _, _, dst in jobs):
             torch.cuda.synchronize()
+            synced = True
         t3 = time.perf_counter()
     finally:
         if bounce is not None:
-            bounce.close()
+            bounce.close(synced=synced)
     if detail is not None:
         detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
                       bounced=len(bounced), bounce_pinned=bool(bounce and bounce.was_pinned),
@@ -280,9 +282,12 @@ class _Bounce:
         local.events[turn] = event
         return crc
 
-    def close(self) -> None:
+    def close(self, *, synced: bool) -> None:
+        """Unpin the chunks, once no device copy reads them (``synced``: the caller waited for
+        every copy already; else, after an error, wait here)."""
         if self.pinned:
-            torch.cuda.synchronize()
+            if not synced:
+                torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
             self.pinned = False
 

@@ -92,3 +92,23 @@ def test_an_adopted_snapshot_counts_as_one_of_the_two_sets(tmp_path, make):
     nxt = restarted.stage(_state(2), keys=KEYS)
     assert {t.data_ptr() for t in nxt.tensors}.isdisjoint(a.data_ptr() for a in adopted)
     assert _sealed(tmp_path, root).iteration == 1  # still restorable while this save runs
+
+
+@pytest.mark.parametrize("sets,admitted", [(1, True), (2, False)])
+def test_node_admission_counts_both_sets(one_rank_group, tmp_path, sets, admitted):
+    """3 MiB staged per set against a 4 MiB node budget: one set fits, two do not."""
+    from megatron_ckpt_ext import Checkpointer, CkptOptions, backend
+    from megatron_ckpt_ext.errors import InsufficientHostMemory
+
+    st = backend.sharded_tensor_cls()
+    state = {"w": st.from_rank_offsets("w", torch.zeros(3 << 18), replica_id=0)}  # 3 MiB fp32
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True, ckpt_node_memory_limit_mib=4,
+                          ckpt_memory_snapshot_sets=sets)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        if admitted:
+            ck.prepare(state)
+            assert ck.wait_prepared(timeout_s=60)
+        else:
+            with pytest.raises(InsufficientHostMemory):
+                ck.prepare(state)
