@@ -17,20 +17,22 @@ RPD=${RPD:-auto}
 GIB=${GIB:-1}
 SAVES=${SAVES:-5}
 STEP_TIMEOUT=${STEP_TIMEOUT:-280}
+DEVICE=${DEVICE:-cuda}  # cpu: a dry run of the same steps on this host
 WORK=${WORK:-/tmp/gpu_node}
 mkdir -p "$OUT" && rm -rf "$WORK" && mkdir -p "$WORK"
 START=$(date +%s)
 run() {  # NAME -- command...: bounded, logged to $OUT/NAME.log
   local name=$1; shift 2
   timeout -k 10 "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
-  echo "[$(( $(date +%s) - START ))s] $name rc=$?"
+  local rc=$?  # before any command substitution resets it
+  echo "[$(( $(date +%s) - START ))s] $name rc=$rc"
   tail -3 "$OUT/$name.log"
 }
 TR=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
-run node_checks -- "${TR[@]}" tools/node_checks.py --out "$WORK/checks" --device cuda \
+run node_checks -- "${TR[@]}" tools/node_checks.py --out "$WORK/checks" --device "$DEVICE" \
   --ranks-per-device "$RPD"
 cp "$WORK/checks/node_checks.json" "$OUT/" 2>/dev/null
-run bench_save -- "${TR[@]}" benchmarks/bench_ckpt.py --ranks-per-device "$RPD" \
+run bench_save -- "${TR[@]}" benchmarks/bench_ckpt.py --device "$DEVICE" --ranks-per-device "$RPD" \
   --gib-per-rank "$GIB" --saves "$SAVES" \
   --modes ours-async-persistent-cpu-shm megatron-async-persistent-cpu-shm \
   --out "$WORK/save" --json "$OUT/node_save.json"
