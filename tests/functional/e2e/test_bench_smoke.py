@@ -168,8 +168,30 @@ def test_node_memory_counts_dev_shm_once_and_every_ranks_process():
              (0.1, 0.1, 0.5, peak(30, 900), "b"), (0.4, 0.4, 0.9, peak(40, 800), "b")]
     got = bench_ckpt.per_rank_figures(ranks)
     assert got["host_extra_node_bytes"] == 10 + 20 + 1000  # node a: both trees + shm once
+    assert got["node_ranks"] == 2
     assert got["per_rank"]["blocking_s"] == [0.1, 0.2, 0.1, 0.4]
     assert got["blocking_max_over_median"] == round(0.4 / 0.15, 3)
+
+
+def test_node_memory_target_compares_the_node_with_its_ranks_staging():
+    """8 ranks on a node: each rank's own figure counts all of /dev/shm, so the memory target is
+    the node's extra bytes against 8 ranks' staging (1.02x), not one rank's figure against one
+    rank's bytes (which an 8-rank node always misses)."""
+    import bench_ckpt
+
+    def mode(node_bytes):
+        return {"host_extra_max_bytes": 8 * 100, "host_extra_node_max_bytes": node_bytes,
+                "node_ranks": 8, "floor_d2h_s": 1.0, "floor_write_s": 1.0}
+
+    t = bench_ckpt._targets(mode(8 * 100 + 10), None, 100)
+    assert "host_extra_le_1.05x_state" not in t
+    got = t["host_node_le_1.02x_node_staged"]
+    assert (got["staged_bytes"], got["ratio"], got["met"]) == (800, 1.0125, True)
+    assert bench_ckpt._targets(mode(8 * 100 + 20), None, 100)[
+        "host_node_le_1.02x_node_staged"]["met"] is False  # 1.025x
+    one = bench_ckpt._targets({"host_extra_max_bytes": 104, "floor_d2h_s": 1.0,
+                               "floor_write_s": 1.0}, None, 100)
+    assert one["host_extra_le_1.05x_state"]["met"] is True  # one rank: its own figure
 
 
 def test_ranks_per_device_layouts():
