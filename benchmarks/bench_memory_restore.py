@@ -102,6 +102,10 @@ def stock(checkpoint: Path, state: dict) -> tuple[float, bool, dict]:
     return time.perf_counter() - t0, _same(got, state), {"tier": "storage"}
 
 
+CASES = ("ours-memory", "ours-storage-warm", "ours-storage-cold", "stock-storage-warm",
+         "stock-storage-cold")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=8.0)
@@ -110,6 +114,8 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/bench_memory_restore")
     p.add_argument("--json", required=True)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                   help="loads to time each repeat (default all)")
     p.add_argument("--child-json", help=argparse.SUPPRESS)  # the killed job's own run
     args = p.parse_args()
     init_world_1()
@@ -140,6 +146,7 @@ def main() -> int:
              ("ours", "storage", "cold", lambda: restore(copy, state, storage)),
              ("stock", "storage", "warm", lambda: stock(copied, state)),
              ("stock", "storage", "cold", lambda: stock(copied, state))]
+    cases = [c for c in cases if "-".join(x for x in c[:3] if x) in args.cases]
     runs = []
     for rep in range(args.repeats):
         for source, tier, cache, load in cases:

@@ -97,3 +97,26 @@ def test_memory_restore_benchmark_smoke(tmp_path):
     assert all(r["bit_exact"] and r["bytes"] > 0 for r in data["runs"])
     assert data["summary"]["tiers_as_expected"] and data["summary"]["all_bit_exact"]
     assert [r["tier"] for r in data["runs"] if r["expected_tier"] == "memory"] == ["memory"] * 2
+
+
+def test_load_targets_leave_out_what_a_subset_did_not_run():
+    """--sources ours ours_no_verify --caches warm (the A/B runs): the ratios of what ran, the
+    checks of what did not run left out, not failed and not crashing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_load
+
+    def run(variant, load_s):
+        return {"variant": variant, "cache": "warm", "load_s": load_s, "bytes_on_disk": 10 * 10**9,
+                "max_over_median": 1.0}
+
+    got = bench_load.targets([run("ours", 1.1), run("ours_no_verify", 1.0)],
+                             {"h2d_pinned_gbps": 20.0, "read_warm_gbps": 10.0,
+                              "read_cold_gbps": 2.0})
+    assert got["verify_cost_warm"] == 0.1 and got["warm_gbps_over_floor"] == round(1 / 1.1, 3)
+    assert got["warm_speedup_over_megatron"] is None and got["cold_gbps_over_floor"] is None
+    assert set(got["met"]) == {"warm >= 0.8 x floor", "verify <= 10% of warm",
+                               "warm: no rank > 1.2x the median"}
+    args = bench_load.parse_args(["--json", "x", "--sources", "ours", "--caches", "warm"])
+    assert (args.sources, args.caches) == (["ours"], ["warm"])
+    with pytest.raises(SystemExit):
+        bench_load.parse_args(["--json", "x", "--sources", "nobody"])
