@@ -52,9 +52,12 @@ def plot(data: dict, png: Path) -> None:
     if floors.get("h2d_pinned_gbps"):
         ax.axhline(floors["h2d_pinned_gbps"], color="r", lw=0.8, label="pinned H2D floor")
     per_rank = data["runs"][0]["state_bytes"] / 2**30
+    world = data.get("world_size", 1)
+    ranks = f" per rank, {world} ranks ({data.get('ranks_per_device', 1)} per device)" \
+        if world > 1 else ""
     ax.set(xticks=[0, 1], xticklabels=["cold (pages dropped)", "warm (page cache)"],
-           ylabel="GB/s (bytes on disk / load seconds)", yscale="log",
-           title=f"load of {per_rank:.1f} GiB, {data['device']}, megatron-core "
+           ylabel="GB/s (all ranks' bytes on disk / load seconds)", yscale="log",
+           title=f"load of {per_rank:.1f} GiB{ranks}, {data['device']}, megatron-core "
                  f"{data['versions'].get('megatron-core')}")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

@@ -41,6 +41,7 @@ read -r -a OTHER_PAR <<< "${OTHER_PAR_ARGS:-}"
 OTHER_LAYOUT=${OTHER_LAYOUT:-}
 RESUME_STEP=${RESUME_STEP:-}
 export MODELS SOURCES KILL RESUME_WARM NPROC LAYOUT PAR_ARGS OTHER_PAR_ARGS OTHER_LAYOUT RESUME_STEP
+export SAVE_EVERY_134M SAVE_EVERY_1B ITERS_1B RESUME_ITERS_1B  # unset ones stay unset
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 source scripts/mlm_recipe.sh  # COMMON, OURS, RESUME
@@ -57,8 +58,9 @@ model_args() {  # MODEL -> the model's flags, SAVE_EVERY, ITERS, RESUME_ITERS
     1b)   MARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024
                  --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 2
                  --global-batch-size 2)
-          SAVE_EVERY=${SAVE_EVERY_1B:-60}; ITERS=190; RESUME_ITERS=250
-          MARGS+=(--save-retain-interval 100000) ;;  # Megatron and ours keep the latest only
+          SAVE_EVERY=${SAVE_EVERY_1B:-60}; ITERS=${ITERS_1B:-190}; RESUME_ITERS=${RESUME_ITERS_1B:-250}
+          # Megatron and ours keep the latest only (Megatron asserts a multiple of --save-interval)
+          MARGS+=(--save-retain-interval $((SAVE_EVERY * 1000))) ;;
   esac
 }
 
@@ -239,7 +241,8 @@ meta = {"device": torch.cuda.get_device_name(0), "world_size": int(os.environ["N
         "versions": {p: md.version(p) for p in ("megatron-core", "nvidia-resiliency-ext", "torch")},
         "command": " ".join(f"{k}={os.environ[k]!r}" for k in
                             ("MODELS", "SOURCES", "KILL", "RESUME_WARM", "NPROC", "PAR_ARGS",
-                             "LAYOUT", "RESUME_STEP", "OTHER_PAR_ARGS", "OTHER_LAYOUT")
+                             "LAYOUT", "RESUME_STEP", "OTHER_PAR_ARGS", "OTHER_LAYOUT",
+                             "SAVE_EVERY_134M", "SAVE_EVERY_1B", "ITERS_1B", "RESUME_ITERS_1B")
                             if os.environ.get(k)) + " OUT=$OUT bash scripts/gpu_real_client.sh"}
 json.dump(meta, open(sys.argv[1], "w"))
 PY
