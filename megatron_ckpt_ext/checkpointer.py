@@ -46,6 +46,7 @@ from .save.retention import Retention, finish_interrupted
 from .preempt import Preemption
 from .save.stage import choose_stager, stage
 from .save.steps import _SaveSteps
+from .save.sync_points import sync_points
 from .save.writers import WriterPool
 from .staging.base import Stager
 from .validation import check
@@ -236,6 +237,14 @@ class Checkpointer(_SaveSteps):
             self._preemption.save_started(iteration, self._group)
         record = SaveRecord(iteration=iteration, root=Path(checkpoint_dir),
                             started=time.perf_counter(), mode=self._mode)
+        folder = env_switch("MCX_SYNC_POINTS")
+        if folder:  # where the blocking phases wait for the device (docs/DEBUGGING.md)
+            with sync_points(folder, f"save iteration {iteration}", rank(), record):
+                self._save_steps(sharded_state_dict, record)
+        else:
+            self._save_steps(sharded_state_dict, record)
+
+    def _save_steps(self, sharded_state_dict: Any, record: SaveRecord) -> None:
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
         state, workdir = self._open(sharded_state_dict, record)

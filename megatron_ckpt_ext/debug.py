@@ -56,6 +56,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_PROFILE_SAVES", "",
               "<dir>: run every save() under cProfile and append its 40 costliest functions "
               "(cumulative) to <dir>/save_profile_rank<R>.txt"),
+    EnvSwitch("MCX_SYNC_POINTS", "",
+              "<dir>: run every save() under torch's CUDA sync debug mode and append where it "
+              "waited for the device (each synchronizing call's stack, with the phase it fell "
+              "in) to <dir>/sync_points_rank<R>.jsonl"),
     EnvSwitch("MCX_WRITER_TRACE", "",
               "<dir>: append each save's preload, write, results hand-back, schedule and commit "
               f"wall times to <dir>/{TRACE_FILE}"),
@@ -159,3 +163,4 @@ def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, **kwargs: 
         Path(folder).mkdir(parents=True, exist_ok=True)
         with open(Path(folder) / f"save_profile_rank{rank}.txt", "a", encoding="utf-8") as fh:
             fh.write(f"==== {label}\n{out.getvalue()}\n")
+
