@@ -23,7 +23,8 @@
 # resume from that iteration (--ckpt-step) to ITERS, so its losses compare with train's (bit-
 # identical expected); OTHER_PAR_ARGS="--tensor-model-parallel-size 1" OTHER_LAYOUT=dp2 adds a
 # resume of each source's train into that layout (resume_other, losses compared).
-# Writes $OUT/real_client.json (benchmarks/real_client.py) and the logs; prints the table.
+# Writes $OUT/real_client.json (benchmarks/real_client.py) and $OUT/logs.tgz (the runs' logs and
+# reports, runs.jsonl, floors, meta); prints the table.
 #   OUT=$OUT MODELS="134m" bash scripts/gpu_real_client.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -268,5 +269,7 @@ for m in sys.argv[2:]:
 PY
 python3 benchmarks/real_client.py --runs "$RUNS" --out "$OUT/real_client.json" \
   --floor "$OUT/floors.json" --meta "$OUT/meta.json" "${cmp[@]}"
-tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"  # one file back, not hundreds
+# two files back (the GPU machine returns at most 8): real_client.json, and the rest in logs.tgz
+mv "$OUT/runs.jsonl" "$OUT/meta.json" "$OUT"/floors*.json "$OUT/logs/" 2>/dev/null
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
 echo "[$(( $(date +%s) - START ))s] done"
