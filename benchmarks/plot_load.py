@@ -57,7 +57,7 @@ def plot(data: dict, png: Path) -> None:
         if world > 1 else ""
     ax.set(xticks=[0, 1], xticklabels=["cold (pages dropped)", "warm (page cache)"],
            ylabel="GB/s (all ranks' bytes on disk / load seconds)", yscale="log",
-           title=f"load of {per_rank:.1f} GiB{ranks}, {data['device']}, megatron-core "
+           title=f"load of {per_rank:.1f} GiB{ranks}\n{data['device']}, megatron-core "
                  f"{data['versions'].get('megatron-core')}")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
