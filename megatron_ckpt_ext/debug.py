@@ -163,4 +163,3 @@ def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, **kwargs: 
         Path(folder).mkdir(parents=True, exist_ok=True)
         with open(Path(folder) / f"save_profile_rank{rank}.txt", "a", encoding="utf-8") as fh:
             fh.write(f"==== {label}\n{out.getvalue()}\n")
-

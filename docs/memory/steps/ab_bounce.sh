@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record of the call behind the bounce table of docs/notes/memory.md, not a command to rerun as
+# is: .ab/ (not committed) held retained.py of 7d19203 (r16.py), with bounce_4mib.patch applied
+# (r4.py), and with bounce_4mib_hostalloc.patch on top of that (r4p.py).
 # A/B on one GPU: the memory restore's bounce chunk size and pinning.
 set -u
 R=$PWD; A=$OUT/ab; mkdir -p $A

@@ -1,4 +1,9 @@
 #!/usr/bin/env bash
+# A record of the call that measured docs/notes/node.md and part of docs/notes/memory.md, not a
+# command to rerun as is: .ab/ (not committed) held the variant files: load_reader.py and
+# load_sums.py of 7d19203 (the old load path; the tree carried the fused change of
+# fused_read_sum.patch), and retained.py with ../../memory/steps/bounce_per_thread_3878d54.patch
+# applied (retained_lazy.py), plus 1 MiB copy-and-sum pieces (retained_lazy_fused.py).
 # A/B on one GPU: the load's fused read+sum vs the old summing threads; the memory restore's
 # bounce variants. Each variant is a copy of the tree with the old/new files overlaid.
 set -u

@@ -99,6 +99,35 @@ def test_memory_restore_benchmark_smoke(tmp_path):
     assert [r["tier"] for r in data["runs"] if r["expected_tier"] == "memory"] == ["memory"] * 2
 
 
+@pytest.mark.functional
+def test_load_benchmark_times_only_the_sources_and_caches_asked(tmp_path):
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--cpu-smoke",
+                    "--repeats", "1", "--sources", "ours", "megatron", "--caches", "warm",
+                    "--out", str(tmp_path / "ckpt"), "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    data = json.loads(out.read_text())
+    assert [(r["variant"], r["cache"]) for r in data["runs"]] == [("ours", "warm"),
+                                                                  ("megatron", "warm")]
+    assert set(data["targets"]["met"]) == {"warm >= 0.8 x floor", "warm >= 4x megatron",
+                                           "warm: no rank > 1.2x the median"}
+
+
+@pytest.mark.functional
+def test_memory_restore_benchmark_times_only_the_cases_asked(tmp_path):
+    """--cases ours-memory ours-storage-warm (the A/B runs): each repeat times those two loads
+    and no other."""
+    out = tmp_path / "restore.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
+                    "--cpu-smoke", "--repeats", "2", "--cases", "ours-memory",
+                    "ours-storage-warm", "--out", str(tmp_path / "ckpt"), "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["source"], r["expected_tier"], r["cache"]) for r in runs] == [
+        ("ours", "memory", None), ("ours", "storage", "warm")] * 2
+    assert [r["tier"] for r in runs] == ["memory", "storage"] * 2
+
+
 def test_load_targets_leave_out_what_a_subset_did_not_run():
     """--sources ours ours_no_verify --caches warm (the A/B runs): the ratios of what ran, the
     checks of what did not run left out, not failed and not crashing."""
