@@ -2,7 +2,12 @@
 
 Each is bounded by ``--distributed-timeout-minutes`` when set (else by the process group's own
 timeout), and each caller reads its result on the host right after, so the bound adds no
-synchronisation. One that runs out raises on the rank that waited: :class:`CheckpointLoadError`
+synchronisation. They run on the host, never on the device: over a group whose only backend is
+NCCL (Megatron-LM's world) they run on a gloo group of the same ranks, made once at the first of
+them (:meth:`Group.control`). Over NCCL each would copy its bytes to the device and read the
+result back, and that read, issued while a save's device-to-host copies are in flight, waits
+behind them on the copy engine: planning, which those copies should overlap, waited for all of
+them. One that runs out raises on the rank that waited: :class:`CheckpointLoadError`
 inside ``Checkpointer.load`` (or the ``load/`` rooms), :class:`CheckpointWriteError` elsewhere
 (a save, its finalization, the job lock). Without an initialised process group (one process)
 every call is local.
@@ -10,6 +15,8 @@ every call is local.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import pickle
 import sys
 from typing import Any
@@ -21,6 +28,10 @@ from .options import CkptOptions
 
 __all__ = ["Group"]
 
+logger = logging.getLogger(__name__)
+
+_UNSET = object()
+
 
 class Group:
     """``process_group`` (None: the world) as the checkpoint's collectives use it."""
@@ -28,6 +39,7 @@ class Group:
     def __init__(self, process_group: Any, options: CkptOptions) -> None:
         self.process_group = process_group
         self.options = options
+        self._control: Any = _UNSET
 
     @staticmethod
     def initialized() -> bool:
@@ -48,18 +60,16 @@ class Group:
         waited for like the others, so it is bounded too)."""
         if not self.initialized():
             return [obj]
-        device = self._device()
+        group, device = self.control(), self._device()
         mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
         sizes = [torch.zeros_like(size) for _ in range(self.size())]
-        self.wait(torch.distributed.all_gather(sizes, size, group=self.process_group,
-                                               async_op=True))
+        self.wait(torch.distributed.all_gather(sizes, size, group=group, async_op=True))
         lengths = [int(n.item()) for n in sizes]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
         padded[:mine.numel()] = mine
         out = [torch.empty_like(padded) for _ in lengths]
-        self.wait(torch.distributed.all_gather(out, padded, group=self.process_group,
-                                               async_op=True))
+        self.wait(torch.distributed.all_gather(out, padded, group=group, async_op=True))
         return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
 
     def all_max(self, values: list[float]) -> list[float]:
@@ -74,7 +84,7 @@ class Group:
 
     def barrier(self) -> None:
         if self.initialized():
-            self.wait(torch.distributed.barrier(group=self.process_group, async_op=True))
+            self.wait(torch.distributed.barrier(group=self.control(), async_op=True))
 
     def wait(self, work: Any) -> None:
         """Wait for one of our collectives, at most ``--distributed-timeout-minutes`` when set
@@ -113,15 +123,54 @@ class Group:
         if op is None:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._device())
-        self.wait(torch.distributed.all_reduce(t, op=op, group=self.process_group,
-                                               async_op=True))
+        self.wait(torch.distributed.all_reduce(t, op=op, group=self.control(), async_op=True))
         return t.tolist()
 
+    def control(self) -> Any:
+        """The process group the collectives above run on, with host tensors: ``process_group``
+        itself where its backends include one for the CPU (gloo), else a gloo group of the same
+        ranks, made at the first call (collective: every rank of the group reaches our
+        collectives alike, so it reaches this too) and kept. Where gloo cannot be made, the
+        given group, with one warning on rank 0, and device tensors (:meth:`_device`)."""
+        if self._control is _UNSET:
+            self._control = self._make_control()
+        return self._control
+
+    def _make_control(self) -> Any:
+        backend = str(torch.distributed.get_backend(self.process_group))
+        if "gloo" in backend or "mpi" in backend:
+            return self.process_group
+        ranks = torch.distributed.get_process_group_ranks(
+            self.process_group or torch.distributed.group.WORLD)
+        whole_world = len(ranks) == torch.distributed.get_world_size()
+        kwargs: dict[str, Any] = {"backend": "gloo"}
+        if self.options.distributed_timeout() is not None:
+            kwargs["timeout"] = self.options.distributed_timeout()
+        if not whole_world:  # only the group's ranks reach our collectives
+            if "use_local_synchronization" not in inspect.signature(
+                    torch.distributed.new_group).parameters:
+                return self._no_control(backend, "this torch's new_group cannot make a group "
+                                        "that only its members create")
+            kwargs["use_local_synchronization"] = True
+        try:
+            return torch.distributed.new_group(ranks=ranks, **kwargs)
+        except (RuntimeError, ValueError) as e:
+            return self._no_control(backend, str(e))
+
     def _device(self) -> torch.device:
-        """The current CUDA device for an NCCL group (only then is CUDA needed), else the CPU."""
-        if torch.distributed.get_backend(self.process_group) == "nccl":
+        """The CPU, except where :meth:`control` could only fall back to an NCCL group."""
+        if torch.distributed.get_backend(self.control()) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _no_control(self, backend: str, why: str) -> Any:
+        if torch.distributed.get_rank() == min(torch.distributed.get_process_group_ranks(
+                self.process_group or torch.distributed.group.WORLD)):
+            logger.warning(
+                "megatron-ckpt-ext: no gloo group for the checkpoint's own collectives (%s); "
+                "they run on the %s group instead, and each read of their result waits for the "
+                "save's device-to-host copies in flight.", why, backend)
+        return self.process_group
 
 
 _LOAD_ROOM = f"{__package__}.load."

@@ -1,0 +1,71 @@
+"""Rank functions for test_control_group.py (spawned ranks import them from here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _as_nccl(groups: list[Any]) -> list[tuple[Any, str]]:
+    """Make ``groups`` report NCCL as their only backend (as Megatron-LM's world does) and
+    record each of our collectives' (group, tensor device); the returned list fills as they
+    run."""
+    import torch.distributed as dist
+
+    real_backend, used = dist.get_backend, []
+
+    def get_backend(group: Any = None) -> str:
+        target = dist.group.WORLD if group is None else group
+        return "nccl" if any(target is g for g in groups) else real_backend(group)
+
+    def recording(real: Any) -> Any:
+        def call(tensor_or_list: Any, *args: Any, group: Any = None, **kw: Any) -> Any:
+            t = tensor_or_list[0] if isinstance(tensor_or_list, list) else tensor_or_list
+            used.append((group, t.device.type))
+            return real(tensor_or_list, *args, group=group, **kw)
+        return call
+
+    dist.get_backend = get_backend
+    dist.all_reduce = recording(dist.all_reduce)
+    dist.all_gather = recording(dist.all_gather)
+    return used
+
+
+def _check(group: Any, members: list[int], rank: int, used: list) -> None:
+    import torch.distributed as dist
+
+    from megatron_ckpt_ext.collectives import Group
+    from megatron_ckpt_ext.options import CkptOptions
+
+    g = Group(group, CkptOptions())
+    assert g.all_max([float(rank), -float(rank)]) == [float(max(members)), -float(min(members))]
+    assert g.all_sum([1.0]) == [float(len(members))]
+    assert g.all_gather(("rank", rank)) == [("rank", r) for r in members]
+    g.barrier()
+    control = g.control()
+    assert control is not (group or dist.group.WORLD), "our collectives ran on the NCCL group"
+    assert dist.get_process_group_ranks(control) == members
+    assert used and all(grp is control and dev == "cpu" for grp, dev in used), used
+
+
+def world_reports_nccl(rank: int, world: int) -> None:
+    """The checkpoint's own collectives over an NCCL-only world run on a gloo group of the
+    world's ranks, with host tensors."""
+    import torch.distributed as dist
+
+    used = _as_nccl([dist.group.WORLD])
+    _check(None, list(range(world)), rank, used)
+
+
+def subgroup_reports_nccl(rank: int, world: int) -> None:
+    """Over an NCCL-only group of ranks 0 and 1 of three, only those two make the gloo group
+    and use it; rank 2 never reaches our collectives. With TORCH_DIST_INIT_BARRIER=1 (set by
+    the test) a group made the default way waits for every rank of the world, so it would hang
+    here."""
+    import torch.distributed as dist
+
+    members = [0, 1]
+    sub = dist.new_group(ranks=members, backend="gloo")  # every rank makes it (global)
+    used = _as_nccl([sub])
+    if rank in members:
+        _check(sub, members, rank, used)
+    dist.barrier()  # rank 2 waits at the world's barrier, not inside ours
