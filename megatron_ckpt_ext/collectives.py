@@ -136,6 +136,17 @@ class Group:
             self._control = self._make_control()
         return self._control
 
+    def world_control(self) -> Any:
+        """The host group of :meth:`control` where it spans the whole world, so it can stand in
+        for the default group (:func:`backend.object_collectives_on`); else None."""
+        if not self.initialized():
+            return None
+        control = self.control()
+        if control is None or self._device().type != "cpu":
+            return None  # the default group itself, or no gloo group could be made
+        spans = len(torch.distributed.get_process_group_ranks(control))
+        return control if spans == torch.distributed.get_world_size() else None
+
     def _make_control(self) -> Any:
         backend = str(torch.distributed.get_backend(self.process_group))
         if "gloo" in backend or "mpi" in backend:

@@ -39,10 +39,13 @@ def run_agreed(fn: Callable[[], Any], group: Group) -> Any:
     any; if so raise :class:`SaveStepFailed` on every rank, naming the failing ranks' errors.
     ``fn`` must reach its own collectives on every rank: the writes one rank makes alone inside
     megatron-core's save and finalization (a full disk under rank 0) are deferred to here
-    (:func:`backend.lone_writes_deferred`), and our commit agrees itself."""
+    (:func:`backend.lone_writes_deferred`), and our commit agrees itself. The object collectives
+    ``fn`` runs on the default group run on the group's host (gloo) group where there is one
+    (:func:`backend.object_collectives_on`)."""
     errors: list[BaseException] = []
     result, raised = None, None
-    with backend.lone_writes_deferred(errors):
+    with backend.lone_writes_deferred(errors), \
+            backend.object_collectives_on(group.world_control()):
         try:
             result = fn()
         except (KeyboardInterrupt, SystemExit):

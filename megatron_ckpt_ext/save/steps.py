@@ -80,7 +80,8 @@ class _SaveSteps:
     def _plan(self, state: Any, workdir: Path, record: SaveRecord) -> Any:
         """megatron-core's save request. Planning reads only the staged tensors' metadata, so it
         runs while their copies are in flight, and the writer need not clone this save's copies
-        again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first."""
+        again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first. Its
+        collectives run on the host (:func:`run_agreed`), so none waits behind those copies."""
         snapshots = record.held.snapshots
         with backend.writer_keeps_snapshots(
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps, \

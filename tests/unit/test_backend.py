@@ -299,3 +299,33 @@ def test_megatron_cores_version_check_is_cached_while_planning_and_restored_afte
         assert answers <= {True, False} and mutils.is_torch_min_version is counting
     finally:
         mutils.is_torch_min_version = original
+
+
+def test_object_collectives_redirect_only_this_threads_default_group_calls(monkeypatch):
+    """backend.object_collectives_on: a call for the default group (no group, or group=None) on
+    the planning thread goes to the host group; a group the caller names (by keyword or by
+    position), another thread's call and any call after the block are left as they were."""
+    import threading
+
+    import torch.distributed as dist
+
+    calls = []
+
+    def all_gather_object(object_list, obj, group=None):
+        calls.append(group)
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    host = object()
+    with backend.object_collectives_on(host):
+        dist.all_gather_object([], 1)
+        dist.all_gather_object([], 1, group=None)
+        dist.all_gather_object([], 1, "theirs")
+        dist.all_gather_object([], 1, group="theirs")
+        other = threading.Thread(target=dist.all_gather_object, args=([], 1))
+        other.start()
+        other.join()
+    dist.all_gather_object([], 1)
+    assert calls == [host, host, "theirs", "theirs", None, None]
+    with backend.object_collectives_on(None):  # no host group: nothing changes
+        dist.all_gather_object([], 1)
+    assert calls[-1] is None and dist.all_gather_object is all_gather_object

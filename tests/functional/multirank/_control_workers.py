@@ -69,3 +69,47 @@ def subgroup_reports_nccl(rank: int, world: int) -> None:
     if rank in members:
         _check(sub, members, rank, used)
     dist.barrier()  # rank 2 waits at the world's barrier, not inside ours
+
+
+def planning_collectives_on_the_host(rank: int, world: int, root: str) -> None:
+    """Saves through the Checkpointer over an NCCL-only world (patched, as above): every object
+    collective megatron-core and torch DCP run on the default group while planning (the first
+    save's validation and plan, the next saves' cached plan) and finalizing (the metadata's
+    gather) runs on the Checkpointer's gloo group; the checkpoints load back."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ckpt_ext import Checkpointer, CkptOptions
+    from tests._support.dist import sharded
+
+    real_backend = dist.get_backend
+    _as_nccl([dist.group.WORLD])
+    seen: list[tuple[str, Any]] = []
+
+    def recording(name: str, real: Any) -> Any:
+        @functools.wraps(real)  # the same signature, as the redirect reads it
+        def call(*args: Any, **kw: Any) -> Any:
+            seen.append((name, kw.get("group")))
+            return real(*args, **kw)
+        return call
+
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list",
+                 "scatter_object_list"):
+        setattr(dist, name, recording(name, getattr(dist, name)))
+    state = {"w": torch.arange(64, dtype=torch.float32) + rank, "b": torch.ones(16) * rank}
+    with Checkpointer(CkptOptions(async_save=True, ckpt_assume_constant_structure=True)) as ck:
+        for it in (1, 2, 3):
+            ck.save(sharded(rank, world, state), root, iteration=it)
+            ck.maybe_finalize(blocking=True)
+        control = ck._group.control()
+        assert seen, "no object collective recorded: the test no longer sees planning"
+        names = {None: "default", control: "ours"}
+        assert all(group is not None for _, group in seen), \
+            [(n, names.get(g, "a group named by the caller")) for n, g in seen]
+        assert any(group is control for _, group in seen)
+        dist.get_backend = real_backend  # torch's own logging of the load asks NCCL's version
+        back = ck.load(sharded(rank, world, {k: torch.zeros_like(v) for k, v in state.items()}),
+                       root, iteration=3)
+        assert all(torch.equal(back[k], state[k]) for k in state)
