@@ -84,6 +84,7 @@ def killed_job(args: argparse.Namespace, device: torch.device) -> dict:
 
 def restore(root: Path, state: dict, options: CkptOptions) -> tuple[float, bool, dict]:
     with Checkpointer(options) as ck:
+        ck.prepare_restore(root)  # before the targets are built, as a restarted job would
         like = _like(state)
         t0 = time.perf_counter()
         got = ck.load(sharded(like, 0, 1), root)

@@ -138,12 +138,18 @@ def _default_factory(options: CkptOptions) -> Any:
 def _save_dir() -> str | None:
     """Megatron's ``--save``, so the Checkpointer checks it and takes its job lock at start-up
     (else at the first save), or None."""
+    return _dir_arg("save")
+
+
+def _dir_arg(name: str) -> str | None:
+    """Megatron's ``--save`` or ``--load``, or None (not given, or its args not parsed yet: the
+    first save locks, and a load warms nothing ahead)."""
     get_args = getattr(_state.modules.get("checkpointing"), "get_args", None)
     try:
-        save = getattr(get_args(), "save", None) if callable(get_args) else None
-    except Exception:  # noqa: BLE001 - Megatron's args not parsed yet: the first save locks
+        value = getattr(get_args(), name, None) if callable(get_args) else None
+    except Exception:  # noqa: BLE001
         return None
-    return save if isinstance(save, (str, os.PathLike)) else None
+    return value if isinstance(value, (str, os.PathLike)) else None
 
 
 def _dp_group() -> Any:
@@ -258,6 +264,28 @@ def _finalize(*, blocking: bool) -> list[int]:
         if pending is not None:
             pending.run_finalize_fns()
     return committed
+
+
+def _warming_setup(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """Megatron's ``setup_model_and_optimizer``, which builds the model and the optimizer and
+    then loads ``--load``. On entry (the device is set and the process group is up by then),
+    where the route loads and this node holds this rank's sealed snapshot of ``--load``, the
+    pinned pool its restore copies through is built in the background while the model is
+    built (:meth:`Checkpointer.prepare_restore`), not inside the load."""
+    if original is None:
+        return None
+
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        load = _dir_arg("load")
+        if load is not None and _state.route_load:
+            with _lock:
+                checkpointer = _state.get_checkpointer()
+                if hasattr(checkpointer, "prepare_restore"):
+                    checkpointer.prepare_restore(load)
+        return original(*args, **kwargs)
+
+    return setup_model_and_optimizer
 
 
 def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., Any] | None:

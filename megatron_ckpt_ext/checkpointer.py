@@ -34,7 +34,8 @@ from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
 from .load.loader import Loader
-from .load.memory import discard_snapshot, restore_from_memory, tensor_layout
+from .load.memory import (discard_snapshot, release_warm_restore, restore_from_memory,
+                          tensor_layout, warm_restore)
 from .load.report import LoadRecord, log_load
 from .options import CkptOptions
 from .save.joblock import JobLock
@@ -145,6 +146,15 @@ class Checkpointer(_SaveSteps):
 
         self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
                              background=True, then=ahead)
+
+    def prepare_restore(self, checkpoint_dir: str | os.PathLike[str]) -> bool:
+        """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: where
+        this node holds this rank's sealed snapshot of it (the memory tier), the pinned pool the
+        restore copies through is built now in a background thread instead of inside the load
+        (0.14-0.20 s of a 0.44-0.55 s restore of 1.88 GB on an H100). Whether a build started;
+        the load takes the pool, or releases it unused (as does :meth:`close`)."""
+        self._check_open()
+        return bool(self._memory_tier and warm_restore(self._stager, Path(checkpoint_dir)))
 
     def _admit(self, tensors: list[Any]) -> None:
         """Collective, once (the first save or :meth:`prepare`): node-level admission of what
@@ -332,6 +342,7 @@ class Checkpointer(_SaveSteps):
                       exit_on_missing=self.options.exit_on_missing_checkpoint,
                       fallback=self.options.ckpt_load_fallback, metadata=read)
         if path is None:
+            release_warm_restore()
             return None
         record.phase("locate_s", record.started)
         load_strategy = lambda: strategy.load_strategy(  # noqa: E731
@@ -343,6 +354,7 @@ class Checkpointer(_SaveSteps):
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, work, path, record,
                                         self._group, load_strategy=load_strategy)
+            release_warm_restore()  # taken by the restore, or unused: it goes either way
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)
         elif self._cpu_shm:  # a snapshot an earlier run left will not be adopted: free it
@@ -381,6 +393,7 @@ class Checkpointer(_SaveSteps):
             if self._preemption is not None:
                 self._preemption.report_durable()
         finally:
+            release_warm_restore()  # built for a load that never came
             self._writers.close(drained=drained)
             if self._memory_tier:
                 self._stager.close(keep_sealed=self.options.ckpt_keep_memory_snapshot

@@ -15,7 +15,6 @@ every call is local.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import pickle
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import backend
 from .errors import CheckpointLoadError, CheckpointWriteError
 from .options import CkptOptions
 
@@ -158,8 +158,8 @@ class Group:
         if self.options.distributed_timeout() is not None:
             kwargs["timeout"] = self.options.distributed_timeout()
         if not whole_world:  # only the group's ranks reach our collectives
-            if "use_local_synchronization" not in inspect.signature(
-                    torch.distributed.new_group).parameters:
+            if not backend.accepted_kwargs(torch.distributed.new_group,
+                                           {"use_local_synchronization": True})[0]:
                 return self._no_control(backend, "this torch's new_group cannot make a group "
                                         "that only its members create")
             kwargs["use_local_synchronization"] = True

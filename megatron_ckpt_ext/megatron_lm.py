@@ -36,7 +36,8 @@ from ._mlm_seams import _close_at_exit  # noqa: F401  (the exit hook, reached he
 from ._mlm_seams import (CheckpointerFactory, _default_factory,
                          _DistCheckpointingProxy, _init_persistent_async_worker,
                          _is_empty_async_queue, _lock, _maybe_finalize_async_save,
-                         _preparing_train_step, _schedule_async_save, _state)
+                         _preparing_train_step, _schedule_async_save, _state,
+                         _warming_setup)
 from .arguments import add_arguments
 from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
@@ -62,7 +63,8 @@ _PATCHES = (
     ("async_utils", "maybe_finalize_async_save"),
     ("async_utils", "is_empty_async_queue"),
 )
-_OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"), ("training", "train_step"))
+_OPTIONAL_PATCHES = (("initialize", "init_persistent_async_worker"), ("training", "train_step"),
+                     ("training", "setup_model_and_optimizer"))
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -188,6 +190,8 @@ def _apply_patches(modules: dict[str, Any]) -> None:
         "maybe_finalize_async_save": _maybe_finalize_async_save,
         "init_persistent_async_worker": _init_persistent_async_worker,
         "train_step": _preparing_train_step(getattr(modules.get("training"), "train_step", None)),
+        "setup_model_and_optimizer": _warming_setup(
+            getattr(modules.get("training"), "setup_model_and_optimizer", None)),
     }
     present = [p for p in _OPTIONAL_PATCHES if hasattr(modules.get(p[0]), p[1])]
     for short, name in (*_PATCHES, *present):

@@ -25,10 +25,12 @@ from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure
-from ..staging.retained import Seal, copy_verified, read_seal, seal_path
+from ..staging.retained import (Seal, copy_verified, drop_warm_bounce, read_seal, seal_path,
+                                warm_bounce)
 from .report import LoadRecord
 
-__all__ = ["discard_snapshot", "restore_from_memory", "tensor_layout"]
+__all__ = ["discard_snapshot", "release_warm_restore", "restore_from_memory", "tensor_layout",
+           "warm_restore"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,23 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
     now = time.perf_counter()
     steps[name] = round(now - since, 6)
     return now
+
+
+def warm_restore(stager: Any, root: Path) -> bool:
+    """Before the load, while the model is built: where this node holds this rank's seal of
+    ``root``, the pinned bounce pool its restore copies through is built now in a background
+    thread (:func:`~megatron_ckpt_ext.staging.retained.warm_bounce`), not inside the restore.
+    Whether a build started. Nothing is read or adopted here: the load still decides."""
+    shm_dir = getattr(stager, "shm_dir", None)
+    if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
+        return False
+    return warm_bounce()
+
+
+def release_warm_restore() -> None:
+    """The pool :func:`warm_restore` built, if no restore took it: released (unpinned)."""
+    if drop_warm_bounce():
+        logger.debug("the bounce pool built ahead of a restore from memory was not used")
 
 
 def discard_snapshot(stager: Any, root: Path) -> None:

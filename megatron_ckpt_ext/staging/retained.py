@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,8 +29,8 @@ from .._crc import crc32 as _crc32
 from .._threads import cores_per_local_rank, thread_counts
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
-           "list_seals", "read_seal", "remove_seal", "seal_path", "sealed_segments",
-           "write_seal"]
+           "drop_warm_bounce", "list_seals", "read_seal", "remove_seal", "seal_path",
+           "sealed_segments", "warm_bounce", "write_seal"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,10 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     bounced = {i for i, (src, _, dst) in enumerate(jobs)
                if dst.is_cuda and _nbytes(src) and not src.is_pinned()}
     t0 = time.perf_counter()
-    bounce = _Bounce(threads, chunk) if bounced else None
+    warm = take_warm_bounce(threads, chunk)
+    bounce = (warm or _Bounce(threads, chunk)) if bounced else None
+    if warm is not None and bounce is None:
+        warm.close(synced=True)
     t1 = time.perf_counter()
 
     def run(piece: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -235,9 +238,78 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     if detail is not None:
         detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
                       bounced=len(bounced), bounce_pinned=bool(bounce and bounce.was_pinned),
+                      bounce_warm=bool(bounce is not None and bounce is warm),
                       bounce_setup_s=round(t1 - t0, 6), copy_s=round(t2 - t1, 6),
                       sync_s=round(t3 - t2, 6), release_s=round(time.perf_counter() - t3, 6))
     return [i for i, (_, want, _) in enumerate(jobs) if sums.get(i, 0) != want]
+
+
+_warm: dict[str, Any] = {}  # the pool warm_bounce() builds ahead: {"key", "thread", "bounce"}
+_warm_lock = threading.Lock()
+
+
+def warm_bounce(chunk: int = 16 << 20, threads: int | None = None) -> bool:
+    """Build the pinned bounce pool a restore from memory copies through (:func:`copy_verified`)
+    in a background thread now, while the model is built, instead of inside the restore
+    (faulting in and registering 2 x threads x ``chunk`` bytes: 0.14-0.20 s of a 0.44-0.55 s
+    restore of 1.88 GB on an H100). The next :func:`copy_verified` of the same sizes takes it;
+    :func:`drop_warm_bounce` releases it unused. Returns whether a build started (not twice,
+    not without CUDA)."""
+    device = _cuda_device()
+    if device is None:
+        return False
+    threads = threads or thread_counts().copy
+    with _warm_lock:
+        if _warm:
+            return False
+        _warm["key"] = (threads, chunk)
+
+        def build() -> None:
+            _use_device(device)  # no context on another device from this thread
+            _warm["bounce"] = _Bounce(threads, chunk)
+
+        thread = threading.Thread(target=build, name="mcx-warm-bounce", daemon=True)
+        _warm["thread"] = thread
+        thread.start()
+    return True
+
+
+def _cuda_device() -> int | None:
+    """This thread's CUDA device; None without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def _use_device(device: int) -> None:
+    torch.cuda.set_device(device)
+
+
+def take_warm_bounce(threads: int, chunk: int) -> _Bounce | None:
+    """The pool :func:`warm_bounce` built (waiting for it), if it has these sizes; another one
+    is released. None when none was started."""
+    with _warm_lock:
+        if not _warm:
+            return None
+        entry = dict(_warm)
+        _warm.clear()
+    entry["thread"].join()
+    bounce = entry.get("bounce")  # absent: the build raised (its thread printed why)
+    if bounce is not None and entry["key"] != (threads, chunk):  # another rank count, say
+        bounce.close(synced=True)
+        return None
+    return bounce
+
+
+def drop_warm_bounce() -> bool:
+    """Release a pool :func:`warm_bounce` built that no restore took; whether there was one."""
+    with _warm_lock:
+        entry = dict(_warm)
+        _warm.clear()
+    if not entry:
+        return False
+    entry["thread"].join()
+    if entry.get("bounce") is not None:
+        entry["bounce"].close(synced=True)
+    return True
 
 
 class _Bounce:

@@ -203,6 +203,7 @@ def two_fake_ranks(monkeypatch):
     monkeypatch.setattr(Group, "initialized", staticmethod(lambda: True))
     monkeypatch.setattr(Group, "size", lambda self: 2)
     monkeypatch.setattr(Group, "_device", lambda self: torch.device("cpu"))
+    monkeypatch.setattr(Group, "control", lambda self: None)  # the default group, faked below
     monkeypatch.setattr(torch.distributed, "all_gather", collective)
     monkeypatch.setattr(torch.distributed, "all_reduce",
                         lambda t, op=None, group=None, async_op=False: collective(t, None, group,

@@ -30,9 +30,15 @@ class FakeCheckpointer:
         self.closed = False
         self.reports = []
         self.prepared: list = []  # states given to prepare()
+        self.restores_prepared: list = []  # (--load, what Megatron had done by then)
+        self.events: list = []
 
     def prepare(self, sharded_state_dict):
         self.prepared.append(sharded_state_dict)
+
+    def prepare_restore(self, checkpoint_dir):
+        self.restores_prepared.append((checkpoint_dir, list(self.events)))
+        return True
 
     def save(self, sharded_state_dict, checkpoint_dir, *, iteration):
         self.saves.append((sharded_state_dict, checkpoint_dir, iteration))
@@ -225,6 +231,30 @@ def test_the_first_train_step_prepares_nothing_without_save(mlm):
     _install(mlm, async_save=True)
     mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
     assert built == []
+
+
+@pytest.mark.parametrize("load", ["/ckpt", None])
+def test_setup_warms_the_restore_of_load_before_the_model_is_built(mlm, load):
+    """Megatron's setup_model_and_optimizer builds the model, then loads --load: on entry the
+    Checkpointer is asked to warm a restore of --load from this node's memory
+    (prepare_restore), before Megatron's own setup runs; without --load nothing is asked."""
+    made: list[FakeCheckpointer] = []
+    mlm.mods["checkpointing"].get_args = lambda: argparse.Namespace(load=load, save="/ckpt")
+
+    def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_context=None):
+        made[0].events.append("model built and loaded") if made else None
+        return ("model", "optimizer", "scheduler")
+
+    mlm.mods["training"].setup_model_and_optimizer = setup_model_and_optimizer
+    megatron_lm.install(options=CkptOptions(async_save=True), modules=mlm.mods,
+                        checkpointer_factory=lambda o: made.append(FakeCheckpointer(o)) or made[-1])
+    assert mlm.mods["training"].setup_model_and_optimizer("provider", "encoder_or_decoder") == (
+        "model", "optimizer", "scheduler")
+    if load is None:
+        assert made == [] or made[0].restores_prepared == []
+    else:
+        assert made[0].restores_prepared == [("/ckpt", [])]  # before Megatron's setup ran
+        assert made[0].events == ["model built and loaded"]
 
 
 def test_sync_save_is_committed_before_megatron_writes_its_tracker(mlm):

@@ -4,26 +4,14 @@ its restart can restore from memory; a clean close frees it (unless asked to kee
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
 
-from megatron_ckpt_ext import Checkpointer, CkptOptions, backend
-from megatron_ckpt_ext.staging.retained import discard, read_seal, seal_path
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.staging.retained import discard, read_seal
 
-
-def _save_and_wait_for_the_seal(ck: Checkpointer, root) -> str:
-    st = backend.sharded_tensor_cls()
-    ck.save({"w": st.from_rank_offsets("w", torch.arange(4096.0), replica_id=0)}, root,
-            iteration=1)
-    ck.maybe_finalize(blocking=True)
-    path = seal_path("/dev/shm", root, 0)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path):  # sealed in the background after the commit
-        assert time.monotonic() < deadline, "no seal after the commit"
-        time.sleep(0.02)
-    return path
+from tests._support.seals import save_and_wait_for_the_seal
 
 
 @pytest.mark.parametrize("ends", ["error", "clean"])
@@ -33,7 +21,7 @@ def test_the_snapshot_outlives_a_close_on_an_error_only(one_rank_group, tmp_path
     path = None
     try:
         with Checkpointer(options, save_dir=str(tmp_path)) as ck:
-            path = _save_and_wait_for_the_seal(ck, tmp_path)
+            path = save_and_wait_for_the_seal(ck, tmp_path)
             if ends == "error":
                 raise KeyError("the trainer's own error")
     except KeyError:
