@@ -158,6 +158,15 @@ json.dump(res, open(out, "w"), indent=1); print(json.dumps(res))
 PY
 }
 
+copy_committed() {  # SRC DST: the tracker and the checkpoint it names (not a newer partial one)
+  local it name f; it=$(cat "$1/latest_checkpointed_iteration.txt"); name=$(printf 'iter_%07d' "$it")
+  mkdir -p "$2"
+  for f in "$1"/*; do
+    case $(basename "$f") in iter_*) [ "$(basename "$f")" = "$name" ] || continue ;; esac
+    cp -r "$f" "$2/"
+  done
+}
+
 kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it after 2*SAVE_EVERY
   local name=$1 model=$2 dir=$3; shift 4
   local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000))
@@ -223,10 +232,13 @@ for model in $MODELS; do
   last=$(du -s "$WORK"/*_"$model"/iter_[0-9]* 2>/dev/null | sort -n | tail -1 | cut -f2)
   [ -n "$last" ] && floors "$last" "$model"
   if [ "$KILL" = 1 ]; then
+    # the kill run's checkpoints and the copy of one of them need the disk (1B: 12 GB each; with
+    # the sources' checkpoints still there the 64 GB disk filled and the restart wrote nothing)
+    rm -rf "$WORK"/*_"$model"
     k="$WORK/kill_$model"
     kargs=("${base[@]}" --train-iters $ITERS --save "$k" --load "$k" --logging-level 20 --seed 1234)
     kill_run "ours_${model}_kill" "$model" "$k" -- "${kargs[@]}"
-    cp -r "$k" "${k}_copy"; pages read "${k}_copy"
+    copy_committed "$k" "${k}_copy"; pages read "${k}_copy"
     launch "ours_${model}_restart" ours $model restart -- "${kargs[@]}"
     cp "$k"/ckpt_report.jsonl "$OUT/logs/ours_${model}_restart_reports.jsonl" 2>/dev/null
     launch "ours_${model}_restart_storage" ours $model resume_warm -- "${base[@]}" "${RESUME[@]}" \
