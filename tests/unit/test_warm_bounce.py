@@ -6,6 +6,7 @@ the pool is a stand-in that counts its builds and releases (the real one pins wi
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,73 +58,62 @@ def test_a_warm_pool_of_other_sizes_or_left_unused_is_released(pool):
     assert not retained.drop_warm_bounce()
 
 
-def test_prepare_restore_warms_only_for_a_sealed_snapshot_of_that_directory(
-        pool, one_rank_group, tmp_path, monkeypatch):
-    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
-                          ckpt_assume_constant_structure=True)
-    root, other = tmp_path / "ckpt", tmp_path / "other"
-    seal = None
-    try:
-        with Checkpointer(options, save_dir=str(root)) as ck:
-            seal = save_and_wait_for_the_seal(ck, root)
+OPTIONS = dict(async_save=True, async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True)
+
+
+@pytest.fixture
+def sealed(one_rank_group, tmp_path):
+    """``sealed(iterations)``: a directory whose last of ``iterations`` (saved in order) stays
+    sealed in this node's memory, as after a job that went down; the seal is removed after."""
+    seals: list[str] = []
+
+    def make(iterations: tuple[int, ...] = (1,)) -> Path:
+        root = tmp_path / "ckpt"
+        with Checkpointer(CkptOptions(**OPTIONS), save_dir=str(root)) as ck:
+            for it in iterations[:-1]:
+                ck.save(_like(), root, iteration=it)
+                ck.maybe_finalize(blocking=True)
+            seals.append(save_and_wait_for_the_seal(ck, root, iteration=iterations[-1]))
             ck.close(after_error=True)  # the job went down: its snapshot stays
-        with Checkpointer(options) as ck:
-            assert not ck.prepare_restore(other) and not pool.built  # nothing sealed there
-            assert ck.prepare_restore(root)
-            assert len(pool.built) == 1 and not pool.built[0].closed
-            assert ck.load(_like(), str(root)) is not None
-            assert pool.built[0].closed  # no device to restore to on CPU: released unused
-            assert not retained.drop_warm_bounce()
-        with Checkpointer(CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
-                                      ckpt_assume_constant_structure=True,
-                                      ckpt_memory_restore=False)) as ck:
-            assert not ck.prepare_restore(root)  # the memory tier off: nothing to warm
-    finally:
-        found = read_seal(seal) if seal else None
+        return root
+
+    yield make
+    for path in seals:
+        found = read_seal(path)
         if found is not None:
             discard(found, is_mapped=lambda p: False)
 
 
-def test_a_load_the_snapshot_cannot_serve_releases_the_pool(pool, one_rank_group, tmp_path):
+def test_prepare_restore_warms_only_for_a_sealed_snapshot_of_that_directory(pool, sealed,
+                                                                             tmp_path):
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert not ck.prepare_restore(tmp_path / "other") and not pool.built  # nothing sealed
+        assert ck.prepare_restore(root)
+        assert len(pool.built) == 1 and not pool.built[0].closed
+        assert ck.load(_like(), str(root)) is not None
+        assert pool.built[0].closed  # no device to restore to on CPU: released unused
+        assert not retained.drop_warm_bounce()
+    with Checkpointer(CkptOptions(**OPTIONS, ckpt_memory_restore=False)) as ck:
+        assert not ck.prepare_restore(root)  # the memory tier off: nothing to warm
+
+
+def test_a_load_the_snapshot_cannot_serve_releases_the_pool(pool, sealed):
     """The snapshot holds iteration 2; a load of iteration 1 reads storage, and releases the
     pool the restore would have taken."""
-    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
-                          ckpt_assume_constant_structure=True)
-    root = tmp_path / "ckpt"
-    seal = None
-    try:
-        with Checkpointer(options, save_dir=str(root)) as ck:
-            ck.save(_like(), root, iteration=1)
-            ck.maybe_finalize(blocking=True)
-            seal = save_and_wait_for_the_seal(ck, root, iteration=2)
-            ck.close(after_error=True)
-        with Checkpointer(options) as ck:
-            assert ck.prepare_restore(root)
-            assert ck.load(_like(), str(root), iteration=1) is not None
-            assert ck.load_reports[-1]["tier"] == "storage"
-            assert pool.built[0].closed
-    finally:
-        found = read_seal(seal) if seal else None
-        if found is not None:
-            discard(found, is_mapped=lambda p: False)
-
-
-def test_close_releases_a_pool_no_load_took(pool, one_rank_group, tmp_path):
-    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
-                          ckpt_assume_constant_structure=True)
-    root = tmp_path / "ckpt"
-    seal = None
-    try:
-        with Checkpointer(options, save_dir=str(root)) as ck:
-            seal = save_and_wait_for_the_seal(ck, root)
-            ck.close(after_error=True)
-        with Checkpointer(options) as ck:
-            assert ck.prepare_restore(root)
+    root = sealed((1, 2))
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)
+        assert ck.load(_like(), str(root), iteration=1) is not None
+        assert ck.load_reports[-1]["tier"] == "storage"
         assert pool.built[0].closed
-    finally:
-        found = read_seal(seal) if seal else None
-        if found is not None:
-            discard(found, is_mapped=lambda p: False)
+
+
+def test_close_releases_a_pool_no_load_took(pool, sealed):
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)
+    assert pool.built[0].closed
 
 
 def _like() -> dict:
