@@ -148,8 +148,8 @@ class Group:
         return control if spans == torch.distributed.get_world_size() else None
 
     def _make_control(self) -> Any:
-        backend = str(torch.distributed.get_backend(self.process_group))
-        if "gloo" in backend or "mpi" in backend:
+        kind = str(torch.distributed.get_backend(self.process_group))
+        if "gloo" in kind or "mpi" in kind:
             return self.process_group
         ranks = torch.distributed.get_process_group_ranks(
             self.process_group or torch.distributed.group.WORLD)
@@ -160,13 +160,13 @@ class Group:
         if not whole_world:  # only the group's ranks reach our collectives
             if not backend.accepted_kwargs(torch.distributed.new_group,
                                            {"use_local_synchronization": True})[0]:
-                return self._no_control(backend, "this torch's new_group cannot make a group "
+                return self._no_control(kind, "this torch's new_group cannot make a group "
                                         "that only its members create")
             kwargs["use_local_synchronization"] = True
         try:
             return torch.distributed.new_group(ranks=ranks, **kwargs)
         except (RuntimeError, ValueError) as e:
-            return self._no_control(backend, str(e))
+            return self._no_control(kind, str(e))
 
     def _device(self) -> torch.device:
         """The CPU, except where :meth:`control` could only fall back to an NCCL group."""
@@ -174,13 +174,13 @@ class Group:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _no_control(self, backend: str, why: str) -> Any:
+    def _no_control(self, kind: str, why: str) -> Any:
         if torch.distributed.get_rank() == min(torch.distributed.get_process_group_ranks(
                 self.process_group or torch.distributed.group.WORLD)):
             logger.warning(
                 "megatron-ckpt-ext: no gloo group for the checkpoint's own collectives (%s); "
                 "they run on the %s group instead, and each read of their result waits for the "
-                "save's device-to-host copies in flight.", why, backend)
+                "save's device-to-host copies in flight.", why, kind)
         return self.process_group
 
 

@@ -113,3 +113,30 @@ def planning_collectives_on_the_host(rank: int, world: int, root: str) -> None:
         back = ck.load(sharded(rank, world, {k: torch.zeros_like(v) for k, v in state.items()}),
                        root, iteration=3)
         assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def no_gloo_falls_back_with_one_warning(rank: int, world: int) -> None:
+    """Where no gloo group can be made, our collectives stay on the given group (the world
+    here), and rank 0 alone says why, once."""
+    import logging
+
+    import torch.distributed as dist
+
+    from megatron_ckpt_ext.collectives import Group
+    from megatron_ckpt_ext.options import CkptOptions
+
+    _as_nccl([dist.group.WORLD])
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Distributed package doesn't have Gloo built in")
+
+    dist.new_group = refuse
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("megatron_ckpt_ext.collectives").addHandler(handler)
+    g = Group(None, CkptOptions())
+    assert g.control() is None and g.world_control() is None and g.control() is None
+    texts = [r.getMessage() for r in records]
+    assert len(texts) == (1 if rank == 0 else 0), texts
+    assert rank != 0 or "Gloo built in" in texts[0]

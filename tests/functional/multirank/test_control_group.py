@@ -28,3 +28,7 @@ def test_megatron_cores_planning_collectives_run_on_the_host_group(tmp_path):
     0.22 s). They run on the gloo group instead."""
     run_ranks(workers.planning_collectives_on_the_host, world_size=2, timeout=120,
               args=(str(tmp_path),))
+
+
+def test_without_gloo_the_collectives_stay_on_the_given_group_with_one_warning():
+    run_ranks(workers.no_gloo_falls_back_with_one_warning, world_size=2, timeout=60)
