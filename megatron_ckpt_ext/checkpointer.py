@@ -151,7 +151,7 @@ class Checkpointer(_SaveSteps):
         """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: where
         this node holds this rank's sealed snapshot of it (the memory tier), the pinned pool the
         restore copies through is built now in a background thread instead of inside the load
-        (0.14-0.20 s of a 0.44-0.55 s restore of 1.88 GB on an H100). Whether a build started;
+        (docs/MEMORY.md). Whether a build started;
         the load takes the pool, or releases it unused (as does :meth:`close`)."""
         self._check_open()
         return bool(self._memory_tier and warm_restore(self._stager, Path(checkpoint_dir)))

@@ -40,6 +40,7 @@ class Group:
         self.process_group = process_group
         self.options = options
         self._control: Any = _UNSET
+        self._world_control: Any = _UNSET
 
     @staticmethod
     def initialized() -> bool:
@@ -138,14 +139,17 @@ class Group:
 
     def world_control(self) -> Any:
         """The host group of :meth:`control` where it spans the whole world, so it can stand in
-        for the default group (:func:`backend.object_collectives_on`); else None."""
+        for the default group (:func:`backend.object_collectives_on`); else None. Found once."""
         if not self.initialized():
             return None
-        control = self.control()
-        if control is None or self._device().type != "cpu":
-            return None  # the default group itself, or no gloo group could be made
-        spans = len(torch.distributed.get_process_group_ranks(control))
-        return control if spans == torch.distributed.get_world_size() else None
+        if self._world_control is _UNSET:
+            control, spans = self.control(), None
+            if control is not None and self._device().type == "cpu":
+                spans = len(torch.distributed.get_process_group_ranks(control))
+            # None: the default group itself, or no gloo group could be made
+            self._world_control = (control if spans == torch.distributed.get_world_size()
+                                   else None)
+        return self._world_control
 
     def _make_control(self) -> Any:
         kind = str(torch.distributed.get_backend(self.process_group))

@@ -52,7 +52,7 @@ from .introspect import accepted_kwargs, call_arguments, call_with_supported
 from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cls,
                     checkpoint_failure_text, common_state_present, dist_checkpointing,
                     filesystem_writer_async_cls, fully_parallel_load_wrapper_cls,
-                    into_fresh_directory, object_collectives_on, version_checks_cached,
+                    into_fresh_directory, version_checks_cached,
                     fully_parallel_save_wrapper_cls, get_write_results_queue,
                     load_with_tensors_from, map_sharded_tensors, mcore_content_metadata_key,
                     plain_tensors,
@@ -60,6 +60,7 @@ from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cl
                     shutdown_write_results_queues, torch_dist_load_strategy_cls,
                     torch_dist_save_strategy_cls, validate_sharding, with_data,
                     without_host_preload)
+from .planning import object_collectives_on
 from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coordinates,
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)

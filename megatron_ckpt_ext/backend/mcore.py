@@ -10,7 +10,6 @@ import functools
 import importlib
 import logging
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -236,49 +235,6 @@ def version_checks_cached() -> Iterator[None]:
     finally:
         if utils.is_torch_min_version is cached:
             utils.is_torch_min_version = original
-
-
-_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list",
-                       "scatter_object_list")
-
-
-@contextlib.contextmanager
-def object_collectives_on(group: Any) -> Iterator[None]:
-    """While megatron-core plans a save on this thread: torch's object collectives asked for the
-    default group (``group=None``: megatron-core's validation of a new structure, its common
-    state's check, the save plan's gather and scatter, which torch DCP and nvrx run on the
-    default group) run on ``group``, a gloo group of the same ranks (None: nothing changes).
-    Over NCCL each pickles onto the device and reads back, and that read waits behind the save's
-    device-to-host copies in flight: the first save of a structure and the one after it, which
-    plan with collectives, waited for the whole copy. Same ranks, same results; calls that name
-    a group and other threads' calls are left alone."""
-    import torch.distributed as dist
-
-    if group is None:
-        yield
-        return
-    me = threading.get_ident()
-    originals = {name: getattr(dist, name) for name in _OBJECT_COLLECTIVES if hasattr(dist, name)}
-
-    def redirected(original: Any) -> Any:
-        names = list(_parameters(original))
-        at = names.index("group") if "group" in names else None
-
-        @functools.wraps(original)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if (threading.get_ident() == me and at is not None and len(args) <= at
-                    and kwargs.get("group") is None):
-                kwargs["group"] = group
-            return original(*args, **kwargs)
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, redirected(original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def load_with_tensors_from(sharded_state_dict: Any, checkpoint_dir: str, strategy: Any,

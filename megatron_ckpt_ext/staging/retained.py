@@ -251,8 +251,7 @@ _warm_lock = threading.Lock()
 def warm_bounce(chunk: int = 16 << 20, threads: int | None = None) -> bool:
     """Build the pinned bounce pool a restore from memory copies through (:func:`copy_verified`)
     in a background thread now, while the model is built, instead of inside the restore
-    (faulting in and registering 2 x threads x ``chunk`` bytes: 0.14-0.20 s of a 0.44-0.55 s
-    restore of 1.88 GB on an H100). The next :func:`copy_verified` of the same sizes takes it;
+    (faulting in and registering 2 x threads x ``chunk`` bytes, docs/MEMORY.md). The next :func:`copy_verified` of the same sizes takes it;
     :func:`drop_warm_bounce` releases it unused. Returns whether a build started (not twice,
     not without CUDA)."""
     device = _cuda_device()
@@ -286,14 +285,8 @@ def _use_device(device: int) -> None:
 def take_warm_bounce(threads: int, chunk: int) -> _Bounce | None:
     """The pool :func:`warm_bounce` built (waiting for it), if it has these sizes; another one
     is released. None when none was started."""
-    with _warm_lock:
-        if not _warm:
-            return None
-        entry = dict(_warm)
-        _warm.clear()
-    entry["thread"].join()
-    bounce = entry.get("bounce")  # absent: the build raised (its thread printed why)
-    if bounce is not None and entry["key"] != (threads, chunk):  # another rank count, say
+    key, bounce = _pop_warm()
+    if bounce is not None and key != (threads, chunk):  # another rank count, say
         bounce.close(synced=True)
         return None
     return bounce
@@ -301,15 +294,22 @@ def take_warm_bounce(threads: int, chunk: int) -> _Bounce | None:
 
 def drop_warm_bounce() -> bool:
     """Release a pool :func:`warm_bounce` built that no restore took; whether there was one."""
+    key, bounce = _pop_warm()
+    if bounce is not None:
+        bounce.close(synced=True)
+    return key is not None
+
+
+def _pop_warm() -> tuple[Any, _Bounce | None]:
+    """The warm pool's (sizes, pool), once its build is done, and forgotten here; (None, None)
+    without one. The pool is None where its build raised (its thread printed why)."""
     with _warm_lock:
         entry = dict(_warm)
         _warm.clear()
     if not entry:
-        return False
+        return None, None
     entry["thread"].join()
-    if entry.get("bounce") is not None:
-        entry["bounce"].close(synced=True)
-    return True
+    return entry["key"], entry.get("bounce")
 
 
 class _Bounce:
