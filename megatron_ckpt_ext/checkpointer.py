@@ -149,10 +149,10 @@ class Checkpointer(_SaveSteps):
 
     def prepare_restore(self, checkpoint_dir: str | os.PathLike[str]) -> bool:
         """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: where
-        this node holds this rank's sealed snapshot of it (the memory tier), the pinned pool the
-        restore copies through is built now in a background thread instead of inside the load
-        (docs/MEMORY.md). Whether a build started;
-        the load takes the pool, or releases it unused (as does :meth:`close`)."""
+        this node holds this rank's sealed snapshot of it (the memory tier), background threads
+        map it, sum it against its seal and build the pinned pool the restore copies through,
+        instead of inside the load (docs/MEMORY.md). Whether anything started; the load takes
+        what is of the seal it finds, or releases it unused (as does :meth:`close`)."""
         self._check_open()
         return bool(self._memory_tier and warm_restore(self._stager, Path(checkpoint_dir)))
 

@@ -27,6 +27,7 @@ from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure
 from ..staging.retained import (Seal, copy_verified, drop_warm_bounce, read_seal, seal_path,
                                 warm_bounce)
+from . import prepared as _prepared
 from .report import LoadRecord
 
 __all__ = ["discard_snapshot", "release_warm_restore", "restore_from_memory", "tensor_layout",
@@ -59,11 +60,18 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         return None
     record.path, record.iteration = path, iteration
     steps: dict[str, float] = {}
-    tensors, why = _adopt(stager, sharded_state_dict, path.parent, iteration, group.size())
+    tensors, why, seal, ahead = _adopt(stager, sharded_state_dict, path.parent, iteration,
+                                       group.size())
     t = _step(steps, "adopt_s", t)
+    if ahead is not None:
+        record.memory_detail.update(prepared_s=ahead.seconds, prepare_wait_s=ahead.waited_s)
     if tensors is not None:  # checked and copied into the targets in one pass (a refusal
         why = _check_and_copy(stager, tensors, sharded_state_dict,  # is overwritten by storage)
-                              detail=record.memory_detail)
+                              detail=record.memory_detail,
+                              summed=frozenset(ahead.verified) if ahead else frozenset())
+    if tensors is not None and not why and read_seal(seal.file) != seal:
+        stager.drop_adopted(unlink=False)  # unsealed (to be staged into) or replaced meanwhile
+        why = "the snapshot was unsealed or replaced while it was copied"
     t = _step(steps, "check_and_copy_s", t)
     views = group.all_gather((socket.gethostname(), why))
     record.memory_steps = steps
@@ -89,19 +97,23 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
 
 def warm_restore(stager: Any, root: Path) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
-    ``root``, the pinned bounce pool its restore copies through is built now in a background
-    thread (:func:`~megatron_ckpt_ext.staging.retained.warm_bounce`), not inside the restore.
-    Whether a build started. Nothing is read or adopted here: the load still decides."""
+    ``root``, two background threads prepare its restore: one maps the snapshot, faults it in
+    and sums every buffer against the seal (:mod:`.prepared`), one builds the pinned bounce pool
+    the copy goes through (:func:`~megatron_ckpt_ext.staging.retained.warm_bounce`). The load
+    still decides, and takes what was prepared only for the seal it finds then. Whether
+    anything started."""
     shm_dir = getattr(stager, "shm_dir", None)
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
-    return warm_bounce()
+    started = _prepared.start(stager, root)
+    return warm_bounce() or started
 
 
 def release_warm_restore() -> None:
-    """The pool :func:`warm_restore` built, if no restore took it: released (unpinned)."""
-    if drop_warm_bounce():
-        logger.debug("the bounce pool built ahead of a restore from memory was not used")
+    """What :func:`warm_restore` prepared and no restore took: the pool released (unpinned),
+    the snapshot unmapped (its seal and segments stay)."""
+    if drop_warm_bounce() | _prepared.drop():
+        logger.debug("what was prepared ahead of a restore from memory was not used")
 
 
 def discard_snapshot(stager: Any, root: Path) -> None:
@@ -114,34 +126,42 @@ def discard_snapshot(stager: Any, root: Path) -> None:
 
 
 def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
-           world: int) -> tuple[list | None, str]:
-    """This rank's snapshot buffers for ``iteration`` if they match, else (None, why not)."""
+           world: int) -> tuple[list | None, str, Any, _prepared.Prepared | None]:
+    """This rank's snapshot buffers for ``iteration`` paired with their seal entries if they
+    match, else (None, why not); the seal; what :func:`warm_restore` prepared of it, if taken."""
     if not hasattr(stager, "adopt"):
-        return None, "no shared-memory staging (--async-ckpt-use-cpu-shm) in this run"
+        return None, "no shared-memory staging (--async-ckpt-use-cpu-shm) in this run", None, None
     seal = read_seal(seal_path(stager.shm_dir, root, rank()))
+    ahead = _prepared.take(seal)  # mapped and summed while the model was built, if of this seal
     why = _mismatch(seal, sharded_state_dict, root, iteration, world)
     if why:
+        if ahead is not None:
+            stager.drop_adopted(unlink=False)
         if seal is not None and os.path.realpath(seal.root) == os.path.realpath(root):
             stager.discard_stale(seal)  # this rank's, and nobody will adopt it: free its memory
-        return None, why
+        return None, why, seal, None
+    if ahead is not None:
+        return list(zip(ahead.buffers, seal.entries)), "", seal, ahead
     try:
         buffers = stager.adopt(seal)
     except (OSError, ValueError) as e:
         stager.discard_stale(seal)
-        return None, f"its segments cannot be mapped ({e})"
-    return list(zip(buffers, seal.entries)), ""
+        return None, f"its segments cannot be mapped ({e})", seal, None
+    return list(zip(buffers, seal.entries)), "", seal, None
 
 
 def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
-                    detail: dict | None = None) -> str:
+                    detail: dict | None = None, summed: frozenset[int] = frozenset()) -> str:
     """Each buffer's CRC-32 against its seal and its copy into the target, chunk by chunk on
-    the copy threads; why not (a mismatch), or ''."""
+    the copy threads (those in ``summed`` matched ahead: only copied); why not (a mismatch), or
+    ''."""
     targets: list = []
     backend.map_sharded_tensors(sharded_state_dict, lambda t: targets.append(t.data) or t)
     if not all(t.is_contiguous() for t in targets):
         stager.drop_adopted(unlink=False)
         return "a target tensor is not contiguous (the copies go to contiguous targets only)"
-    bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)], detail=detail)
+    bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)], detail=detail,
+                        summed=summed)
     if bad:
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
         keys = [adopted[i][1].key for i in bad]

@@ -29,7 +29,7 @@ from .._crc import crc32 as _crc32
 from .._threads import cores_per_local_rank, thread_counts
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
-           "drop_warm_bounce", "list_seals", "read_seal", "remove_seal", "seal_path",
+           "drop_warm_bounce", "list_seals", "presum_pieces", "read_seal", "remove_seal", "seal_path",
            "sealed_segments", "warm_bounce", "write_seal"]
 
 logger = logging.getLogger(__name__)
@@ -182,9 +182,32 @@ def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None)
     return crc
 
 
+def presum_pieces(buffers: Sequence[torch.Tensor], *, threads: int,
+                  chunk: int = 16 << 20) -> list[int]:
+    """Each buffer's CRC-32, its pages faulted in first (one ``madvise`` per chunk), chunks summed
+    on ``threads`` threads and folded in order: a freshly mapped snapshot summed ahead of its
+    restore, which then only copies (load/prepared.py)."""
+    from ..manifest import crc32_combine
+
+    pieces = [(i, a, min(a + chunk, _nbytes(b))) for i, b in enumerate(buffers)
+              for a in range(0, _nbytes(b), chunk)]
+
+    def run(piece: tuple[int, int, int]) -> int:
+        i, a, z = piece
+        raw = _bytes(buffers[i])[a:z]
+        _populate(raw.data_ptr(), z - a)
+        return _crc32(memoryview(raw.numpy()))
+
+    sums = [0] * len(buffers)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for (i, a, z), crc in zip(pieces, pool.map(run, pieces)):
+            sums[i] = crc if a == 0 else crc32_combine(sums[i], crc, z - a)
+    return sums
+
+
 def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
                   threads: int | None = None, chunk: int = 16 << 20,
-                  detail: dict | None = None) -> list[int]:
+                  detail: dict | None = None, summed: frozenset[int] = frozenset()) -> list[int]:
     """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
     chunk on ``threads`` threads, summing each chunk on the way; the indices of the buffers whose
     CRC-32 differs (the chunks' sums are folded in order per buffer).
@@ -194,7 +217,9 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     ``madvise``, copies it into one of its two pinned chunks, sums it there (cache-hot) and
     copies it to the device on its own stream. Of the ways measured to bring a fresh mapping to
     the device that was the fastest: 2.5-3.5x pinning the mapping first (docs/memory/).
-    ``detail`` (a dict) receives the threads, the pieces and the time of each step."""
+    The buffers in ``summed`` (indices) were summed and faulted in ahead (load/prepared.py): they
+    are only copied. ``detail`` (a dict) receives the threads, the pieces and the time of each
+    step."""
     from ..manifest import crc32_combine
 
     threads = threads or thread_counts().copy  # the rank's share of the host's cores
@@ -216,8 +241,8 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
             return i, 0, 0
         raw = _bytes(src)[a:z]
         if bounce is not None and i in bounced:
-            return i, bounce.copy(raw, _bytes(dst)[a:z]), z - a
-        crc = _crc32(memoryview(raw.numpy()))
+            return i, bounce.copy(raw, _bytes(dst)[a:z], summed=i in summed), z - a
+        crc = 0 if i in summed else _crc32(memoryview(raw.numpy()))
         _bytes(dst)[a:z].copy_(raw, non_blocking=dst.is_cuda)
         return i, crc, z - a
 
@@ -239,9 +264,11 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
         detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
                       bounced=len(bounced), bounce_pinned=bool(bounce and bounce.was_pinned),
                       bounce_warm=bool(bounce is not None and bounce is warm),
+                      summed_ahead=len(summed),
                       bounce_setup_s=round(t1 - t0, 6), copy_s=round(t2 - t1, 6),
                       sync_s=round(t3 - t2, 6), release_s=round(time.perf_counter() - t3, 6))
-    return [i for i, (_, want, _) in enumerate(jobs) if sums.get(i, 0) != want]
+    return [i for i, (_, want, _) in enumerate(jobs)
+            if i not in summed and sums.get(i, 0) != want]
 
 
 _warm: dict[str, Any] = {}  # the pool warm_bounce() builds ahead: {"key", "thread", "bounce"}
@@ -326,8 +353,9 @@ class _Bounce:
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> int:
-        """``src`` (bytes of a host buffer) into ``dst`` (bytes on a device); its CRC-32."""
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, *, summed: bool = False) -> int:
+        """``src`` (bytes of a host buffer) into ``dst`` (bytes on a device); its CRC-32 (0 where
+        ``summed``: faulted in and summed ahead)."""
         local = self._local
         if not hasattr(local, "chunks"):
             with self._lock:
@@ -341,9 +369,10 @@ class _Bounce:
             local.events[turn].synchronize()
         n = src.numel()
         chunk = local.chunks[turn][:n]
-        _populate(src.data_ptr(), n)
+        if not summed:
+            _populate(src.data_ptr(), n)
         chunk.numpy()[:] = src.numpy()  # numpy's copy releases the GIL
-        crc = _crc32(memoryview(chunk.numpy()))
+        crc = 0 if summed else _crc32(memoryview(chunk.numpy()))
         stream = local.streams.get(dst.device)
         if stream is None:
             stream = local.streams[dst.device] = torch.cuda.Stream(device=dst.device)

@@ -105,6 +105,10 @@ class _Sealing:
             self._seal_thread = None
         return self._sealed[0]
 
+    def sealed_root(self) -> str | None:
+        """The save root of the snapshot this stager holds (sealed, or adopted), or None."""
+        return None if self._sealed is None else self._sealed[1]
+
     def adopt(self, seal: Seal) -> list[torch.Tensor]:
         """Map a sealed snapshot left by an earlier run as this stager's buffer set (the next
         save stages into it); its tensors in the seal's order. The seal stays valid until then.

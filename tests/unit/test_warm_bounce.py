@@ -5,6 +5,7 @@ the pool is a stand-in that counts its builds and releases (the real one pins wi
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -121,3 +122,95 @@ def _like() -> dict:
 
     st = backend.sharded_tensor_cls()
     return {"w": st.from_rank_offsets("w", torch.zeros(4096), replica_id=0)}
+
+
+# -- the snapshot mapped and summed ahead (load/prepared.py) ------------------------------------
+
+def _memory_detail(ck) -> dict:
+    report = ck.load_reports[-1]
+    return dict(report["memory_detail"], tier=report["tier"])
+
+
+def _loaded_w(state: dict) -> torch.Tensor:
+    w = state["w"]
+    return getattr(w, "data", w)
+
+
+def test_a_restore_prepared_ahead_only_copies_what_was_summed(sealed):
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)  # no CUDA here: the summing thread alone starts
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["summed_ahead"] == 1
+    assert detail["prepared_s"] > 0 and "prepare_wait_s" in detail
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_a_buffer_damaged_before_the_prepare_is_summed_again_and_refused(sealed):
+    root = sealed()
+    seal = read_seal(retained.seal_path("/dev/shm", root, 0))
+    with open(seal.entries[0].path, "r+b") as fh:  # one byte of the sealed buffer flipped
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "storage"
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_what_was_prepared_of_a_seal_replaced_since_is_not_taken(sealed):
+    root = sealed()
+    path = retained.seal_path("/dev/shm", root, 0)
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)
+        seal = read_seal(path)
+        seal.generation = "another-commit"
+        retained.write_seal(seal, "/dev/shm")  # sealed again after the prepare
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["summed_ahead"] == 0  # summed in the copy
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_a_seal_removed_while_the_snapshot_is_copied_sends_the_load_to_storage(sealed,
+                                                                             monkeypatch):
+    from megatron_ckpt_ext.load import memory
+
+    root = sealed()
+    path = retained.seal_path("/dev/shm", root, 0)
+    real = memory.copy_verified
+
+    def unsealed_meanwhile(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seal = read_seal(path)
+        os.unlink(path)  # as a writer does before it stages into the buffers
+        retained.write_seal(seal, "/tmp")  # kept for the fixture's clean-up: moved aside
+        return out
+
+    monkeypatch.setattr(memory, "copy_verified", unsealed_meanwhile)
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "storage"
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+    aside = read_seal(retained.seal_path("/tmp", root, 0))
+    os.unlink(aside.file)
+    discard(aside, is_mapped=lambda p: False)
+
+
+def test_a_prepared_snapshot_no_load_takes_is_unmapped_and_stays_sealed(sealed):
+    from megatron_ckpt_ext.staging.segments import is_mapped
+
+    root = sealed()
+    path = retained.seal_path("/dev/shm", root, 0)
+    before = read_seal(path)
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)
+    assert read_seal(path) == before  # a clean close frees its own snapshot, not this one
+    segment = before.entries[0].path
+    assert os.path.exists(segment) and not is_mapped(segment)

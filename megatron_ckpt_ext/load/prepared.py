@@ -1,0 +1,123 @@
+"""A restore from memory prepared while the model is built: this rank's sealed snapshot of the
+directory to load is mapped, its pages faulted in and every buffer summed against its seal on a
+background thread, before the load is asked for (:meth:`Checkpointer.prepare_restore`). The
+restore then only copies (docs/MEMORY.md, "summed ahead").
+
+What the load takes is what was summed: the load reads the seal again and takes the prepared
+buffers only if it is the same seal (same generation, iteration, entries and CRCs); after its
+copy it reads the seal once more, and a seal removed or replaced meanwhile (a writer that staged
+into the buffers must unseal first) sends the load to storage. A buffer whose sum did not match
+is summed again by the copy, and refused there. A prepared snapshot no load takes is unmapped,
+its seal and segments left as they were."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._runtime import rank
+from .._threads import thread_counts
+from ..staging.retained import Seal, presum_pieces, read_seal, seal_path
+
+__all__ = ["Prepared", "drop", "start", "take"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """What a load takes: the seal, its buffers (mapped by the stager, in the seal's order), the
+    indices of those whose sum matched, and how long preparing took."""
+
+    seal: Seal
+    buffers: list = field(default_factory=list)
+    verified: set[int] = field(default_factory=set)
+    seconds: float = 0.0
+    waited_s: float = 0.0
+
+
+_lock = threading.Lock()
+_pending: list[dict] = []  # at most one: {"stager", "thread", "prepared" or "error"}
+
+
+def start(stager: Any, root: Any) -> bool:
+    """Map and sum this rank's sealed snapshot of ``root`` on a background thread; whether it
+    started (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
+    if not hasattr(stager, "adopt") or stager.sealed_root() is not None:
+        return False
+    seal = read_seal(seal_path(stager.shm_dir, root, rank()))
+    if seal is None:
+        return False
+    with _lock:
+        if _pending:
+            return False
+        entry: dict = {"stager": stager}
+        entry["thread"] = threading.Thread(target=_prepare, args=(entry, seal),
+                                           name="mcx-prepare-restore", daemon=True)
+        _pending.append(entry)
+        entry["thread"].start()
+    return True
+
+
+def _prepare(entry: dict, seal: Seal) -> None:
+    stager, t0 = entry["stager"], time.perf_counter()
+    try:
+        buffers = stager.adopt(seal)
+    except (OSError, ValueError) as e:  # the load finds the same and says why
+        logger.debug("the sealed snapshot could not be mapped ahead of the load: %s", e)
+        return
+    except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
+        entry["error"] = e
+        return
+    try:
+        sums = presum_pieces(buffers, threads=thread_counts().copy)
+    except BaseException as e:  # noqa: BLE001
+        stager.drop_adopted(unlink=False)
+        entry["error"] = e
+        return
+    verified = {i for i, (crc, e) in enumerate(zip(sums, seal.entries)) if crc == e.crc32}
+    entry["prepared"] = Prepared(seal, buffers, verified, round(time.perf_counter() - t0, 6))
+
+
+def take(seal: Seal | None) -> Prepared | None:
+    """The prepared snapshot (waiting for its preparation) if it is of ``seal``, else None: one of
+    another seal (removed or replaced since) is unmapped here."""
+    entry, waited = _pop()
+    prepared = entry.get("prepared")
+    if prepared is None:
+        return None
+    if seal is None or prepared.seal != seal:
+        entry["stager"].drop_adopted(unlink=False)
+        return None
+    prepared.waited_s = waited
+    return prepared
+
+
+def drop() -> bool:
+    """Unmap a prepared snapshot no load took (its seal and segments stay); whether one was
+    pending."""
+    try:
+        entry, _ = _pop()
+    except BaseException as e:  # noqa: BLE001 - nothing was adopted: nothing to release
+        logger.debug("the restore prepared ahead failed: %s", e)
+        return True
+    if entry.get("prepared") is not None:
+        entry["stager"].drop_adopted(unlink=False)
+    return bool(entry)
+
+
+def _pop() -> tuple[dict, float]:
+    with _lock:
+        entry = _pending.pop() if _pending else {}
+    if not entry:
+        return entry, 0.0
+    t0 = time.perf_counter()
+    entry["thread"].join()
+    waited = round(time.perf_counter() - t0, 6)
+    if "error" in entry:
+        raise entry["error"]
+    return entry, waited
+
