@@ -25,6 +25,7 @@ from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure
+from ..staging import retained
 from ..staging.retained import (Seal, copy_verified, drop_warm_bounce, read_seal, seal_path,
                                 warm_bounce)
 from . import prepared as _prepared
@@ -64,7 +65,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
                                        group.size())
     t = _step(steps, "adopt_s", t)
     if ahead is not None:
-        record.memory_detail.update(prepared_s=ahead.seconds, prepare_wait_s=ahead.waited_s)
+        record.memory_detail.update(prepared_s=ahead.seconds, prepare_wait_s=ahead.waited_s,
+                                    pinned_ahead=len(ahead.pinned))
     if tensors is not None:  # checked and copied into the targets in one pass (a refusal
         why = _check_and_copy(stager, tensors, sharded_state_dict,  # is overwritten by storage)
                               detail=record.memory_detail,
@@ -97,15 +99,15 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
 
 def warm_restore(stager: Any, root: Path) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
-    ``root``, two background threads prepare its restore: one maps the snapshot, faults it in
-    and sums every buffer against the seal (:mod:`.prepared`), one builds the pinned bounce pool
-    the copy goes through (:func:`~megatron_ckpt_ext.staging.retained.warm_bounce`). The load
+    ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
+    sums every buffer against the seal and pins buffers until the load comes (:mod:`.prepared`),
+    one builds the pinned bounce pool the rest is copied through (:func:`~megatron_ckpt_ext.staging.retained.warm_bounce`). The load
     still decides, and takes what was prepared only for the seal it finds then. Whether
     anything started."""
     shm_dir = getattr(stager, "shm_dir", None)
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
-    started = _prepared.start(stager, root)
+    started = _prepared.start(stager, root, retained._cuda_device())
     return warm_bounce() or started
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from .._runtime import rank
 from .._threads import thread_counts
+from ..staging import retained
 from ..staging.retained import Seal, presum_pieces, read_seal, seal_path
 
 __all__ = ["Prepared", "drop", "start", "take"]
@@ -35,6 +36,7 @@ class Prepared:
     seal: Seal
     buffers: list = field(default_factory=list)
     verified: set[int] = field(default_factory=set)
+    pinned: set[int] = field(default_factory=set)  # registered with CUDA before the load came
     seconds: float = 0.0
     waited_s: float = 0.0
 
@@ -43,9 +45,10 @@ _lock = threading.Lock()
 _pending: list[dict] = []  # at most one: {"stager", "thread", "prepared" or "error"}
 
 
-def start(stager: Any, root: Any) -> bool:
-    """Map and sum this rank's sealed snapshot of ``root`` on a background thread; whether it
-    started (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
+def start(stager: Any, root: Any, device: int | None = None) -> bool:
+    """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
+    CUDA ``device``) pin its buffers until the load comes; whether it started (a seal of ``root``
+    for this rank, no snapshot of this run's own, none pending)."""
     if not hasattr(stager, "adopt") or stager.sealed_root() is not None:
         return False
     seal = read_seal(seal_path(stager.shm_dir, root, rank()))
@@ -54,15 +57,15 @@ def start(stager: Any, root: Any) -> bool:
     with _lock:
         if _pending:
             return False
-        entry: dict = {"stager": stager}
-        entry["thread"] = threading.Thread(target=_prepare, args=(entry, seal),
+        entry: dict = {"stager": stager, "stop": threading.Event()}
+        entry["thread"] = threading.Thread(target=_prepare, args=(entry, seal, device),
                                            name="mcx-prepare-restore", daemon=True)
         _pending.append(entry)
         entry["thread"].start()
     return True
 
 
-def _prepare(entry: dict, seal: Seal) -> None:
+def _prepare(entry: dict, seal: Seal, device: int | None) -> None:
     stager, t0 = entry["stager"], time.perf_counter()
     try:
         buffers = stager.adopt(seal)
@@ -79,7 +82,11 @@ def _prepare(entry: dict, seal: Seal) -> None:
         entry["error"] = e
         return
     verified = {i for i, (crc, e) in enumerate(zip(sums, seal.entries)) if crc == e.crc32}
-    entry["prepared"] = Prepared(seal, buffers, verified, round(time.perf_counter() - t0, 6))
+    prepared = entry["prepared"] = Prepared(seal, buffers, verified)
+    if device is not None:  # pinned, they go to the device without a bounce (the driver
+        retained._use_device(device)  # serialises registrations: one thread, until the load)
+        prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
+    prepared.seconds = round(time.perf_counter() - t0, 6)
 
 
 def take(seal: Seal | None) -> Prepared | None:
@@ -114,6 +121,7 @@ def _pop() -> tuple[dict, float]:
         entry = _pending.pop() if _pending else {}
     if not entry:
         return entry, 0.0
+    entry["stop"].set()  # what is pinned by now is taken; the rest is pinned after the load
     t0 = time.perf_counter()
     entry["thread"].join()
     waited = round(time.perf_counter() - t0, 6)

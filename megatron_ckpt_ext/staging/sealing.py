@@ -152,6 +152,27 @@ class _Sealing:
                                                 daemon=True)
         self._prepare_thread.start()
 
+    def pin_adopted_now(self, tensors: Sequence[torch.Tensor],
+                        stop: threading.Event) -> set[int]:
+        """Pin these adopted buffers (as :meth:`adopt` returned them), largest first, one at a
+        time on this thread, until ``stop`` is set: the indices now pinned. A restore prepared
+        while the model is built (load/prepared.py) copies those straight to the device and the
+        rest through the bounce pool; :meth:`pin_adopted` pins the rest after the load."""
+        sealed = self._sealed
+        if sealed is None or not self.pin:
+            return set()
+        by_id = {id(b.tensor): b for b in sealed[0].buffers.values() if b.path}
+        done: set[int] = set()
+        for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].untyped_storage().nbytes()):
+            buffer = by_id.get(id(tensors[i]))
+            if stop.is_set():
+                break
+            if buffer is not None and not buffer.registered:
+                buffer.registered = _register(buffer.tensor, buffer.nbytes)
+            if buffer is not None and buffer.registered:
+                done.add(i)
+        return done
+
     def _pin_in_background(self, buffers: list[_Buffer],
                            earlier: threading.Thread | None) -> None:
         if earlier is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,44 @@ def test_a_prepared_snapshot_no_load_takes_is_unmapped_and_stays_sealed(sealed):
     assert read_seal(path) == before  # a clean close frees its own snapshot, not this one
     segment = before.entries[0].path
     assert os.path.exists(segment) and not is_mapped(segment)
+
+
+def test_the_prepare_pins_buffers_until_the_load_comes_and_not_twice(pool, sealed, monkeypatch):
+    """With a device (stood in for), the prepare pins the summed buffers; the load takes them as
+    pinned, and the pinning after the load does not register them again."""
+    from megatron_ckpt_ext.staging import sealing
+
+    class _Cudart:
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    registered: list[int] = []
+    monkeypatch.setattr(sealing, "_register", lambda t, n: registered.append(n) or True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True  # as with a device
+        assert ck.prepare_restore(root)
+        deadline = time.monotonic() + 30
+        while not registered:  # the model is built meanwhile (a while, in a real job)
+            assert time.monotonic() < deadline, "nothing pinned ahead"
+            time.sleep(0.01)
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["pinned_ahead"] == 1
+    assert registered == [4096 * 4]  # once: before the load, not again after it
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_pinning_ahead_stops_when_the_load_comes(sealed):
+    import threading
+
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        seal = read_seal(retained.seal_path("/dev/shm", root, 0))
+        tensors = ck._stager.adopt(seal)
+        ck._stager.pin = True
+        stop = threading.Event()
+        stop.set()
+        assert ck._stager.pin_adopted_now(tensors, stop) == set()
+        ck._stager.drop_adopted(unlink=False)
