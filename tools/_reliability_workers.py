@@ -82,6 +82,8 @@ def verify_committed(ck: Checkpointer, rank: int, world: int, root: Path) -> dic
     out: dict[str, Any] = {"tracker": tracker, "checked": [], "torn": [], "errors": [],
                            "incomplete": sorted(p.name for p in root.glob("iter_*.incomplete"))}
     said = _MemoryLines.attach()  # rank 0's line on the tier (why not memory)
+    if tracker is not None:  # as the adapter does while the model is built: the restore of a
+        ck.prepare_restore(root)  # sealed snapshot is mapped, summed and pinned ahead
     for it in ([None] if tracker is not None else []) + committed_iterations(root):
         label = tracker if it is None else it
         like = {k: torch.zeros_like(v) for k, v in trial_state(0, rank).items()}
