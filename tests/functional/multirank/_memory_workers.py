@@ -81,3 +81,24 @@ def fresh_start(rank: int, world: int, root: str, options: dict) -> None:
         live = {k: v.clone() for k, v in step_state(5, rank).items()}
         ck.save(sharded(rank, world, live), root, iteration=5)
         ck.maybe_finalize(blocking=True)
+
+
+def restore_prepared(rank: int, world: int, root: str, options: dict, want_step: int,
+                     build_s: float, out: str) -> None:
+    """As a restarted Megatron-LM job through the launcher: ``prepare_restore`` before the model
+    is built (``build_s`` stands in for the build), then the load; values bit-exact, the report
+    written for the test. With CUDA every buffer pinned ahead is copied whole."""
+    with Checkpointer(CkptOptions(**options)) as ck:
+        assert ck.prepare_restore(root)
+        time.sleep(build_s)
+        got = load_back(ck, rank, world, root, None)
+        assert_equal(got, step_state(want_step, rank), f"restored iteration {want_step}")
+        report = ck.load_reports[-1]
+        live = {k: v.clone() for k, v in step_state(9, rank).items()}
+        ck.save(sharded(rank, world, live), root, iteration=9)  # into the adopted buffers
+        ck.maybe_finalize(blocking=True)
+        if getattr(ck._stager, "pin", False):  # pinned ahead, or after the load: no buffer twice
+            assert all(b.registered for s in ck._stager._sets
+                       for b in s.buffers.values() if b.path)
+        with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
+            json.dump({"report": report}, fh)

@@ -16,7 +16,7 @@ from megatron_ckpt_ext.staging import sweep_orphans
 from megatron_ckpt_ext.staging.retained import read_seal, seal_path
 
 from . import _memory_workers as w
-from tests._support.dist import run_ranks, world
+from tests._support.dist import device, run_ranks, world
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
@@ -62,6 +62,23 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
         if mode == "persistent-constant":  # the save after the restore staged into the snapshot
             assert rep["allocated_before_save"] <= 8  # the writer's one-word ready flag alone
             assert rep["allocated_after_save"] == rep["allocated_before_save"]
+
+
+def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path):
+    """prepare_restore (as the launcher calls it) maps and sums the snapshot ahead on every rank;
+    with CUDA it pins it too, and the pinned buffers are copied whole (scripts/gpu_tests.sh)."""
+    import torch
+
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent-constant"], 2))
+    buffers = len(read_seal(seal_path("/dev/shm", root, 0)).entries)
+    run_ranks(w.restore_prepared, args=(str(root), MODES["persistent-constant"], 2, 1.0,
+                                        str(tmp_path)))
+    for rep in _reports(tmp_path):
+        report, detail = rep["report"], rep["report"]["memory_detail"]
+        assert report["tier"] == "memory" and report["verified"]
+        assert detail["summed_ahead"] == buffers and detail["prepare_wait_s"] < 1.0
+        if torch.cuda.is_available() and device() == "cuda":
+            assert detail["pinned_ahead"] == buffers and detail["direct"] == buffers
 
 
 @pytest.mark.parametrize("sets,tier", [(2, "memory"), (1, "storage")])
