@@ -1,7 +1,8 @@
 """A restore from memory prepared while the model is built: this rank's sealed snapshot of the
 directory to load is mapped, its pages faulted in and every buffer summed against its seal on a
-background thread, before the load is asked for (:meth:`Checkpointer.prepare_restore`). The
-restore then only copies (docs/MEMORY.md, "summed ahead").
+background thread, then (with CUDA) its buffers pinned one by one until the load comes, before
+the load is asked for (:meth:`Checkpointer.prepare_restore`). The restore then only copies
+(docs/MEMORY.md, "How the bytes travel").
 
 What the load takes is what was summed: the load reads the seal again and takes the prepared
 buffers only if it is the same seal (same generation, iteration, entries and CRCs); after its
@@ -42,7 +43,7 @@ class Prepared:
 
 
 _lock = threading.Lock()
-_pending: list[dict] = []  # at most one: {"stager", "thread", "prepared" or "error"}
+_pending: list[dict] = []  # at most one: {"stager", "stop", "thread", "prepared" or "error"}
 
 
 def start(stager: Any, root: Any, device: int | None = None) -> bool:
