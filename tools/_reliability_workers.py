@@ -96,6 +96,8 @@ def verify_committed(ck: Checkpointer, rank: int, world: int, root: Path) -> dic
             continue
         if it is None:  # the resume: from the node's sealed snapshot, or from storage
             out["tier"] = ck.load_reports[-1].get("tier")
+            out["summed_ahead"] = (ck.load_reports[-1].get("memory_detail") or {}).get(
+                "summed_ahead")  # what the restart's prepare_restore summed, if taken
             out["memory_line"] = said.lines[-1] if said.lines else None
         want = trial_state(label, rank)
         if not all(torch.equal(got[k], want[k]) for k in want):

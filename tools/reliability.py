@@ -263,6 +263,7 @@ def _found(out: Path, world: int) -> dict:
             "incomplete": per_rank[0]["incomplete"],
             "shm_dead_owner_after_start": max(v["shm_dead_owner_after_start"] for v in per_rank),
             "tier": per_rank[0].get("tier"), "tiers": [v.get("tier") for v in per_rank],
+            "summed_ahead": [v.get("summed_ahead") for v in per_rank],
             "memory_line": per_rank[0].get("memory_line")}
 
 
