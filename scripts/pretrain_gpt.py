@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer = mcx.Checkpointer(options, save_dir=args.save)
     except (mcx.CkptOptionsError, mcx.errors.SaveDirectoryInUse) as e:
         startup_error(e)
+    if args.load:  # a snapshot this node holds of --load (a job killed here) is mapped, summed
+        checkpointer.prepare_restore(args.load)  # and pinned while the model is built
     model = _gpt.build_model(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     _gpt.init_optimizer_state(model, optimizer)
