@@ -101,13 +101,13 @@ def warm_restore(stager: Any, root: Path) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
     sums every buffer against the seal and pins buffers until the load comes (:mod:`.prepared`),
-    one builds the pinned bounce pool the rest is copied through (:func:`~megatron_ckpt_ext.staging.retained.warm_bounce`). The load
-    still decides, and takes what was prepared only for the seal it finds then. Whether
-    anything started."""
+    one builds the pinned bounce pool the rest is copied through (:func:`.retained.warm_bounce`).
+    The load still decides, and takes what was prepared only for the seal it finds then.
+    Whether anything started."""
     shm_dir = getattr(stager, "shm_dir", None)
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
-    started = _prepared.start(stager, root, retained._cuda_device())
+    started = _prepared.start(stager, root, retained.cuda_device())
     return warm_bounce() or started
 
 

@@ -85,7 +85,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None) -> None:
     verified = {i for i, (crc, e) in enumerate(zip(sums, seal.entries)) if crc == e.crc32}
     prepared = entry["prepared"] = Prepared(seal, buffers, verified)
     if device is not None:  # pinned, they go to the device without a bounce (the driver
-        retained._use_device(device)  # serialises registrations: one thread, until the load)
+        retained.use_device(device)  # serialises registrations: one thread, until the load)
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
     prepared.seconds = round(time.perf_counter() - t0, 6)
 

@@ -28,9 +28,10 @@ import torch
 from .._crc import crc32 as _crc32
 from .._threads import cores_per_local_rank, thread_counts
 
-__all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
-           "drop_warm_bounce", "list_seals", "presum_pieces", "read_seal", "remove_seal", "seal_path",
-           "sealed_segments", "warm_bounce", "write_seal"]
+__all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean",
+           "cuda_device", "discard", "drop_warm_bounce", "list_seals", "presum_pieces",
+           "read_seal", "remove_seal", "seal_path", "sealed_segments", "use_device",
+           "warm_bounce", "write_seal"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +185,11 @@ def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None)
 
 def presum_pieces(buffers: Sequence[torch.Tensor], *, threads: int,
                   chunk: int = 16 << 20) -> list[int]:
-    """Each buffer's CRC-32, its pages faulted in first (one ``madvise`` per chunk), chunks summed
-    on ``threads`` threads and folded in order: a freshly mapped snapshot summed ahead of its
-    restore, which then only copies (load/prepared.py)."""
+    """Each buffer's CRC-32, its chunks faulted in (one ``madvise`` each) and summed on
+    ``threads`` threads: a fresh mapping summed ahead of its restore (load/prepared.py)."""
     from ..manifest import crc32_combine
 
-    pieces = [(i, a, min(a + chunk, _nbytes(b))) for i, b in enumerate(buffers)
-              for a in range(0, _nbytes(b), chunk)]
+    pieces = _pieces([_nbytes(b) for b in buffers], chunk)
 
     def run(piece: tuple[int, int, int]) -> int:
         i, a, z = piece
@@ -205,6 +204,13 @@ def presum_pieces(buffers: Sequence[torch.Tensor], *, threads: int,
     return sums
 
 
+def _pieces(sizes: Sequence[int], chunk: int,
+            skip: set[int] = frozenset()) -> list[tuple[int, int, int]]:
+    """(buffer index, start, end) of each ``chunk``-sized piece of the buffers not in ``skip``."""
+    return [(i, a, min(a + chunk, n)) for i, n in enumerate(sizes) if i not in skip
+            for a in range(0, n, chunk)]
+
+
 def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
                   threads: int | None = None, chunk: int = 16 << 20,
                   detail: dict | None = None, summed: frozenset[int] = frozenset()) -> list[int]:
@@ -217,9 +223,8 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     ``madvise``, copies it into one of its two pinned chunks, sums it there (cache-hot) and
     copies it to the device on its own stream. Of the ways measured to bring a fresh mapping to
     the device that was the fastest: 2.5-3.5x pinning the mapping first (docs/memory/).
-    The buffers in ``summed`` (indices) were summed and faulted in ahead (load/prepared.py): they
-    are only copied. ``detail`` (a dict) receives the threads, the pieces and the time of each
-    step."""
+    The buffers in ``summed`` were summed and faulted in ahead (load/prepared.py): only copied,
+    whole from this thread where pinned. ``detail`` receives the threads, pieces, step times."""
     from ..manifest import crc32_combine
 
     start = time.perf_counter()
@@ -227,8 +232,7 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     pinned = {i for i, (src, _, dst) in enumerate(jobs)
               if dst.is_cuda and _nbytes(src) and src.is_pinned()}
     direct = pinned & summed  # pinned and summed ahead: whole-buffer copies from this thread
-    pieces = [(i, a, min(a + chunk, _nbytes(b))) for i, (b, _, _) in enumerate(jobs)
-              if i not in direct for a in range(0, max(1, _nbytes(b)), chunk)]
+    pieces = _pieces([_nbytes(b) for b, _, _ in jobs], chunk, direct)
     bounced = {i for i, (src, _, dst) in enumerate(jobs)
                if dst.is_cuda and _nbytes(src) and i not in pinned}
     t0 = time.perf_counter()
@@ -249,8 +253,6 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     def run(piece: tuple[int, int, int]) -> tuple[int, int, int]:
         i, a, z = piece
         src, _, dst = jobs[i]
-        if z <= a:
-            return i, 0, 0
         raw = _bytes(src)[a:z]
         if bounce is not None and i in bounced:
             return i, bounce.copy(raw, _bytes(dst)[a:z], summed=i in summed), z - a
@@ -275,7 +277,8 @@ def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
     if detail is not None:
         detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
                       bounced=len(bounced), direct=len(direct),
-                      setup_s=round(t0 - start, 6), direct_issue_s=round(t_direct - t0, 6), bounce_pinned=bool(bounce and bounce.was_pinned),
+                      setup_s=round(t0 - start, 6), direct_issue_s=round(t_direct - t0, 6),
+                      bounce_pinned=bool(bounce and bounce.was_pinned),
                       bounce_warm=bool(bounce is not None and bounce is warm),
                       summed_ahead=len(summed),
                       bounce_setup_s=round(t1 - t_direct, 6), copy_s=round(t2 - t1, 6),
@@ -291,10 +294,10 @@ _warm_lock = threading.Lock()
 def warm_bounce(chunk: int = 16 << 20, threads: int | None = None) -> bool:
     """Build the pinned bounce pool a restore from memory copies through (:func:`copy_verified`)
     in a background thread now, while the model is built, instead of inside the restore
-    (faulting in and registering 2 x threads x ``chunk`` bytes, docs/MEMORY.md). The next :func:`copy_verified` of the same sizes takes it;
-    :func:`drop_warm_bounce` releases it unused. Returns whether a build started (not twice,
-    not without CUDA)."""
-    device = _cuda_device()
+    (faulting in and registering 2 x threads x ``chunk`` bytes, docs/MEMORY.md). The next
+    :func:`copy_verified` of the same sizes takes it; :func:`drop_warm_bounce` releases it
+    unused. Whether a build started (not twice, not without CUDA)."""
+    device = cuda_device()
     if device is None:
         return False
     threads = threads or thread_counts().copy
@@ -304,7 +307,7 @@ def warm_bounce(chunk: int = 16 << 20, threads: int | None = None) -> bool:
         _warm["key"] = (threads, chunk)
 
         def build() -> None:
-            _use_device(device)  # no context on another device from this thread
+            use_device(device)  # no context on another device from this thread
             _warm["bounce"] = _Bounce(threads, chunk)
 
         thread = threading.Thread(target=build, name="mcx-warm-bounce", daemon=True)
@@ -313,12 +316,12 @@ def warm_bounce(chunk: int = 16 << 20, threads: int | None = None) -> bool:
     return True
 
 
-def _cuda_device() -> int | None:
+def cuda_device() -> int | None:
     """This thread's CUDA device; None without CUDA."""
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-def _use_device(device: int) -> None:
+def use_device(device: int) -> None:
     torch.cuda.set_device(device)
 
 

@@ -38,8 +38,8 @@ def pool(monkeypatch):
     after."""
     _Pool.built = []
     monkeypatch.setattr(retained, "_Bounce", _Pool)
-    monkeypatch.setattr(retained, "_cuda_device", lambda: 0)
-    monkeypatch.setattr(retained, "_use_device", lambda device: None)
+    monkeypatch.setattr(retained, "cuda_device", lambda: 0)
+    monkeypatch.setattr(retained, "use_device", lambda device: None)
     yield _Pool
     retained.drop_warm_bounce()
 
