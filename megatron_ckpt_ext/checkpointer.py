@@ -130,19 +130,20 @@ class Checkpointer(_SaveSteps):
         """Optional, once the model and optimizer exist: allocate (and pin, on CUDA) the staging
         buffers for this state in a background thread, so the first save copies into ready
         memory instead of allocating on its critical path; then, in the same thread, the
-        conversions of the state into megatron-core's save format that the first save's planning
-        would make (reused while nothing they depend on changed). Returns at once; a save
-        meanwhile waits for it. Only the shared-memory stager has anything to prepare."""
+        conversions of the state into megatron-core's save format and megatron-core's planning
+        of the first save (:meth:`SavePlanner.plan_ahead`). Returns at once; a save meanwhile
+        waits for it. Only the shared-memory stager has anything to prepare."""
         self._check_open()
         tensors: list[Any] = []
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
         self._planner.validate_ahead(sharded_state_dict)  # (C) megatron-core's own check, now
         state = copy_structure(sharded_state_dict)
+        group = self._planner.ahead_group(self._group) if self._stager.owns_copies else None
 
         def ahead(staged: list) -> None:  # in the allocation's thread, once it is done
             backend.writer_clones_cpu_tensors()  # read from the writer's source once, now
-            self._planner.convert_ahead(state, staged)
+            self._planner.ahead(state, staged, group)
 
         self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
                              background=True, then=ahead)

@@ -15,6 +15,7 @@ every call is local.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import pickle
 import sys
@@ -31,6 +32,7 @@ __all__ = ["Group"]
 logger = logging.getLogger(__name__)
 
 _UNSET = object()
+_BACKGROUND_TIMEOUT_S = 120  # background_control(): a peer that never comes
 
 
 class Group:
@@ -41,6 +43,7 @@ class Group:
         self.options = options
         self._control: Any = _UNSET
         self._world_control: Any = _UNSET
+        self._background: Any = _UNSET
 
     @staticmethod
     def initialized() -> bool:
@@ -150,6 +153,23 @@ class Group:
             self._world_control = (control if spans == torch.distributed.get_world_size()
                                    else None)
         return self._world_control
+
+    def background_control(self) -> Any:
+        """Collective, on every rank of the world (the first call): a gloo group of the whole
+        world for one background thread's collectives (planning the first save ahead,
+        :meth:`SavePlanner.plan_ahead`), apart from the groups the training and our saves use,
+        with a short timeout (a peer that never comes fails it, not the job). Made once and kept;
+        None without a process group, for a group that is not the world, or where gloo cannot
+        be made."""
+        if self._background is _UNSET:
+            self._background = None
+            if (self.initialized() and self.size() == torch.distributed.get_world_size()):
+                try:
+                    self._background = torch.distributed.new_group(
+                        backend="gloo", timeout=datetime.timedelta(seconds=_BACKGROUND_TIMEOUT_S))
+                except (RuntimeError, ValueError) as e:
+                    logger.debug("no gloo group for background collectives: %s", e)
+        return self._background
 
     def _make_control(self) -> Any:
         kind = str(torch.distributed.get_backend(self.process_group))

@@ -42,6 +42,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_CONVERT_EVERY_SAVE", "0",
               "1: let megatron-core convert every shard into a torch ShardedTensor at every save "
               "(no reuse of the previous save's conversions under a constant structure)"),
+    EnvSwitch("MCX_PLAN_AHEAD", "1",
+              "0: the first save plans itself (no planning of it ahead in prepare()'s "
+              "background thread under a constant structure)"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITE_CHECKSUMS", "1",

@@ -137,9 +137,11 @@ _STATE_FN_PARAMS = ("args", "model", "optimizer", "opt_param_scheduler", "rng_st
 def megatron_sharded_state(checkpointing: Any, args: Any, model: Any, optimizer: Any,
                            opt_param_scheduler: Any) -> Any | None:
     """The sharded state dict Megatron's ``save_checkpoint`` would build for these objects now,
-    without the RNG and rerun state (objects: they stage nothing), through the module's own
-    ``generate_state_dict`` and sharding metadata; None where this Megatron has no such function
-    (found by its parameters), or for a checkpoint format other than torch_dist."""
+    through the module's own ``generate_state_dict`` and sharding metadata, with its RNG and
+    rerun state (objects: they stage nothing, but the save's plan and structure name them, so
+    a state without them never matches the first save's). Collective where Megatron's RNG
+    gathering is (``--data-parallel-random-init``). None where this Megatron has no such
+    function (found by its parameters), or for a checkpoint format other than torch_dist."""
     generate = _attr(checkpointing, "generate_state_dict")
     if generate is None or not all(_names_param(generate, p) for p in _STATE_FN_PARAMS):
         return None
@@ -154,5 +156,38 @@ def megatron_sharded_state(checkpointing: Any, args: Any, model: Any, optimizer:
     build_metadata = _attr(checkpointing, "_build_sharded_state_dict_metadata")
     metadata = build_metadata(args) if callable(build_metadata) else None
     kwargs = dict(metadata=metadata) if metadata is not None else None
-    return generate(args, unwrap(model), optimizer, opt_param_scheduler, None,
-                    optim_sd_kwargs=kwargs, model_sd_kwargs=kwargs)
+    extra = {}
+    rerun = _rerun_state(checkpointing, args)
+    if rerun is not None and _names_param(generate, "rerun_state"):
+        extra["rerun_state"] = rerun
+    return generate(args, unwrap(model), optimizer, opt_param_scheduler,
+                    _rng_state(checkpointing, args), optim_sd_kwargs=kwargs,
+                    model_sd_kwargs=kwargs, **extra)
+
+
+def _rng_state(checkpointing: Any, args: Any) -> Any:
+    """What ``save_checkpoint`` passes as ``rng_state``: Megatron's ``get_rng_state`` called
+    with the arguments its signature names (older ones take the format or a flag alone); None
+    with ``--no-save-rng`` or where it cannot be called so."""
+    get = _attr(checkpointing, "get_rng_state")
+    if get is None or getattr(args, "no_save_rng", False):
+        return None
+    mpu = _attr(checkpointing, "mpu")
+    if _names_param(get, "tp_group") and _names_param(get, "pp_group") and mpu is not None:
+        return get(args.ckpt_format, mpu.get_tensor_model_parallel_group(),
+                   mpu.get_pipeline_model_parallel_group())
+    if _names_param(get, "ckpt_format"):
+        return get(args.ckpt_format)
+    if _names_param(get, "use_dist_ckpt"):
+        return get(True)
+    return None
+
+
+def _rerun_state(checkpointing: Any, args: Any) -> Any:
+    """What ``save_checkpoint`` passes as ``rerun_state`` (None where the machine or its
+    ``state_dict`` parameters are not this Megatron's)."""
+    machine = _attr(checkpointing, "get_rerun_state_machine")
+    state_dict = _attr(machine() if callable(machine) else None, "state_dict")
+    if not (_names_param(state_dict, "data_iterator") and _names_param(state_dict, "ckpt_format")):
+        return None
+    return state_dict(data_iterator=None, ckpt_format=args.ckpt_format)

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 from .. import backend, strategy
 from .._runtime import rank
+from ..debug import env_switch
 from ..options import CkptOptions
+
+if TYPE_CHECKING:
+    from ..collectives import Group
 
 __all__ = ["SavePlanner", "copy_leaves", "copy_structure", "state_bytes", "structure_key"]
 
@@ -29,6 +36,7 @@ class SavePlanner:
         # megatron-core's conversions of the last save, reused while the structure holds
         self.conversions = backend.ConversionCache() if self.constant else None
         self._validated: tuple | None = None  # the structure prepare() validated
+        self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
 
     @property
     def constant(self) -> bool:
@@ -96,10 +104,92 @@ class SavePlanner:
         backend.map_sharded_tensors(state, lambda t: groups.setdefault(t.key, []).append(t) or t)
         return backend.convert_ahead(self.conversions, list(groups.values()))
 
+    def ahead_group(self, group: Group) -> Any:
+        """Collective (``prepare()``, every rank): the host group :meth:`plan_ahead` runs on,
+        made once (:meth:`Group.background_control`); None where nothing is planned ahead
+        (no constant structure, ``MCX_PLAN_AHEAD=0``, no such group)."""
+        if not self.constant or env_switch("MCX_PLAN_AHEAD") == "0":
+            return None
+        return group.background_control()
+
+    def ahead(self, state: Any, staged: list, group: Any) -> None:
+        """In ``prepare()``'s allocation thread: :meth:`convert_ahead`, then (``group`` given)
+        :meth:`plan_ahead`, reached by every rank whatever the conversions did."""
+        try:
+            self.convert_ahead(state, staged)
+        finally:
+            if group is not None:
+                self.plan_ahead(state, staged, group)
+
+    def plan_ahead(self, state: Any, staged: list, group: Any) -> bool:
+        """Collective on ``group`` (a host group that only this thread uses, every rank): after
+        ``prepare()`` allocated the staging (``staged``, in the order of ``state``'s tensors),
+        megatron-core plans the first save now, off its critical path. It plans twice (its
+        cached plan is trusted from the second equal one), into a throwaway directory, with the
+        buffers the first save will stage into, and the requests are dropped unwritten. The
+        strategy is then kept for the structure ``prepare()`` validated, as after two saves: the
+        first save finds its plan cached. Only where every rank planned (the first save's own
+        agreement on a new structure holds the ranks together otherwise); not with megatron-
+        core's fully parallel save, whose planning runs collectives on the data-parallel group.
+        Whether the strategy was kept; a failure leaves the first save to plan."""
+        key, planned = self._validated, None
+        ok = False
+        if self.constant and key is not None and self._strategy is None:
+            planned = strategy.save_strategy(self.options, dp_group=self.dp_group)
+            ok = not isinstance(planned, _fully_parallel_types())
+        ok = _all_true(ok, group)  # every rank reaches this, planning or not
+        if ok:
+            start = time.perf_counter()
+            try:
+                self._plan_twice(state, staged, planned, group)
+            except Exception as e:  # noqa: BLE001 - the first save plans (and raises) itself
+                logger.info("megatron-ckpt-ext: rank %d could not plan the first save ahead "
+                            "(%s: %s); it plans itself", rank(), type(e).__name__, e)
+                ok = False
+            ok = _all_true(ok, group)
+            self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
+        if ok:
+            self._strategy, self._structure = planned, key
+        return ok
+
+    def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any) -> None:
+        swap = iter(staged)
+        state = copy_structure(state)
+        backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
+        mine = {t.untyped_storage().data_ptr() for t in staged}
+        me = threading.get_ident()  # torch's clone is patched process-wide: this thread's only
+        with tempfile.TemporaryDirectory(prefix="mcx-plan-ahead-") as folder, \
+                backend.writer_keeps_snapshots(lambda t: threading.get_ident() == me and
+                                               t.untyped_storage().data_ptr() in mine), \
+                backend.into_fresh_directory(), backend.version_checks_cached(), \
+                backend.conversions_cached(self.conversions), \
+                backend.object_collectives_on(group):
+            for _ in range(2):
+                backend.dist_checkpointing().save(
+                    copy_structure(state), folder, planned, async_sharded_save=True,
+                    validate_access_integrity=False)
+
     def reset(self) -> None:
         self._strategy = self._structure = self._validated = None
         if self.conversions is not None:
             self.conversions.clear()
+
+
+def _fully_parallel_types() -> tuple[type, ...]:
+    cls = backend.fully_parallel_save_wrapper_cls()
+    return (cls,) if isinstance(cls, type) else ()
+
+
+def _all_true(ok: bool, group: Any) -> bool:
+    """Whether ``ok`` on every rank of ``group`` (None: this process alone)."""
+    if group is None:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def state_bytes(state: Any) -> int:

@@ -66,12 +66,17 @@ class _SaveSteps:
             self._writers.ready(record.iteration, record.root)
 
     def _open(self, sharded_state_dict: Any, record: SaveRecord) -> tuple[Any, Path]:
+        if self._planner.constant:  # what prepare() planned ahead is in place before the check
+            self._stager.wait_prepared()
         structure = self._planner.key(sharded_state_dict)
         new = self._planner.is_new(structure)
         workdir = open_workdir(record, self._group, new_structure=new,
                                validate=new and not self._planner.validated(structure),
                                plain=backend.plain_tensors(sharded_state_dict))
         self._planner.use(structure, record)
+        if self._planner.planned_ahead_s is not None:  # the first save, planned by prepare()
+            record.detail["planned_ahead_s"], self._planner.planned_ahead_s = \
+                self._planner.planned_ahead_s, None
         if self.reports and rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes_total"],
                                  remeasure=record.new_structure)

@@ -252,18 +252,17 @@ class ShmStager(_Sealing, _CopyStreams):
         """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is.
         Its error, if any, is raised by the next stage() or prepare()."""
         thread = self._prepare_thread
-        if thread is not None:
+        if thread is not None:  # a save waiting here waits for the allocation
+            t0 = time.perf_counter()
             thread.join(timeout_s)
+            self.stats["prepare_wait_s"] += time.perf_counter() - t0
             if thread.is_alive():
                 return False
             self._prepare_thread = None
         return True
 
     def _join_prepare(self) -> None:
-        if self._prepare_thread is not None:  # a save waiting here waits for the allocation
-            t0 = time.perf_counter()
-            self.wait_prepared()
-            self.stats["prepare_wait_s"] += time.perf_counter() - t0
+        self.wait_prepared()
         if self._prepare_error is not None:
             error, self._prepare_error = self._prepare_error, None
             raise error

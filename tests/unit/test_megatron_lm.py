@@ -181,12 +181,27 @@ def test_at_exit_after_an_uncaught_exception_the_snapshot_is_kept(mlm, monkeypat
     assert made[0].closed == "after an error"  # Checkpointer.close(after_error=True) keeps it
 
 
-def _train_step_stand_ins(mlm, *, save="/ckpt"):
-    """0.19.2's train_step, generate_state_dict and sharding-metadata builder (their signatures),
-    recording what the adapter passes."""
+def _train_step_stand_ins(mlm, *, save="/ckpt", no_save_rng=False):
+    """0.19.2's train_step, generate_state_dict, sharding-metadata builder, get_rng_state and
+    rerun state machine (their signatures), recording what the adapter passes."""
     built: list[tuple] = []
     ckpting, training = mlm.mods["checkpointing"], mlm.mods["training"]
-    ckpting.get_args = lambda: argparse.Namespace(save=save, ckpt_format="torch_dist")
+    ckpting.get_args = lambda: argparse.Namespace(save=save, ckpt_format="torch_dist",
+                                                  no_save_rng=no_save_rng)
+
+    def get_rng_state(ckpt_format, tp_group, pp_group, dp_cp_group=None, dp_group=None,
+                      key_prefix=""):
+        return ("rng", ckpt_format, tp_group, pp_group)
+
+    class RerunStateMachine:
+        def state_dict(self, data_iterator, ckpt_format, force=False):
+            return ("rerun", data_iterator, ckpt_format)
+
+    ckpting.get_rng_state = get_rng_state
+    ckpting.mpu = types.SimpleNamespace(get_tensor_model_parallel_group=lambda: "tp",
+                                        get_pipeline_model_parallel_group=lambda: "pp",
+                                        get_data_parallel_group=lambda **k: None)
+    ckpting.get_rerun_state_machine = RerunStateMachine
 
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                    config, forward_backward_func, iteration=None, pg_collection=None,
@@ -196,7 +211,8 @@ def _train_step_stand_ins(mlm, *, save="/ckpt"):
     def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                             iteration=None, optim_sd_kwargs=None, model_sd_kwargs=None,
                             rerun_state=None):
-        built.append((model, optimizer, opt_param_scheduler, rng_state, optim_sd_kwargs))
+        built.append((model, optimizer, opt_param_scheduler, rng_state, optim_sd_kwargs,
+                      rerun_state))
         return {"model": model, "optimizer": optimizer}
 
     def _build_sharded_state_dict_metadata(args, dp_cp_group=None):
@@ -220,10 +236,19 @@ def test_the_first_train_step_prepares_the_staging_for_the_state_megatron_will_s
         assert result == ("loss", i)  # Megatron's own step, untouched
     # once, after the first step, from the step's own model (unwrapped, as save_checkpoint
     # does: the wrapped model's tensors have other names), optimizer and scheduler, with
-    # Megatron's sharding metadata, without RNG state
-    assert built == [(["m"], "opt", "sched", None,
-                      {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}})]
+    # Megatron's sharding metadata, RNG state (from the model-parallel groups, as
+    # save_checkpoint gathers it) and rerun state: the save's plan names them
+    assert built == [(["m"], "opt", "sched", ("rng", "torch_dist", "tp", "pp"),
+                      {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}},
+                      ("rerun", None, "torch_dist"))]
     assert len(made) == 1 and made[0].prepared == [{"model": ["m"], "optimizer": "opt"}]
+
+
+def test_with_no_save_rng_the_prepared_state_has_no_rng_state_as_the_save(mlm):
+    built = _train_step_stand_ins(mlm, no_save_rng=True)
+    _install(mlm, async_save=True)
+    mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
+    assert [b[3] for b in built] == [None]
 
 
 def test_the_first_train_step_prepares_nothing_without_save(mlm):

@@ -87,13 +87,14 @@ def test_prepare_validates_and_converts_so_the_first_save_does_neither(one_rank_
     with Checkpointer(options, save_dir=str(tmp_path)) as ck:
         ck.prepare(_stacked_state(layers))
         assert ck.wait_prepared(timeout_s=60)
-        assert validations == [("state_dict_utils", True)]  # megatron-core's check, at prepare
+        # megatron-core's check, at prepare; then its planning ahead, twice, not validating
+        assert validations == [("state_dict_utils", True)] + [("serialization", False)] * 2
         cache = ck._planner.conversions
         assert len(cache.entries) == len(layers) and cache.misses == 0
         ck.save(_stacked_state(layers), tmp_path, iteration=1)
         ck.maybe_finalize(blocking=True)
-        assert validations[1:] == [("serialization", False)]  # not again at the first save
-        assert cache.misses == 0 and cache.hits == len(layers)  # converted ahead, reused
+        assert validations[3:] == [("serialization", False)]  # not again at the first save
+        assert cache.misses == 0  # converted ahead, reused
 
 
 def test_a_first_save_of_another_structure_than_prepared_validates(one_rank_group, tmp_path,
@@ -105,7 +106,10 @@ def test_a_first_save_of_another_structure_than_prepared_validates(one_rank_grou
         ck.save(_stacked_state({"w": [torch.randn(4, 7) for _ in range(3)]}), tmp_path,
                 iteration=1)
         ck.maybe_finalize(blocking=True)
-    assert validations == [("state_dict_utils", True), ("serialization", True)]
+    # prepare() validated and planned ahead the structure it was given; the save of another
+    # structure validates (and plans) again
+    assert validations == ([("state_dict_utils", True)] + [("serialization", False)] * 2
+                           + [("serialization", True)])
 
 
 def test_the_first_save_after_a_load_stages_into_the_buffers_the_load_prepared(one_rank_group,
@@ -134,3 +138,54 @@ def test_the_first_save_after_a_load_stages_into_the_buffers_the_load_prepared(o
         ck.maybe_finalize(blocking=True)
         detail = ck.reports[-1]["stage_detail"]
         assert detail["allocations"] == 0 and detail["sets_built_at_stage"] == 0, detail
+
+
+@pytest.fixture
+def plannings(monkeypatch):
+    """How many times a save's planning made a global plan (megatron-core's save from its
+    cached plan makes none)."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    made: list[str] = []
+    for name in ("create_global_plan", "create_decentralized_global_plan"):
+        real = getattr(MCoreSavePlanner, name, None)
+        if real is None:
+            continue
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            made.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(MCoreSavePlanner, name, spy)
+    return made
+
+
+@pytest.mark.parametrize("ahead", ["1", "0"], ids=["planned-ahead", "MCX_PLAN_AHEAD=0"])
+def test_the_first_save_after_prepare_finds_its_plan_made(one_rank_group, tmp_path, monkeypatch,
+                                                          plannings, ahead):
+    """prepare() plans the first save in its background thread (twice, as megatron-core trusts
+    its cached plan from the second equal one): the first save plans nothing, as a steady one,
+    and what it wrote loads back exactly. Switched off, the first two saves plan."""
+    monkeypatch.setenv("MCX_PLAN_AHEAD", ahead)
+    layers = {"w": [torch.randn(4, 6) for _ in range(3)], "b": [torch.randn(5) for _ in range(3)]}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    per_save = []
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.prepare(_stacked_state(layers))
+        assert ck.wait_prepared(timeout_s=60)
+        per_save.append(len(plannings))
+        for it in (1, 2, 3):
+            ck.save(_stacked_state(layers), tmp_path, iteration=it)
+            ck.maybe_finalize(blocking=True)
+            per_save.append(len(plannings) - sum(per_save))
+        empty = {k: [torch.zeros_like(t) for t in v] for k, v in layers.items()}
+        loaded = ck.load(_stacked_state(empty), tmp_path)
+        said = ["planned_ahead_s" in r["stage_detail"] for r in ck.reports]
+    assert said == [ahead == "1", False, False]  # the first save's report says it
+    planned = [n > 0 for n in per_save]  # at prepare(), then at saves 1, 2 and 3
+    assert planned == ([True, False, False, False] if ahead == "1"
+                       else [False, True, True, False]), per_save
+    for k, v in layers.items():
+        for i, t in enumerate(v):
+            assert torch.equal(loaded[k][i].data.reshape(t.shape), t), (k, i)

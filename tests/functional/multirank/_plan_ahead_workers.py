@@ -1,0 +1,70 @@
+"""Rank bodies for the planning ahead of the first save (a module of its own so spawned ranks
+can import them)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.save.planner import SavePlanner
+
+from tests._support.dist import sharded
+from ._ckpt_workers import assert_equal, load_back, step_state
+
+OPTIONS = {"async_save": True, "use_persistent_ckpt_worker": True,
+           "async_ckpt_use_cpu_shm": True, "ckpt_assume_constant_structure": True,
+           "ckpt_fully_parallel_save": False}
+
+
+def _global_plans() -> list[str]:
+    """Counts megatron-core's global plans (a save from its cached plan makes none)."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    made: list[str] = []
+    for name in ("create_global_plan", "create_decentralized_global_plan"):
+        real = getattr(MCoreSavePlanner, name, None)
+        if real is not None:
+            def spy(self, *a, _real=real, _name=name, **k):
+                made.append(_name)
+                return _real(self, *a, **k)
+            setattr(MCoreSavePlanner, name, spy)
+    return made
+
+
+def first_save_planned_ahead(rank: int, world: int, root: str, fail_rank: int,
+                             fully_parallel: bool = False) -> None:
+    """Every rank plans the first save in prepare()'s thread and the first save plans nothing;
+    where ``fail_rank``'s planning ahead raises after its collectives, no rank keeps a plan (the
+    ranks agree)
+    and the first save plans on every rank, as under megatron-core's fully parallel save (not
+    planned ahead). Either way the checkpoint loads back exactly."""
+    if rank == fail_rank:  # its planning's collectives done, this rank fails (writing, say)
+        real = SavePlanner._plan_twice
+
+        def broken(*a, **k):
+            real(*a, **k)
+            raise RuntimeError("planning ahead broken on purpose")
+        SavePlanner._plan_twice = broken
+    made = _global_plans()
+    live = step_state(1, rank)
+    options = dict(OPTIONS, ckpt_fully_parallel_save=fully_parallel)
+    planning = fail_rank < 0 and not (fully_parallel and world > 1)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        ck.prepare(sharded(rank, world, live))
+        start = time.monotonic()
+        assert ck.wait_prepared(timeout_s=60)
+        assert time.monotonic() - start < 30  # the failing rank's peers did not wait it out
+        ahead = len(made)
+        kept = ck._planner._strategy is not None
+        assert kept == planning, (rank, kept)
+        ck.save(sharded(rank, world, live), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        at_first_save = len(made) - ahead
+        if planning:
+            assert ahead > 0 and at_first_save == 0, (ahead, at_first_save)
+        else:
+            assert at_first_save > 0, at_first_save
+        assert_equal(load_back(ck, rank, world, root, 1), step_state(1, rank), "iteration 1")
+    torch.distributed.barrier()
