@@ -128,13 +128,16 @@ class SavePlanner:
         cached plan is trusted from the second equal one), into a throwaway directory, with the
         buffers the first save will stage into, and the requests are dropped unwritten. The
         strategy is then kept for the structure ``prepare()`` validated, as after two saves: the
-        first save finds its plan cached. Only where every rank planned (the first save's own
+        first save finds its plan cached. A later prepare() of another structure plans again
+        (the launcher's after the first step, once the load's lacked Megatron's rerun state).
+        Only where every rank planned (the first save's own
         agreement on a new structure holds the ranks together otherwise); not with megatron-
         core's fully parallel save, whose planning runs collectives on the data-parallel group.
         Whether the strategy was kept; a failure leaves the first save to plan."""
         key, planned = self._validated, None
         ok = False
-        if self.constant and key is not None and self._strategy is None:
+        if self.constant and key is not None and (self._strategy is None
+                                                  or self._structure != key):
             planned = strategy.save_strategy(self.options, dp_group=self.dp_group)
             ok = not isinstance(planned, _fully_parallel_types())
         ok = _all_true(ok, group)  # every rank reaches this, planning or not

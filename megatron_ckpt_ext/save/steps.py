@@ -74,9 +74,9 @@ class _SaveSteps:
                                validate=new and not self._planner.validated(structure),
                                plain=backend.plain_tensors(sharded_state_dict))
         self._planner.use(structure, record)
-        if self._planner.planned_ahead_s is not None:  # the first save, planned by prepare()
-            record.detail["planned_ahead_s"], self._planner.planned_ahead_s = \
-                self._planner.planned_ahead_s, None
+        ahead, self._planner.planned_ahead_s = self._planner.planned_ahead_s, None
+        if ahead is not None and not record.new_structure:  # its plan made by prepare()
+            record.detail["planned_ahead_s"] = ahead
         if self.reports and rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes_total"],
                                  remeasure=record.new_structure)

@@ -189,3 +189,22 @@ def test_the_first_save_after_prepare_finds_its_plan_made(one_rank_group, tmp_pa
     for k, v in layers.items():
         for i, t in enumerate(v):
             assert torch.equal(loaded[k][i].data.reshape(t.shape), t), (k, i)
+
+
+def test_a_later_prepare_of_another_structure_plans_again(one_rank_group, tmp_path, plannings):
+    """The launcher prepares twice after a resume: the load prepares from the state it loaded
+    (without Megatron's rerun state), the first step from the state the save will build. The
+    second plans again, and the first save plans nothing."""
+    layers = {"w": [torch.randn(4, 6) for _ in range(3)]}
+    grown = dict(layers, b=[torch.randn(5) for _ in range(3)])
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        for state in (layers, grown):
+            ck.prepare(_stacked_state(state))
+            assert ck.wait_prepared(timeout_s=60)
+        ahead = len(plannings)
+        ck.save(_stacked_state(grown), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        assert "planned_ahead_s" in ck.reports[0]["stage_detail"]
+    assert ahead > 0 and len(plannings) == ahead
