@@ -24,7 +24,7 @@ from .._threads import thread_counts
 from ..staging import retained
 from ..staging.retained import Seal, presum_pieces, read_seal, seal_path
 
-__all__ = ["Prepared", "drop", "start", "take"]
+__all__ = ["Prepared", "drop", "start", "take", "wait"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,18 @@ def take(seal: Seal | None) -> Prepared | None:
         return None
     prepared.waited_s = waited
     return prepared
+
+
+def wait(timeout_s: float | None = None) -> bool:
+    """Until the pending preparation is done (summed and, with CUDA, every buffer pinned),
+    without stopping it: what a model build that outlasts it leaves the load (the restore
+    benchmark's ``ours-memory-built`` case). Whether none is running any more."""
+    with _lock:
+        entry = _pending[0] if _pending else None
+    if entry is None:
+        return True
+    entry["thread"].join(timeout_s)
+    return not entry["thread"].is_alive()
 
 
 def drop() -> bool:

@@ -256,3 +256,30 @@ def test_pinning_ahead_stops_when_the_load_comes(sealed):
         stop.set()
         assert ck._stager.pin_adopted_now(tensors, stop) == set()
         ck._stager.drop_adopted(unlink=False)
+
+
+def test_waiting_for_the_preparation_leaves_the_load_nothing_to_wait_for(sealed, monkeypatch):
+    """prepared.wait() (the restore benchmark's "built" case: a model build outlasting the
+    preparation) returns once the summing is done, without stopping it; the load then waits
+    for nothing and copies what was summed."""
+    import time
+
+    from megatron_ckpt_ext.load import prepared
+
+    real = prepared.presum_pieces
+
+    def slow(*a, **k):
+        time.sleep(0.5)
+        return real(*a, **k)
+
+    monkeypatch.setattr(prepared, "presum_pieces", slow)
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        assert ck.prepare_restore(root)
+        t0 = time.perf_counter()
+        assert prepared.wait(timeout_s=30)
+        assert time.perf_counter() - t0 >= 0.4  # it waited for the summing
+        ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["summed_ahead"] == 1
+    assert detail["prepare_wait_s"] < 0.1, detail

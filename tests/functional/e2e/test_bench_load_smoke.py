@@ -92,11 +92,16 @@ def test_memory_restore_benchmark_smoke(tmp_path):
     assert {"device", "versions", "world_size", "command", "floors", "runs"} <= set(data)
     assert set(data["floors"]) == {"h2d_pinned_gbps"}
     assert {(r["source"], r["tier"], r["cache"]) for r in data["runs"]} == {
-        ("ours", "memory", None), ("ours", "storage", "warm"), ("ours", "storage", "cold"),
-        ("stock", "storage", "warm"), ("stock", "storage", "cold")}
+        ("ours", "memory", None), ("ours", "memory", "built"), ("ours", "storage", "warm"),
+        ("ours", "storage", "cold"), ("stock", "storage", "warm"), ("stock", "storage", "cold")}
     assert all(r["bit_exact"] and r["bytes"] > 0 for r in data["runs"])
     assert data["summary"]["tiers_as_expected"] and data["summary"]["all_bit_exact"]
-    assert [r["tier"] for r in data["runs"] if r["expected_tier"] == "memory"] == ["memory"] * 2
+    assert [r["tier"] for r in data["runs"] if r["expected_tier"] == "memory"] == ["memory"] * 4
+    for r in data["runs"]:  # "built": the load found every buffer summed, and did not wait
+        if r["cache"] == "built":
+            detail = r["memory_detail"]
+            assert detail["summed_ahead"] > 0 and detail["prepare_wait_s"] < 0.05, detail
+    assert data["summary"]["memory_built_s"] > 0
 
 
 @pytest.mark.functional
