@@ -171,6 +171,27 @@ class Group:
                     logger.debug("no gloo group for background collectives: %s", e)
         return self._background
 
+    def background_copy(self, group: Any) -> Any:
+        """Collective on ``group``'s members (every rank calls it, each for its own group): a
+        gloo group of the same ranks in the same order for the thread of
+        :meth:`background_control`, with its short timeout, made once per group and kept; None
+        where it cannot be made so (ranks not in ascending order, no group made by its members
+        alone, gloo failing)."""
+        copies = self.__dict__.setdefault("_copies", {})
+        if group in copies:
+            return copies[group]
+        copies[group] = None
+        ranks = torch.distributed.get_process_group_ranks(group)
+        if ranks == sorted(ranks) and backend.accepted_kwargs(
+                torch.distributed.new_group, {"use_local_synchronization": True})[0]:
+            try:
+                copies[group] = torch.distributed.new_group(
+                    ranks=ranks, backend="gloo", use_local_synchronization=True,
+                    timeout=datetime.timedelta(seconds=_BACKGROUND_TIMEOUT_S))
+            except (RuntimeError, ValueError) as e:
+                logger.debug("no gloo copy of a group for background collectives: %s", e)
+        return copies[group]
+
     def _make_control(self) -> Any:
         kind = str(torch.distributed.get_backend(self.process_group))
         if "gloo" in kind or "mpi" in kind:

@@ -105,12 +105,22 @@ class SavePlanner:
         return backend.convert_ahead(self.conversions, list(groups.values()))
 
     def ahead_group(self, group: Group) -> Any:
-        """Collective (``prepare()``, every rank): the host group :meth:`plan_ahead` runs on,
-        made once (:meth:`Group.background_control`); None where nothing is planned ahead
-        (no constant structure, ``MCX_PLAN_AHEAD=0``, no such group)."""
+        """Collective (``prepare()``, every rank): the host groups :meth:`plan_ahead` runs on,
+        made once (:meth:`Group.background_control`; with megatron-core's fully parallel save
+        over more than one data-parallel rank, a gloo copy of the data-parallel group for its
+        exchange of shards); None where nothing is planned ahead (no constant structure,
+        ``MCX_PLAN_AHEAD=0``, no such group)."""
         if not self.constant or env_switch("MCX_PLAN_AHEAD") == "0":
             return None
-        return group.background_control()
+        world = group.background_control()
+        if world is None:
+            return None
+        also, dp = None, self.dp_group
+        if self.options.ckpt_fully_parallel_save and strategy._group_size(dp) > 1:
+            import torch.distributed as dist  # (None: megatron-core names the world's group)
+
+            also = (dist.group.WORLD, world) if dp is None else (dp, group.background_copy(dp))
+        return world, also
 
     def ahead(self, state: Any, staged: list, group: Any) -> None:
         """In ``prepare()``'s allocation thread: :meth:`convert_ahead`, then (``group`` given)
@@ -122,7 +132,8 @@ class SavePlanner:
                 self.plan_ahead(state, staged, group)
 
     def plan_ahead(self, state: Any, staged: list, group: Any) -> bool:
-        """Collective on ``group`` (a host group that only this thread uses, every rank): after
+        """Collective on ``group`` (what :meth:`ahead_group` made: host groups only this
+        thread uses, every rank): after
         ``prepare()`` allocated the staging (``staged``, in the order of ``state``'s tensors),
         megatron-core plans the first save now, off its critical path. It plans twice (its
         cached plan is trusted from the second equal one), into a throwaway directory, with the
@@ -131,20 +142,23 @@ class SavePlanner:
         first save finds its plan cached. A later prepare() of another structure plans again
         (the launcher's after the first step, once the load's lacked Megatron's rerun state).
         Only where every rank planned (the first save's own
-        agreement on a new structure holds the ranks together otherwise); not with megatron-
-        core's fully parallel save, whose planning runs collectives on the data-parallel group.
-        Whether the strategy was kept; a failure leaves the first save to plan."""
+        agreement on a new structure holds the ranks together otherwise). megatron-core's fully
+        parallel save exchanges its shards on the data-parallel group: that exchange runs on the
+        gloo copy :meth:`ahead_group` made, or nothing is planned ahead. Whether the strategy
+        was kept; a failure leaves the first save to plan."""
+        group, also = group
         key, planned = self._validated, None
         ok = False
         if self.constant and key is not None and (self._strategy is None
                                                   or self._structure != key):
             planned = strategy.save_strategy(self.options, dp_group=self.dp_group)
-            ok = not isinstance(planned, _fully_parallel_types())
+            ok = (not isinstance(planned, _fully_parallel_types())
+                  or (also is not None and also[1] is not None))
         ok = _all_true(ok, group)  # every rank reaches this, planning or not
         if ok:
             start = time.perf_counter()
             try:
-                self._plan_twice(state, staged, planned, group)
+                self._plan_twice(state, staged, planned, group, also)
             except Exception as e:  # noqa: BLE001 - the first save plans (and raises) itself
                 logger.info("megatron-ckpt-ext: rank %d could not plan the first save ahead "
                             "(%s: %s); it plans itself", rank(), type(e).__name__, e)
@@ -155,7 +169,8 @@ class SavePlanner:
             self._strategy, self._structure = planned, key
         return ok
 
-    def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any) -> None:
+    def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any,
+                    also: Any = None) -> None:
         swap = iter(staged)
         state = copy_structure(state)
         backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
@@ -166,7 +181,7 @@ class SavePlanner:
                                                t.untyped_storage().data_ptr() in mine), \
                 backend.into_fresh_directory(), backend.version_checks_cached(), \
                 backend.conversions_cached(self.conversions), \
-                backend.object_collectives_on(group):
+                backend.object_collectives_on(group, also):
             for _ in range(2):
                 backend.dist_checkpointing().save(
                     copy_structure(state), folder, planned, async_sharded_save=True,

@@ -33,13 +33,38 @@ def _global_plans() -> list[str]:
     return made
 
 
+def _object_collectives_on_the_world_from(thread: str) -> list[str]:
+    """The object collectives the thread named ``thread`` ran on the world's own group (or the
+    data-parallel one, here the world): those a background thread must never run."""
+    import functools
+    import threading
+
+    import torch.distributed as dist
+
+    seen: list[str] = []
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list",
+                 "scatter_object_list"):
+        real = getattr(dist, name)
+
+        @functools.wraps(real)  # its signature stays torch's (the redirect reads it)
+        def spy(*a, _real=real, _name=name, **k):
+            group = k.get("group")
+            if threading.current_thread().name == thread and (
+                    group is None or group is dist.group.WORLD):
+                seen.append(_name)
+            return _real(*a, **k)
+        setattr(dist, name, spy)
+    return seen
+
+
 def first_save_planned_ahead(rank: int, world: int, root: str, fail_rank: int,
                              fully_parallel: bool = False) -> None:
     """Every rank plans the first save in prepare()'s thread and the first save plans nothing;
     where ``fail_rank``'s planning ahead raises after its collectives, no rank keeps a plan (the
     ranks agree)
-    and the first save plans on every rank, as under megatron-core's fully parallel save (not
-    planned ahead). Either way the checkpoint loads back exactly."""
+    and the first save plans on every rank. Under megatron-core's fully parallel save its
+    exchange of shards runs on the planning's own gloo group. Either way the checkpoint loads
+    back exactly."""
     if rank == fail_rank:  # its planning's collectives done, this rank fails (writing, say)
         real = SavePlanner._plan_twice
 
@@ -48,23 +73,36 @@ def first_save_planned_ahead(rank: int, world: int, root: str, fail_rank: int,
             raise RuntimeError("planning ahead broken on purpose")
         SavePlanner._plan_twice = broken
     made = _global_plans()
+    on_world = _object_collectives_on_the_world_from("mcx-staging-prepare")
     live = step_state(1, rank)
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    replicated = torch.arange(96.0).to(live["w"].device)  # every rank holds it: one writes it
+
+    def state() -> dict:
+        return dict(sharded(rank, world, live),
+                    r=ShardedTensor.from_rank_offsets("r", replicated, replica_id=rank))
+
     options = dict(OPTIONS, ckpt_fully_parallel_save=fully_parallel)
-    planning = fail_rank < 0 and not (fully_parallel and world > 1)
+    planning = fail_rank < 0
     with Checkpointer(CkptOptions(**options)) as ck:
-        ck.prepare(sharded(rank, world, live))
+        ck.prepare(state())
         start = time.monotonic()
         assert ck.wait_prepared(timeout_s=60)
         assert time.monotonic() - start < 30  # the failing rank's peers did not wait it out
         ahead = len(made)
         kept = ck._planner._strategy is not None
         assert kept == planning, (rank, kept)
-        ck.save(sharded(rank, world, live), root, iteration=1)
+        ck.save(state(), root, iteration=1)
         ck.maybe_finalize(blocking=True)
         at_first_save = len(made) - ahead
+        assert not on_world, on_world  # the thread planning ahead used its own groups only
         if planning:
             assert ahead > 0 and at_first_save == 0, (ahead, at_first_save)
         else:
             assert at_first_save > 0, at_first_save
         assert_equal(load_back(ck, rank, world, root, 1), step_state(1, rank), "iteration 1")
+        like = {"r": ShardedTensor.from_rank_offsets("r", torch.zeros_like(replicated),
+                                                     replica_id=rank)}
+        assert torch.equal(ck.load(like, root, iteration=1)["r"], replicated)
     torch.distributed.barrier()
