@@ -160,10 +160,13 @@ class SavePlanner:
             try:
                 self._plan_twice(state, staged, planned, group, also)
             except Exception as e:  # noqa: BLE001 - the first save plans (and raises) itself
-                logger.info("megatron-ckpt-ext: rank %d could not plan the first save ahead "
-                            "(%s: %s); it plans itself", rank(), type(e).__name__, e)
+                logger.debug("rank %d could not plan the first save ahead: %s: %s", rank(),
+                             type(e).__name__, e)
                 ok = False
             ok = _all_true(ok, group)
+            if not ok and rank() == 0:
+                logger.info("megatron-ckpt-ext: the first save could not be planned ahead on "
+                            "every rank (each rank's reason at DEBUG); it plans itself")
             self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
         if ok:
             self._strategy, self._structure = planned, key

@@ -3,6 +3,7 @@ can import them)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -74,6 +75,12 @@ def first_save_planned_ahead(rank: int, world: int, root: str, fail_rank: int,
         SavePlanner._plan_twice = broken
     made = _global_plans()
     on_world = _object_collectives_on_the_world_from("mcx-staging-prepare")
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    planner_log = logging.getLogger("megatron_ckpt_ext.save.planner")
+    planner_log.addHandler(handler)
+    planner_log.setLevel(logging.INFO)
     live = step_state(1, rank)
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -97,6 +104,9 @@ def first_save_planned_ahead(rank: int, world: int, root: str, fail_rank: int,
         ck.maybe_finalize(blocking=True)
         at_first_save = len(made) - ahead
         assert not on_world, on_world  # the thread planning ahead used its own groups only
+        # rank 0 alone says, once, that the first save plans itself
+        told = [m for m in said if "could not be planned ahead" in m]
+        assert len(told) == (1 if rank == 0 and fail_rank >= 0 else 0), said
         if planning:
             assert ahead > 0 and at_first_save == 0, (ahead, at_first_save)
         else:
