@@ -131,22 +131,21 @@ class SavePlanner:
             if group is not None:
                 self.plan_ahead(state, staged, group)
 
-    def plan_ahead(self, state: Any, staged: list, group: Any) -> bool:
-        """Collective on ``group`` (what :meth:`ahead_group` made: host groups only this
-        thread uses, every rank): after
-        ``prepare()`` allocated the staging (``staged``, in the order of ``state``'s tensors),
-        megatron-core plans the first save now, off its critical path. It plans twice (its
-        cached plan is trusted from the second equal one), into a throwaway directory, with the
-        buffers the first save will stage into, and the requests are dropped unwritten. The
-        strategy is then kept for the structure ``prepare()`` validated, as after two saves: the
-        first save finds its plan cached. A later prepare() of another structure plans again
-        (the launcher's after the first step, once the load's lacked Megatron's rerun state).
-        Only where every rank planned (the first save's own
-        agreement on a new structure holds the ranks together otherwise). megatron-core's fully
-        parallel save exchanges its shards on the data-parallel group: that exchange runs on the
+    def plan_ahead(self, state: Any, staged: list, groups: Any) -> bool:
+        """Collective on ``groups`` (what :meth:`ahead_group` made: host groups that only this
+        thread uses; every rank), after ``prepare()`` allocated the staging (``staged``, in the
+        order of ``state``'s tensors): megatron-core plans the first save now, off its critical
+        path. It plans twice (it trusts its cached plan from the second equal one), into a
+        throwaway directory, with the buffers the first save will stage into; the requests are
+        dropped unwritten. The strategy is then kept for the structure ``prepare()`` validated,
+        as after two saves, so the first save finds its plan cached. A later ``prepare()`` of
+        another structure plans again (the launcher's after the first step: the load's lacked
+        Megatron's rerun state). Kept only where every rank planned; otherwise the first save's
+        own agreement on a new structure has every rank plan. megatron-core's fully parallel
+        save exchanges its shards on the data-parallel group: here that exchange runs on the
         gloo copy :meth:`ahead_group` made, or nothing is planned ahead. Whether the strategy
-        was kept; a failure leaves the first save to plan."""
-        group, also = group
+        was kept."""
+        group, also = groups
         key, planned = self._validated, None
         ok = False
         if self.constant and key is not None and (self._strategy is None
