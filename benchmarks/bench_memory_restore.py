@@ -115,8 +115,8 @@ def stock(checkpoint: Path, state: dict) -> tuple[float, bool, dict]:
     return time.perf_counter() - t0, _same(got, state), {"tier": "storage"}
 
 
-CASES = ("ours-memory", "ours-memory-built", "ours-storage-warm", "ours-storage-cold", "stock-storage-warm",
-         "stock-storage-cold")
+CASES = ("ours-memory", "ours-memory-built", "ours-storage-warm", "ours-storage-cold",
+         "stock-storage-warm", "stock-storage-cold")
 
 
 def main() -> int:

@@ -258,6 +258,7 @@ class Checkpointer(_SaveSteps):
     def _save_steps(self, sharded_state_dict: Any, record: SaveRecord) -> None:
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
+        before = self.staging_stats()  # (the wait for prepare() in _open counts too)
         state, workdir = self._open(sharded_state_dict, record)
         if self._memory_tier:  # what the snapshot holds, for a restart to match: walked again
             if record.new_structure or self._layout is None:  # only when the structure changed
@@ -272,7 +273,6 @@ class Checkpointer(_SaveSteps):
             self._admit(tensors)
             record.mode = self._mode  # sync after a node-memory fallback
             record.detail["admit_s"] = time.perf_counter() - t
-        before = self.staging_stats()
         stage(state, record, self._stager)
         record.detail.update(_stager_delta(before, self.staging_stats()))
         pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)

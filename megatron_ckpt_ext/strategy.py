@@ -33,12 +33,17 @@ def save_strategy(options: CkptOptions, *, dp_group: Any = None) -> Any:
         thread_count=options.dist_ckpt_workers,
         cached_metadata=options.ckpt_assume_constant_structure,
     )
-    if options.ckpt_fully_parallel_save and _group_size(dp_group) > 1:
+    if fully_parallel_save(options, dp_group):
         strategy = backend.call_with_supported(
             backend.fully_parallel_save_wrapper_cls(), strategy, dp_group,
             do_cache_distribution=options.ckpt_assume_constant_structure,
         )
     return strategy
+
+
+def fully_parallel_save(options: CkptOptions, dp_group: Any) -> bool:
+    """Whether saves go through megatron-core's fully parallel wrapper (over ``dp_group``)."""
+    return bool(options.ckpt_fully_parallel_save) and _group_size(dp_group) > 1
 
 
 def _group_size(group: Any) -> int:

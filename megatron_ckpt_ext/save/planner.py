@@ -8,15 +8,14 @@ import logging
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import backend, strategy
 from .._runtime import rank
+from ..collectives import Group
 from ..debug import env_switch
 from ..options import CkptOptions
 
-if TYPE_CHECKING:
-    from ..collectives import Group
 
 __all__ = ["SavePlanner", "copy_leaves", "copy_structure", "state_bytes", "structure_key"]
 
@@ -116,7 +115,7 @@ class SavePlanner:
         if world is None:
             return None
         also, dp = None, self.dp_group
-        if self.options.ckpt_fully_parallel_save and strategy._group_size(dp) > 1:
+        if strategy.fully_parallel_save(self.options, dp):
             import torch.distributed as dist  # (None: megatron-core names the world's group)
 
             also = (dist.group.WORLD, world) if dp is None else (dp, group.background_copy(dp))
@@ -151,9 +150,9 @@ class SavePlanner:
         if self.constant and key is not None and (self._strategy is None
                                                   or self._structure != key):
             planned = strategy.save_strategy(self.options, dp_group=self.dp_group)
-            ok = (not isinstance(planned, _fully_parallel_types())
-                  or (also is not None and also[1] is not None))
-        ok = _all_true(ok, group)  # every rank reaches this, planning or not
+            ok = also is None or also[1] is not None  # the exchange's stand-in was made
+        agree = Group(group, self.options)  # the background group's own collectives
+        ok = _all_true(ok, agree)  # every rank reaches this, planning or not
         if ok:
             start = time.perf_counter()
             try:
@@ -162,7 +161,7 @@ class SavePlanner:
                 logger.debug("rank %d could not plan the first save ahead: %s: %s", rank(),
                              type(e).__name__, e)
                 ok = False
-            ok = _all_true(ok, group)
+            ok = _all_true(ok, agree)
             if not ok and rank() == 0:
                 logger.info("megatron-ckpt-ext: the first save could not be planned ahead on "
                             "every rank (each rank's reason at DEBUG); it plans itself")
@@ -195,21 +194,9 @@ class SavePlanner:
             self.conversions.clear()
 
 
-def _fully_parallel_types() -> tuple[type, ...]:
-    cls = backend.fully_parallel_save_wrapper_cls()
-    return (cls,) if isinstance(cls, type) else ()
-
-
-def _all_true(ok: bool, group: Any) -> bool:
-    """Whether ``ok`` on every rank of ``group`` (None: this process alone)."""
-    if group is None:
-        return ok
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+def _all_true(ok: bool, group: Group) -> bool:
+    """Whether ``ok`` on every rank of ``group``."""
+    return group.all_max([0.0 if ok else 1.0])[0] == 0.0
 
 
 def state_bytes(state: Any) -> int:

@@ -208,3 +208,31 @@ def test_a_later_prepare_of_another_structure_plans_again(one_rank_group, tmp_pa
         ck.maybe_finalize(blocking=True)
         assert "planned_ahead_s" in ck.reports[0]["stage_detail"]
     assert ahead > 0 and len(plannings) == ahead
+
+
+def test_a_save_right_after_prepare_waits_for_the_plan_made_ahead(one_rank_group, tmp_path,
+                                                                  monkeypatch, plannings):
+    """A save called while prepare()'s thread still plans waits for it before its structure
+    check, then uses that plan (planning nothing itself); its report counts the wait."""
+    import time
+
+    from megatron_ckpt_ext.save.planner import SavePlanner
+
+    real = SavePlanner._plan_twice
+
+    def slow(*a, **k):
+        time.sleep(0.5)
+        return real(*a, **k)
+
+    monkeypatch.setattr(SavePlanner, "_plan_twice", slow)
+    layers = {"w": [torch.randn(4, 6) for _ in range(3)]}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.prepare(_stacked_state(layers))
+        ck.save(_stacked_state(layers), tmp_path, iteration=1)  # no wait_prepared() first
+        ahead = len(plannings)
+        ck.maybe_finalize(blocking=True)
+        detail = ck.reports[0]["stage_detail"]
+    assert ahead > 0 and "planned_ahead_s" in detail, detail
+    assert detail["prepare_wait_s"] >= 0.3, detail
