@@ -203,17 +203,20 @@ def _iteration_of(checkpoint_dir: Any) -> int | None:
 
 
 def _save(sharded_state_dict: Any, checkpoint_dir: str, iteration: int, *,
-          async_sharded_save: bool = False, content_metadata: Any = None, **_ignored: Any) -> Any:
+          async_sharded_save: bool = False, content_metadata: Any = None,
+          preprocess_common_before_consistancy_check: Any = None, **_ignored: Any) -> Any:
     """Megatron's ``dist_checkpointing.save(...)`` call, served by the Checkpointer.
 
-    Megatron's strategy, validation and preprocessing arguments are ignored: the Checkpointer
-    builds its own strategy from the options and validates its cached structure itself.
+    Megatron's strategy and validation arguments are ignored: the Checkpointer builds its own
+    strategy from the options and validates its cached structure itself. Megatron's
+    preprocessing of the common state goes to every comparison of the ranks' common states.
     """
     if content_metadata is not None:  # what dist_checkpointing.save would store, same key
         sharded_state_dict[backend.mcore_content_metadata_key()] = content_metadata
     checkpointer = _state.get_checkpointer()
     start = time.perf_counter()
-    checkpointer.save(sharded_state_dict, os.path.dirname(checkpoint_dir), iteration=iteration)
+    checkpointer.save(sharded_state_dict, os.path.dirname(checkpoint_dir), iteration=iteration,
+                      preprocess_common=preprocess_common_before_consistancy_check)
     is_async = bool(async_sharded_save and _state.options is not None and _state.options.async_save)
     if not is_async:
         _finalize(blocking=True)
@@ -325,8 +328,10 @@ def _prepare_after_first_step(arguments: dict[str, Any]) -> None:
         logger.debug("megatron-ckpt-ext: this Megatron builds no sharded state outside its save; "
                      "the first save allocates its staging")
         return
+    # what Megatron's save passes as preprocess_common_before_consistancy_check (found by name)
+    common = getattr(_state.modules.get("training"), "preprocess_common_state_dict", None)
     with _lock:
-        _state.get_checkpointer().prepare(state)
+        _state.get_checkpointer().prepare(state, preprocess_common=common)
     if rank() == 0:
         logger.info("megatron-ckpt-ext: staging for the first save prepared after the first "
                     "training step (state built in %.3f s; allocation continues in the "

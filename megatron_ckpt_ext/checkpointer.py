@@ -52,7 +52,6 @@ from .save.writers import WriterPool
 from .staging.base import Stager
 from .validation import check
 
-# TRACKER, checkpoint_name and read_tracker (save.layout) are public from here as well.
 __all__ = ["Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
 
 logger = logging.getLogger(__name__)
@@ -74,9 +73,7 @@ class Checkpointer(_SaveSteps):
     sync saves one that copies nothing), else ``ValueError`` naming the option; the Checkpointer
     closes it at :meth:`close`; ``job_id`` names the default one's segments. Construction
     validates the options against the installed backend (raising on errors, warning once on
-    rank 0), starts the persistent worker and the writers' write-results queue; :meth:`prepare`
-    then allocates the staging buffers in the background once the trainer has built its state.
-    """
+    rank 0), starts the persistent worker and the writers' write-results queue."""
 
     def __init__(self, options: CkptOptions, *, process_group: Any = None, dp_group: Any = None,
                  caps: backend.Capabilities | None = None, job_id: str | None = None,
@@ -126,14 +123,14 @@ class Checkpointer(_SaveSteps):
         self._failures_in_a_row = 0
         self._preemption = Preemption(options) if options.exit_signal_handler else None
 
-    def prepare(self, sharded_state_dict: Any) -> None:
+    def prepare(self, sharded_state_dict: Any, *, preprocess_common: Any = None) -> None:
         """Optional, once the model and optimizer exist: allocate (and pin, on CUDA) the staging
         buffers for this state in a background thread, so the first save copies into ready
-        memory instead of allocating on its critical path; then, in the same thread, the
-        conversions of the state into megatron-core's save format and megatron-core's planning
-        of the first save (:meth:`SavePlanner.plan_ahead`). Returns at once; a save meanwhile
-        waits for it. Only the shared-memory stager has anything to prepare."""
+        memory; then, in the same thread, megatron-core's conversions and planning of the first
+        save (:meth:`SavePlanner.plan_ahead`). Returns at once; a save meanwhile waits for it.
+        Only the shared-memory stager prepares. ``preprocess_common``: as :meth:`save`'s."""
         self._check_open()
+        self._planner.preprocess_common = preprocess_common or self._planner.preprocess_common
         tensors: list[Any] = []
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
@@ -213,9 +210,12 @@ class Checkpointer(_SaveSteps):
 
     # -- save --------------------------------------------------------------------------------
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
-             iteration: int) -> None:
+             iteration: int, preprocess_common: Any = None) -> None:
         """Save ``sharded_state_dict`` as ``<checkpoint_dir>/iter_{iteration:07d}`` (see
-        :meth:`_save` for the steps); under ``MCX_PROFILE_SAVES`` profiled (docs/DEBUGGING.md)."""
+        :meth:`_save` for the steps); under ``MCX_PROFILE_SAVES`` profiled (docs/DEBUGGING.md).
+        ``preprocess_common``: megatron-core's ``preprocess_common_before_consistancy_check``
+        (kept for later saves; Megatron-LM's drops the common keys that differ by rank)."""
+        self._planner.preprocess_common = preprocess_common or self._planner.preprocess_common
         folder = env_switch("MCX_PROFILE_SAVES")
         if folder:
             profiled(folder, f"save iteration {iteration}", rank(), self._save,

@@ -50,7 +50,8 @@ from .conversions import ConversionCache, conversions_cached, convert_ahead
 from .detection import Capabilities, detect, dist_sync_runs_here, persistent_worker_runs_here
 from .introspect import accepted_kwargs, call_arguments, call_with_supported
 from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cls,
-                    checkpoint_failure_text, common_state_present, dist_checkpointing,
+                    checkpoint_failure_text, common_check_kwargs, common_state_present,
+                    dist_checkpointing,
                     filesystem_writer_async_cls, fully_parallel_load_wrapper_cls,
                     into_fresh_directory, version_checks_cached,
                     fully_parallel_save_wrapper_cls, get_write_results_queue,
@@ -78,6 +79,7 @@ __all__ = [
     "convert_ahead",
     "with_data",
     "validate_sharding",
+    "common_check_kwargs",
     "FsdpApi",
     "MCORE_STRATEGIES",
     "MLM_MODULES",

@@ -170,17 +170,32 @@ def with_data(sharded_tensor: Any, data: Any) -> Any:
     return new
 
 
-def validate_sharding(sharded_state_dict: Any) -> bool:
+def validate_sharding(sharded_state_dict: Any, preprocess_common: Any = None) -> bool:
     """Collective: megatron-core's own check that the shards of ``sharded_state_dict`` cover
     every tensor exactly once (what its save runs under ``validate_access_integrity``), on a
-    state it may rearrange (pass a copy). False where this megatron-core has no such step
-    (found by its parameters); raises what megatron-core raises."""
+    state it may rearrange (pass a copy), and that every rank's common state is rank 0's after
+    ``preprocess_common`` (:func:`common_check_kwargs`). False where this megatron-core has no
+    such step (found by its parameters); raises what megatron-core raises."""
     utils = _import(f"{MCORE_DC}.state_dict_utils")
     preprocess = getattr(utils, "save_preprocess", None)
     if preprocess is None or not _takes(preprocess, "validate_access_integrity"):
         return False
-    preprocess(sharded_state_dict, validate_access_integrity=True)
+    preprocess(sharded_state_dict, validate_access_integrity=True,
+               **common_check_kwargs(preprocess, preprocess_common))
     return True
+
+
+_COMMON_CHECK = "preprocess_common_before_consistancy_check"  # (megatron-core's spelling)
+
+
+def common_check_kwargs(fn: Any, preprocess_common: Any) -> dict[str, Any]:
+    """The keyword by which ``fn`` (megatron-core's ``save`` or ``save_preprocess``) takes the
+    caller's preprocessing of the common state before its ranks are compared (Megatron-LM's
+    drops ``args.rank`` and ``args.local_rank``, which differ by rank): ``{}`` when there is
+    none or ``fn`` has no such parameter."""
+    if preprocess_common is None or not _takes(fn, _COMMON_CHECK):
+        return {}
+    return {_COMMON_CHECK: preprocess_common}
 
 
 def map_sharded_tensors(sharded_state_dict: Any, fn: Callable[[Any], Any]) -> None:

@@ -36,6 +36,9 @@ class SavePlanner:
         self.conversions = backend.ConversionCache() if self.constant else None
         self._validated: tuple | None = None  # the structure prepare() validated
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
+        # the caller's preprocessing of the common state before megatron-core compares it across
+        # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
+        self.preprocess_common: Any = None
 
     @property
     def constant(self) -> bool:
@@ -78,7 +81,7 @@ class SavePlanner:
             return False
         key = structure_key(state)
         try:
-            ok = backend.validate_sharding(copy_structure(state))
+            ok = backend.validate_sharding(copy_structure(state), self.preprocess_common)
         except Exception as e:  # noqa: BLE001 - the first save validates again and raises it
             logger.debug("sharding validation at prepare(): %s: %s", type(e).__name__, e)
             ok = False

@@ -95,9 +95,11 @@ class _SaveSteps:
             if not keeps and backend.writer_clones_cpu_tensors():
                 self._publisher.wait_staged(record)
             try:  # the common state is rank 0's write alone: fail every rank alike
-                request = run_agreed(lambda: backend.dist_checkpointing().save(
+                save = backend.dist_checkpointing().save
+                request = run_agreed(lambda: save(
                     state, str(workdir), self._planner.strategy(), async_sharded_save=True,
-                    validate_access_integrity=record.validate), self._group)
+                    validate_access_integrity=record.validate, **backend.common_check_kwargs(
+                        save, self._planner.preprocess_common)), self._group)
             except SaveStepFailed as e:
                 if e.raised is not None:  # megatron-core's own error (a sharding it rejects)
                     raise e.raised from e.raised.__cause__

@@ -32,16 +32,19 @@ class FakeCheckpointer:
         self.prepared: list = []  # states given to prepare()
         self.restores_prepared: list = []  # (--load, what Megatron had done by then)
         self.events: list = []
+        self.common_checks: list = []  # the preprocess_common each save/prepare was given
 
-    def prepare(self, sharded_state_dict):
+    def prepare(self, sharded_state_dict, *, preprocess_common=None):
         self.prepared.append(sharded_state_dict)
+        self.common_checks.append(("prepare", preprocess_common))
 
     def prepare_restore(self, checkpoint_dir):
         self.restores_prepared.append((checkpoint_dir, list(self.events)))
         return True
 
-    def save(self, sharded_state_dict, checkpoint_dir, *, iteration):
+    def save(self, sharded_state_dict, checkpoint_dir, *, iteration, preprocess_common=None):
         self.saves.append((sharded_state_dict, checkpoint_dir, iteration))
+        self.common_checks.append(("save", preprocess_common))
         self.reports.append({"iteration": iteration, "blocking_s": 0.0})
         if not self.options.async_save:
             self.durable.append(iteration)
@@ -242,6 +245,24 @@ def test_the_first_train_step_prepares_the_staging_for_the_state_megatron_will_s
                       {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}},
                       ("rerun", None, "torch_dist"))]
     assert len(made) == 1 and made[0].prepared == [{"model": ["m"], "optimizer": "opt"}]
+
+
+def test_megatrons_common_state_preprocessing_reaches_prepare_and_every_save(mlm):
+    """Megatron-LM's save compares the ranks' common states after its
+    ``preprocess_common_state_dict`` (it drops ``args.rank``, which differs by rank); without it
+    every rank but 0 warns "common state dict differs" at each validated save."""
+    _train_step_stand_ins(mlm)
+    made = _install(mlm, async_save=True)
+
+    def megatrons(common):
+        return common
+
+    mlm.mods["training"].preprocess_common_state_dict = megatrons
+    mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
+    mlm.mods["checkpointing"].dist_checkpointing.save(
+        {}, "/ckpt/iter_0000005", None, async_sharded_save=True,
+        preprocess_common_before_consistancy_check=megatrons)
+    assert made[0].common_checks == [("prepare", megatrons), ("save", megatrons)]
 
 
 def test_with_no_save_rng_the_prepared_state_has_no_rng_state_as_the_save(mlm):

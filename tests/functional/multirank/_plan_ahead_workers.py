@@ -116,3 +116,44 @@ def first_save_planned_ahead(rank: int, world: int, root: str, fail_rank: int,
                                                      replica_id=rank)}
         assert torch.equal(ck.load(like, root, iteration=1)["r"], replicated)
     torch.distributed.barrier()
+
+
+def common_state_compared_after_preprocessing(rank: int, world: int, root: str,
+                                              preprocess: bool) -> None:
+    """Megatron-LM's common state holds ``args`` with this rank's ``rank``: compared as is,
+    megatron-core warns on every rank but 0 that its common state differs from rank 0's (at
+    prepare()'s validation and at a save that validates); after Megatron-LM's preprocessing
+    (``args.rank`` dropped), which the Checkpointer is given, nothing is said."""
+    import argparse
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("megatron.core.dist_checkpointing").addHandler(handler)
+    live = step_state(1, rank)
+
+    def state() -> dict:
+        return dict(sharded(rank, world, live), args=argparse.Namespace(rank=rank, lr=3e-4))
+
+    def megatrons(common: dict) -> dict:  # what Megatron-LM's preprocess_common_state_dict does
+        common = dict(common, args=dict(vars(common["args"])))
+        common["args"].pop("rank", None)
+        return common
+
+    given = megatrons if preprocess else None
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck.prepare(state(), preprocess_common=given)  # validates the sharding now
+        assert ck.wait_prepared(timeout_s=60)
+    at_prepare = [m for m in said if "common state dict differs" in m]
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:  # unprepared: its first save validates
+        ck.save(state(), root, iteration=1, preprocess_common=given)
+        ck.maybe_finalize(blocking=True)
+        ck.save(state(), root, iteration=2)  # a later save keeps what it was given
+        ck.maybe_finalize(blocking=True)
+        assert ck._planner.preprocess_common is given
+    differs = [m for m in said if "common state dict differs" in m]
+    if preprocess or rank == 0:
+        assert differs == [], differs
+    else:  # the control: megatron-core's comparison runs at both points
+        assert len(at_prepare) == 1 and len(differs) == 2, said
+    torch.distributed.barrier()

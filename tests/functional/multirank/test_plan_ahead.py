@@ -16,3 +16,9 @@ def test_the_first_save_finds_its_plan_made_ahead_on_every_rank_or_on_none(tmp_p
                                                                           fully_parallel):
     run_ranks(w.first_save_planned_ahead, args=(str(tmp_path), fail_rank, fully_parallel),
               timeout=150)
+
+
+@pytest.mark.parametrize("preprocess", [True, False], ids=["megatrons-preprocessing", "none"])
+def test_ranks_common_states_are_compared_after_megatrons_preprocessing(tmp_path, preprocess):
+    run_ranks(w.common_state_compared_after_preprocessing, args=(str(tmp_path), preprocess),
+              timeout=150)
