@@ -5,6 +5,10 @@ cache dropped first, in three orders: per file in offset order on one thread eac
 pattern), largest item first over N threads (32 MiB chunks), and file/offset order over N threads.
 
     python benchmarks/read_order_probe.py CHECKPOINT_DIR [--threads 8] [--json OUT]
+    python benchmarks/read_order_probe.py /tmp/probe --make-gb 1.88 --items 400   # writes one first
+
+``--make-gb`` first writes a torch DCP checkpoint of that many GB in ``--items`` tensors into one
+file (a rank's file as ``--dist-ckpt-workers 1`` writes it, the 134M recipe's shape by default).
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ def _items(ckpt: Path) -> list[tuple[str, int, int]]:
 
     md = FileSystemReader(str(ckpt)).read_metadata()
     return [(s.relative_path, s.offset, s.length) for s in md.storage_data.values()]
+
+
+def _make(ckpt: Path, nbytes: int, items: int) -> None:
+    """A one-file torch DCP checkpoint of ``items`` float32 tensors, ``nbytes`` in all."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    n = nbytes // 4 // items
+    state = {f"t{i:04d}": torch.full((n,), float(i)) for i in range(items)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ckpt), thread_count=1,
+                                                        single_file_per_rank=True))
 
 
 def _drop(ckpt: Path) -> None:
@@ -64,7 +79,11 @@ def main() -> int:
     p.add_argument("ckpt", type=Path)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--json", type=Path)
+    p.add_argument("--make-gb", type=float, default=None)
+    p.add_argument("--items", type=int, default=400)
     args = p.parse_args()
+    if args.make_gb:
+        _make(args.ckpt, int(args.make_gb * 1e9), args.items)
     items = _items(args.ckpt)
     total = sum(i[2] for i in items)
     files = sorted({i[0] for i in items})
