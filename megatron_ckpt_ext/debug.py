@@ -45,10 +45,6 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_PLAN_AHEAD", "1",
               "0: the first save plans itself (no planning of it ahead in prepare()'s "
               "background thread under a constant structure)"),
-    EnvSwitch("MCX_LOAD_SUM_INLINE", "0",
-              "1: a verifying load sums each chunk on the thread that read it, in 4 MiB pieces "
-              "right after each piece's read (while its bytes are in the CPU's cache), instead "
-              "of on summing threads beside the reading ones"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITE_CHECKSUMS", "1",

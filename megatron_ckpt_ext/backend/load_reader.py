@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
-from ..debug import env_switch
 from . import direct_read
 from ._imports import MCORE_DC, MCORE_STRATEGIES
 from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
@@ -40,8 +39,7 @@ class ReadSettings:
     ones, at most this rank's share of the cores), and ``on_planned`` is told those files' names
     as soon as the reads are planned (before the bytes are read). ``metadata``: {checkpoint
     directory: its DCP ``Metadata``} that the caller has unpickled already (the load's readers
-    then do not read that ``.metadata`` again). ``sum_inline``: each chunk summed on the thread
-    that read it, piece by piece (default: ``MCX_LOAD_SUM_INLINE``)."""
+    then do not read that ``.metadata`` again)."""
 
     threads: int
     chunk: int | None = None
@@ -49,7 +47,6 @@ class ReadSettings:
     checksum_threads: int | None = None
     on_planned: Callable[[set[str]], None] | None = None
     metadata: Mapping[str, Any] | None = None
-    sum_inline: bool = field(default_factory=lambda: env_switch("MCX_LOAD_SUM_INLINE") == "1")
 
 
 @dataclass
@@ -336,17 +333,11 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, settings: ReadSe
     flat = target.reshape(-1).view(torch.uint8) if target.numel() else target
     offset = plan.span[0] + a
     t = time.perf_counter()
-    inline = settings.sum_inline and plan.summed
     if target.device.type == "cpu":
         view = direct_read.tensor_bytes(flat[a:b])
-        if inline:
-            sums.read_summed(plan, offset, view, partial(direct_read.pread_into, plan.fd,
-                                                         what=plan.what))
-        else:
-            direct_read.pread_into(plan.fd, view, offset, plan.what)
+        direct_read.pread_into(plan.fd, view, offset, plan.what)
         busy.add("read", t)
-        if not inline:
-            sums.chunk(plan, offset, view)
+        sums.chunk(plan, offset, view)
         return
     chunks = _host_chunks(settings)
     buf = chunks.take()
@@ -354,16 +345,12 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, settings: ReadSe
     try:
         n = b - a
         view = direct_read.tensor_bytes(buf[:n])
-        if inline:
-            sums.read_summed(plan, offset, view, partial(direct_read.pread_into, plan.fd,
-                                                         what=plan.what))
-        else:
-            direct_read.pread_into(plan.fd, view, offset, plan.what)
+        direct_read.pread_into(plan.fd, view, offset, plan.what)
         t = busy.add("read", t)
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):
             flat[a:b].copy_(buf[:n], non_blocking=True)
-        if plan.summed and not inline:
+        if plan.summed:
             copied = torch.cuda.Event()
             copied.record(stream)
             sums.chunk(plan, offset, view,

@@ -69,19 +69,6 @@ class _Sums:
         # if this raises, ``then`` has not run: the caller still holds (and lends back) the chunk
         self._jobs.append(self._pool.submit(self._sum, plan.what, offset, view, then))
 
-    def read_summed(self, plan: Any, offset: int, view: memoryview,
-                    read: Callable[[memoryview, int], None]) -> None:
-        """``read(piece, at)`` fills ``view`` (bytes at ``offset`` of the plan's file) in
-        ``_PIECE`` pieces, each summed on this thread right after its read, while its bytes
-        are still in the CPU's cache (``MCX_LOAD_SUM_INLINE=1``); only ``read`` when the plan's
-        file is not summed."""
-        step = _PIECE if plan.summed else max(len(view), 1)
-        for at in range(0, len(view), step):
-            piece = view[at:at + step]
-            read(piece, offset + at)
-            if plan.summed:
-                self._add(plan.what, offset + at, len(piece), crc32(piece))
-
     def _sum(self, name: str, offset: int, view: memoryview,
              then: Callable[[], None] | None) -> None:
         try:
@@ -126,7 +113,6 @@ class _Sums:
 
 
 _GAP_LIMIT = 1 << 20
-_PIECE = 4 << 20  # MCX_LOAD_SUM_INLINE's piece: read, then summed while in the CPU's cache
 
 
 def _gaps(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]] | None:

@@ -245,26 +245,15 @@ def test_items_the_direct_reader_refuses_load_the_stock_way_and_say_why(tmp_path
     assert "a reason to refuse" in caplog.text
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["summing-threads", "sum-inline"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_the_load_sums_the_files_it_reads_whole_and_reads_none_twice(tmp_path, monkeypatch,
-                                                                     mode, inline):
+                                                                     mode):
     """Verification without a second read: the files the load reads every byte of (here every
     data file) are summed by the reading threads as the bytes pass, and only the rest (the
     metadata files) is read again by the check; a flipped bit in a tensor is still refused,
-    naming the file. With ``MCX_LOAD_SUM_INLINE=1`` each reading thread sums what it read,
-    piece by piece (pieces of 1000 bytes here, so a chunk is many), and hands nothing to
-    summing threads."""
-    from megatron_ckpt_ext.backend import load_sums
+    naming the file."""
     from megatron_ckpt_ext.load import verify
 
-    handed = []
-    if inline:
-        monkeypatch.setenv("MCX_LOAD_SUM_INLINE", "1")
-        monkeypatch.setattr(load_sums, "_PIECE", 1000)
-        real_chunk = load_sums._Sums.chunk
-        monkeypatch.setattr(load_sums._Sums, "chunk", lambda self, plan, *a, **k: (
-            handed.append(plan.summed), real_chunk(self, plan, *a, **k))[1])
     _save(tmp_path, [1], **MODES[mode])
     checked = []
     real = verify.verify_files
@@ -276,7 +265,6 @@ def test_the_load_sums_the_files_it_reads_whole_and_reads_none_twice(tmp_path, m
                       tmp_path)
         assert ck.load_reports[-1]["verified"] is True
     assert torch.equal(got["w"], _state(1)["w"])
-    assert not any(handed), handed  # inline: no summed chunk went to the summing threads
     data = sorted(p.name for p in (tmp_path / "iter_0000001").glob("*.distcp"))
     assert data and not set(data) & set(checked), checked
     assert {".metadata", "metadata.json"} <= set(checked), checked
