@@ -64,6 +64,22 @@ def rank() -> int:
         return 0
 
 
+def world_size() -> int:
+    """The world's size: torch.distributed's once it is up, before that the launcher's
+    ``WORLD_SIZE`` (as :func:`rank`), else 1."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # as rank(): never break a message over it
+        pass
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def warn_once(key: str, message: str) -> None:
     """Log ``message`` as a WARNING once per ``key`` per process, on rank 0 only."""
     with _warn_lock:

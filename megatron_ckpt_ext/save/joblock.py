@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._runtime import pid_alive, rank
+from .._runtime import pid_alive, rank, world_size
 from ..errors import SaveDirectoryInUse
 from .layout import INCOMPLETE
 
@@ -70,7 +70,10 @@ class JobLock:
             return
         error = None
         if rank() == 0:
-            error = _acquire(Path(root), key, world=self._group.size())
+            # before the process group is up (the launcher's early Checkpointer) the job's size
+            # is the launcher's WORLD_SIZE, not the uninitialized group's 1
+            world = self._group.size() if self._group.initialized() else world_size()
+            error = _acquire(Path(root), key, world=world)
         verdict = next((e for e in self._group.all_gather(error) if e), None)
         if verdict is not None:  # rank 0 decided: every rank raises the same
             raise SaveDirectoryInUse(verdict)

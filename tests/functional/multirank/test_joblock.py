@@ -84,3 +84,16 @@ def test_ranks_other_than_0_take_no_lock_before_the_process_group_is_up(tmp_path
         holder.kill()
         os.kill(child, signal.SIGKILL)
         holder.wait(timeout=30)
+
+
+def test_the_lock_taken_before_the_process_group_is_up_names_the_jobs_world_size(tmp_path,
+                                                                               monkeypatch):
+    """The launcher's early Checkpointer takes the lock on RANK 0 before torch.distributed is
+    up: the lock (and a later job's message about it) names the job's WORLD_SIZE ranks, not 1."""
+    import json
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with Checkpointer(CkptOptions(), save_dir=tmp_path):
+        held = json.loads((tmp_path / LOCK).read_text())
+    assert held["world_size"] == 2, held
