@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -58,7 +59,8 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "(its full collections then copy the pages the writer shares)"),
     EnvSwitch("MCX_PROFILE_SAVES", "",
               "<dir>: run every save() under cProfile and append its 40 costliest functions "
-              "(cumulative) to <dir>/save_profile_rank<R>.txt"),
+              "(cumulative) to <dir>/save_profile_rank<R>.txt; through the launcher, Megatron's "
+              "whole save_checkpoint instead"),
     EnvSwitch("MCX_SYNC_POINTS", "",
               "<dir>: run every save() under torch's CUDA sync debug mode and append where it "
               "waited for the device (each synchronizing call's stack, with the phase it fell "
@@ -150,17 +152,26 @@ def _thread_usage() -> dict[str, float]:
 
 
 # -- save profile (MCX_PROFILE_SAVES) ------------------------------------------------------------
+_profiling = threading.local()
+
+
 def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under cProfile; its 40 costliest functions (cumulative) appended
-    to ``<folder>/save_profile_rank<rank>.txt`` under ``label``."""
+    to ``<folder>/save_profile_rank<rank>.txt`` under ``label``. Inside another profiled call
+    (the launcher profiles Megatron's whole ``save_checkpoint``, which calls our save) ``fn``
+    just runs: the outer profile covers it, and Python allows one profiler at a time."""
     import cProfile
     import io
     import pstats
 
+    if getattr(_profiling, "on", False):
+        return fn(*args, **kwargs)
     prof = cProfile.Profile()
+    _profiling.on = True
     try:
         return prof.runcall(fn, *args, **kwargs)
     finally:
+        _profiling.on = False
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
         Path(folder).mkdir(parents=True, exist_ok=True)

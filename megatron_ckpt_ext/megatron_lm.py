@@ -28,6 +28,7 @@ megatron; it is importable (and useless) where ``megatron.training`` is absent.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -38,7 +39,9 @@ from ._mlm_seams import (CheckpointerFactory, _default_factory,
                          _is_empty_async_queue, _lock, _maybe_finalize_async_save,
                          _preparing_train_step, _schedule_async_save, _state,
                          _warming_setup)
+from ._runtime import rank
 from .arguments import add_arguments
+from .debug import env_switch, profiled
 from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
 
@@ -182,6 +185,17 @@ def _real_modules() -> dict[str, Any]:
         ) from e
 
 
+def _profiled_save_checkpoint(folder: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``MCX_PROFILE_SAVES``: Megatron's ``save_checkpoint`` (as training.py calls it) under
+    cProfile, appended as "megatron save_checkpoint iteration N" (docs/DEBUGGING.md)."""
+    @functools.wraps(original)
+    def save_checkpoint(iteration: Any, *args: Any, **kwargs: Any) -> Any:
+        return profiled(folder, f"megatron save_checkpoint iteration {iteration}", rank(),
+                        original, iteration, *args, **kwargs)
+
+    return save_checkpoint
+
+
 def _apply_patches(modules: dict[str, Any]) -> None:
     replacements: dict[str, Any] = {
         "dist_checkpointing": _DistCheckpointingProxy(modules["checkpointing"].dist_checkpointing),
@@ -194,6 +208,12 @@ def _apply_patches(modules: dict[str, Any]) -> None:
             getattr(modules.get("training"), "setup_model_and_optimizer", None)),
     }
     present = [p for p in _OPTIONAL_PATCHES if hasattr(modules.get(p[0]), p[1])]
+    folder = env_switch("MCX_PROFILE_SAVES")
+    if folder and callable(getattr(modules.get("training"), "save_checkpoint", None)):
+        # Megatron's whole save_checkpoint (its own state building around our save), profiled
+        replacements["save_checkpoint"] = _profiled_save_checkpoint(
+            folder, modules["training"].save_checkpoint)
+        present.append(("training", "save_checkpoint"))
     for short, name in (*_PATCHES, *present):
         _state.originals[(short, name)] = getattr(modules[short], name)
         setattr(modules[short], name, replacements[name])

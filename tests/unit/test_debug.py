@@ -83,3 +83,25 @@ def test_non_default_switches_lists_only_those_set_off_their_default(monkeypatch
     monkeypatch.setenv("MCX_WRITER_TRACE", "/tmp/wt")
     assert debug.non_default_switches() == {"MCX_KEEP_CRC32": "1",
                                             "MCX_WRITER_TRACE": "/tmp/wt"}
+
+
+def test_a_profiled_call_inside_another_runs_once_under_the_outer_profile(tmp_path):
+    """Python allows one profiler at a time: the inner call just runs, and only the outer one
+    is written (the launcher's profile of Megatron's save_checkpoint holds our save)."""
+    from megatron_ckpt_ext.debug import profiled
+
+    ran = []
+
+    def inner():
+        ran.append("inner")
+        return 3
+
+    def outer():
+        return profiled(str(tmp_path), "inner", 0, inner) + 1
+
+    assert profiled(str(tmp_path), "outer", 0, outer) == 4
+    assert ran == ["inner"]
+    text = (tmp_path / "save_profile_rank0.txt").read_text()
+    assert "==== outer" in text and "==== inner" not in text
+    assert profiled(str(tmp_path), "again", 0, inner) == 3  # the flag is down again
+    assert "==== again" in (tmp_path / "save_profile_rank0.txt").read_text()

@@ -472,3 +472,24 @@ def test_a_directory_megatron_created_before_the_save_is_not_taken_for_a_committ
         dist.destroy_process_group()
     warned = [r.getMessage() for r in caplog.records if "already committed" in r.getMessage()]
     assert len(warned) == 1 and "iteration 5 " in warned[0]
+
+
+def test_profile_saves_also_profiles_megatrons_whole_save_checkpoint(mlm, monkeypatch, tmp_path):
+    """MCX_PROFILE_SAVES: Megatron's save_checkpoint (its state building around our save) runs
+    under cProfile too, once per call, and uninstall puts Megatron's own back."""
+    calls = []
+
+    def save_checkpoint(iteration, model, *args, **kwargs):
+        calls.append((iteration, model, kwargs))
+        return "saved"
+
+    training = mlm.mods["training"]
+    training.save_checkpoint = save_checkpoint
+    monkeypatch.setenv("MCX_PROFILE_SAVES", str(tmp_path))
+    _install(mlm, async_save=True)
+    assert training.save_checkpoint(7, "model", non_persistent_ckpt=False) == "saved"
+    assert calls == [(7, "model", {"non_persistent_ckpt": False})]
+    profile = (tmp_path / "save_profile_rank0.txt").read_text()
+    assert profile.count("==== megatron save_checkpoint iteration 7") == 1, profile[:300]
+    megatron_lm.uninstall()
+    assert training.save_checkpoint is save_checkpoint
