@@ -47,6 +47,8 @@ class Publisher:
             return
         batch.wait()
         record.staging_s = batch.copy_s if batch.copy_s is not None else batch.staging_s
+        if batch.queue_wait_s is not None:  # the copies' wait for work queued on the device
+            record.detail["copy_queue_wait_s"] = round(batch.queue_wait_s, 6)
         self.hooks.at("copies_landed", record)
 
     def publish(self, record: SaveRecord) -> None:

@@ -41,6 +41,8 @@ class _Copies:
     start: torch.cuda.Event
     end: torch.cuda.Event
     device: torch.device | None = None  # the copy stream's device
+    queued: torch.cuda.Event | None = None  # on the copy stream before it waits for the device's
+    # current stream: queued -> start is how long the copies waited for work queued there
 
     def order_before_current_stream(self) -> None:
         """Make the current stream of the copies' device wait for them (no host wait): work
@@ -59,6 +61,7 @@ class StagedBatch:
     nbytes: int
     staging_s: float  # stage() call until the copies were complete (wall)
     copy_s: float | None = None  # the device copies alone (CUDA events), None for host sources
+    queue_wait_s: float | None = None  # how long the copies waited for the device's queued work
     _started: float = field(default=0.0, repr=False)
     _pending: list[_Copies] = field(default_factory=list, repr=False)
     _sources: list[torch.Tensor] = field(default_factory=list, repr=False)  # alive until copied
@@ -75,6 +78,9 @@ class StagedBatch:
         if pending:
             self.copy_s = max(c.start.elapsed_time(c.end) for c in pending) / 1e3
             self.staging_s = time.perf_counter() - self._started
+            waits = [c.queued.elapsed_time(c.start) for c in pending
+                     if getattr(c, "queued", None) is not None]
+            self.queue_wait_s = max(waits) / 1e3 if waits else None
 
     def copies_in_flight(self) -> list[_Copies]:
         """The device copies not yet waited for by :meth:`wait` (their ``end`` events, on the

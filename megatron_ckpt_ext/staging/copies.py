@@ -18,6 +18,7 @@ class _CopyStreams:
 
     if TYPE_CHECKING:
         _streams: dict[torch.device, torch.cuda.Stream]
+        _queued: dict[torch.device, torch.cuda.Event]  # the event before the copy stream's wait
 
     def _copy(self, staged: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[_Copies]:
         """Host sources are copied here; device sources are queued on a copy stream per device
@@ -36,13 +37,16 @@ class _CopyStreams:
         for device, (stream, start) in started.items():
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
-            pending.append(_Copies(start, end, device))
+            pending.append(_Copies(start, end, device, self._queued.pop(device, None)))
         return pending
 
     def _copy_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event]:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
+        queued = torch.cuda.Event(enable_timing=True)  # before the wait: queued -> start is
+        queued.record(stream)  # how long the copies waited for the work queued on the device
+        self._queued[device] = queued  # (stage_detail's copy_queue_wait_s)
         stream.wait_stream(torch.cuda.current_stream(device))  # sources are final up to now
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)

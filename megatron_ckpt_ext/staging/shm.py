@@ -49,6 +49,7 @@ class ShmStager(_Sealing, _CopyStreams):
         self._prepare_thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._queued: dict[torch.device, torch.cuda.Event] = {}  # (copies.py)
         self._flag: _Buffer | None = None
         self._closed = False
         self._tickets = 0  # gated writes handed out: each waits for its number in the flag

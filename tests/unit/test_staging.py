@@ -453,3 +453,47 @@ def test_a_save_whose_tensors_the_prepared_set_does_not_fit_says_which(caplog):
         stager.stage([torch.ones(32), torch.zeros(4)], keys=["a", "c"]).release()
         assert stager.stats["sets_built_at_stage"] == 1  # the set built then fits from now on
         assert stager.stats["prepare_wait_s"] == 0.0  # nothing ran in the background
+
+
+class _Timed:
+    """A CUDA event stand-in: elapsed_time() to any other is ``ms``."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, other: object) -> float:
+        return self.ms
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_batch_reports_the_copies_and_their_wait_for_work_queued_on_the_device(monkeypatch):
+    """copy_s is the copies alone (start -> end on the copy stream); queue_wait_s how long the
+    copy stream waited, before them, for the work queued on the device's current stream
+    (queued -> start): a save's stage_detail reports it as copy_queue_wait_s."""
+    import types
+
+    copy = types.SimpleNamespace(start=_Timed(35.0), end=_Timed(0.0), queued=_Timed(12.0))
+    monkeypatch.setattr(ShmStager, "_copy", lambda self, staged, tensors: [copy])
+    with new_stager() as stager:
+        batch = stager.stage([torch.ones(16)], keys=["a"], wait=False)
+        batch.wait()
+        assert (batch.copy_s, batch.queue_wait_s) == (0.035, 0.012)
+        batch.release()
+
+
+def test_a_saves_report_names_the_copies_wait_for_the_device(one_rank_group, monkeypatch,
+                                                           tmp_path):
+    import types
+
+    from megatron_ckpt_ext import Checkpointer, CkptOptions
+    from tests._support.dist import sharded
+
+    copy = types.SimpleNamespace(start=_Timed(35.0), end=_Timed(0.0), queued=_Timed(12.0))
+    monkeypatch.setattr(ShmStager, "_copy", lambda self, staged, tensors: [copy])
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True)
+    with Checkpointer(options) as ck:
+        ck.save(sharded(0, 1, {"w": torch.ones(64)}), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        assert ck.reports[-1]["stage_detail"]["copy_queue_wait_s"] == 0.012
