@@ -4,7 +4,7 @@ request, its staged tensors' shared-memory handles included), per save, by threa
 pickle's size, next to the save's blocking time. The feeder runs beside the save's last steps
 and the training step after it, holding the GIL while it pickles.
 
-    torchrun --standalone --nproc-per-node 1 benchmarks/handover_cost.py [--saves 6] [--json OUT]
+    python benchmarks/handover_cost.py [--saves 6] [--json OUT]     (or under torchrun, one rank)
 
 The state is ``plan_cost.py``'s GPT-shaped one (``--layers 8``: 400 tensors, the 134M recipe's
 count); cpu-shm staging, persistent worker, constant structure, as the launcher's recipe.
@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ckpt_ext import Checkpointer, CkptOptions
     from plan_cost import GptState
 
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # under torchrun or as a plain script (a world of one)
+        from _bench_node import _single_process_env
+
+        _single_process_env()
         dist.init_process_group("gloo")
     state = GptState(args.layers, args.hidden, "cpu")
     options = CkptOptions(async_save=True, use_persistent_ckpt_worker=True,
