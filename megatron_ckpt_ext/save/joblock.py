@@ -74,6 +74,8 @@ class JobLock:
             # is the launcher's WORLD_SIZE, not the uninitialized group's 1
             world = self._group.size() if self._group.initialized() else world_size()
             error = _acquire(Path(root), key, world=world)
+        elif not self._group.initialized():  # rank 0's verdict cannot reach this rank yet
+            error = _held_by_another_job(Path(root))
         verdict = next((e for e in self._group.all_gather(error) if e), None)
         if verdict is not None:  # rank 0 decided: every rank raises the same
             raise SaveDirectoryInUse(verdict)
@@ -161,10 +163,48 @@ def _read(fd: int) -> dict:
     return holder if isinstance(holder, dict) else {"unreadable": True}
 
 
+def _job() -> str | None:
+    """The launcher's name for this job, shared by its ranks: torchrun's run id, else SLURM's
+    job, step and restart count (a requeued job keeps its id); None when neither is set. Two
+    jobs the launcher names alike are taken for one (never a false refusal)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run:
+        return f"torchrun:{run}"
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if not slurm:
+        return None
+    return ".".join(("slurm:" + slurm, os.environ.get("SLURM_STEP_ID", ""),
+                     os.environ.get("SLURM_RESTART_COUNT", "0")))
+
+
+def _held_by_another_job(root: Path) -> str | None:
+    """A rank other than 0 before the process group is up (Megatron-LM builds its persistent
+    worker, our early Checkpointer, before it): rank 0 takes the lock, but its verdict cannot
+    be shared yet, so a job started while another still runs would fail on rank 0 alone and
+    leave this rank waiting in ``init_process_group`` for its timeout where no launcher tears
+    the job down. The error message when the lock names a live process on this host of another
+    job (both named by the launcher, :func:`_job`), else None."""
+    ours, path = _job(), root / LOCK
+    if ours is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        holder = _read(fd)
+    finally:
+        os.close(fd)
+    if (holder.get("job") and holder["job"] != ours and holder.get("host") == socket.gethostname()
+            and isinstance(holder.get("pid"), int) and pid_alive(holder["pid"])):
+        return _in_use_message(root, path, holder)
+    return None
+
+
 def _write(fd: int, world: int) -> None:
     record = {"host": socket.gethostname(), "pid": os.getpid(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "world_size": world,
-              "command": " ".join(sys.argv)[:300]}
+              "job": _job(), "command": " ".join(sys.argv)[:300]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
 

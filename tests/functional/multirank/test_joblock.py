@@ -22,10 +22,10 @@ from . import _joblock_workers as jw
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _start_holder(root: Path) -> tuple[subprocess.Popen, int]:
+def _start_holder(root: Path, **env: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "tests.functional.multirank._joblock_workers", str(root)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO), **env})
     line = proc.stdout.readline()
     if not line.startswith("held "):
         proc.kill()
@@ -97,3 +97,29 @@ def test_the_lock_taken_before_the_process_group_is_up_names_the_jobs_world_size
     with Checkpointer(CkptOptions(), save_dir=tmp_path):
         held = json.loads((tmp_path / LOCK).read_text())
     assert held["world_size"] == 2, held
+
+
+@pytest.mark.parametrize("ours", ["torchrun-job-b", "torchrun-job-a"], ids=["another-job", "same-job"])
+def test_a_rank_before_the_process_group_is_up_fails_on_another_live_jobs_lock(tmp_path,
+                                                                              monkeypatch, ours):
+    """A requeued job starting while the old one still runs: before torch.distributed is up
+    rank 0's verdict cannot reach the other ranks, so each of them reads the lock itself and
+    fails when a live process of another job (its launcher's run id) holds it; a rank of the
+    holder's own job goes on."""
+    root = tmp_path / "ckpt"
+    holder, child = _start_holder(root, TORCHELASTIC_RUN_ID="torchrun-job-a")
+    try:
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", ours)
+        if ours == "torchrun-job-a":
+            with Checkpointer(CkptOptions(), save_dir=root):
+                pass
+        else:
+            with pytest.raises(SaveDirectoryInUse, match=f"pid {holder.pid}.*holder-job"):
+                Checkpointer(CkptOptions(), save_dir=root)
+        assert (root / LOCK).is_file()  # the holder's, untouched
+    finally:
+        holder.kill()
+        os.kill(child, signal.SIGKILL)
+        holder.wait(timeout=30)
