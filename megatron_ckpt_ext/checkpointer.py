@@ -130,7 +130,7 @@ class Checkpointer(_SaveSteps):
         save (:meth:`SavePlanner.plan_ahead`). Returns at once; a save meanwhile waits for it.
         Only the shared-memory stager prepares. ``preprocess_common``: as :meth:`save`'s."""
         self._check_open()
-        self._planner.preprocess_common = preprocess_common or self._planner.preprocess_common
+        self._planner.keep_common_check(preprocess_common)
         tensors: list[Any] = []
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
@@ -215,7 +215,7 @@ class Checkpointer(_SaveSteps):
         :meth:`_save` for the steps); under ``MCX_PROFILE_SAVES`` profiled (docs/DEBUGGING.md).
         ``preprocess_common``: megatron-core's ``preprocess_common_before_consistancy_check``
         (kept for later saves; Megatron-LM's drops the common keys that differ by rank)."""
-        self._planner.preprocess_common = preprocess_common or self._planner.preprocess_common
+        self._planner.keep_common_check(preprocess_common)
         folder = env_switch("MCX_PROFILE_SAVES")
         if folder:
             profiled(folder, f"save iteration {iteration}", rank(), self._save,

@@ -40,6 +40,12 @@ class SavePlanner:
         # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
         self.preprocess_common: Any = None
 
+    def keep_common_check(self, preprocess_common: Any) -> None:
+        """``Checkpointer.save``/``prepare``'s ``preprocess_common``: kept until another is
+        given (None keeps the one there)."""
+        if preprocess_common is not None:
+            self.preprocess_common = preprocess_common
+
     @property
     def constant(self) -> bool:
         return bool(self.options.ckpt_assume_constant_structure)

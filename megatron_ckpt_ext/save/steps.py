@@ -96,10 +96,13 @@ class _SaveSteps:
                 self._publisher.wait_staged(record)
             try:  # the common state is rank 0's write alone: fail every rank alike
                 save = backend.dist_checkpointing().save
+                # the ranks' common states are compared only where the save validates: no
+                # signature lookup on a steady save
+                common = (backend.common_check_kwargs(save, self._planner.preprocess_common)
+                          if record.validate else {})
                 request = run_agreed(lambda: save(
                     state, str(workdir), self._planner.strategy(), async_sharded_save=True,
-                    validate_access_integrity=record.validate, **backend.common_check_kwargs(
-                        save, self._planner.preprocess_common)), self._group)
+                    validate_access_integrity=record.validate, **common), self._group)
             except SaveStepFailed as e:
                 if e.raised is not None:  # megatron-core's own error (a sharding it rejects)
                     raise e.raised from e.raised.__cause__
