@@ -6,6 +6,10 @@ and the training step after it, holding the GIL while it pickles.
 
     python benchmarks/handover_cost.py [--saves 6] [--json OUT]     (or under torchrun, one rank)
 
+Each save also says how many of its long lists (write items, staged tensors) were pickled in
+full and how many went by a key the writer knows (``kept``: ``save/handover.py``; none with
+``MCX_RESEND_EACH_SAVE=1``).
+
 The state is ``plan_cost.py``'s GPT-shaped one (``--layers 8``: 400 tensors, the 134M recipe's
 count); cpu-shm staging, persistent worker, constant structure, as the launcher's recipe.
 """
@@ -56,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_ckpt_ext import Checkpointer, CkptOptions
+    from megatron_ckpt_ext.save import handover
     from plan_cost import GptState
 
     if not dist.is_initialized():  # under torchrun or as a plain script (a world of one)
@@ -73,12 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         ck.wait_prepared(120)
         for s in range(1, args.saves + 1):
             _seconds.clear(), _bytes.clear(), _calls.clear()
+            before = dict(handover.stats)
             state.step()
             ck.save(state.sharded_state_dict(s), root, iteration=s)
             ck.maybe_finalize(blocking=True)
             saves.append({"iteration": s, "blocking_s": ck.reports[-1]["blocking_s"],
                           "pickling": {k: {"calls": _calls[k], "ms": round(v * 1e3, 2),
-                                           "bytes": _bytes[k]} for k, v in _seconds.items()}})
+                                           "bytes": _bytes[k]} for k, v in _seconds.items()},
+                          # lists the writer keeps (save/handover.py): pickled in full / by key
+                          "kept": {k: handover.stats[k] - before[k]
+                                   for k in ("sent_whole", "sent_known")}})
             print(json.dumps(saves[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "saves": saves},

@@ -6,24 +6,27 @@ of wrapping, so a later step's wrapper runs first in the writer.
 1. :func:`idle_worker_noop`: a persistent worker only reports requests it runs, so a rank with
    nothing to write gets a write that does nothing.
 2. :func:`host_preload_dropped`: no host "preload" when every tensor is already staged on the host.
-3. :func:`sequential`: with ``--dist-ckpt-workers 1`` every bucket is written in the process that
+3. :func:`~megatron_ckpt_ext.save.handover.kept_in_writer`: under a constant structure a
+   persistent writer keeps the request's write items and staged tensors between saves; each
+   save pickles them once per structure (:mod:`.handover`). ``MCX_RESEND_EACH_SAVE=1`` resends.
+4. :func:`sequential`: with ``--dist-ckpt-workers 1`` every bucket is written in the process that
    owns the save, where the installed writer would fork one process per bucket.
-4. :func:`checksummed`: every data file's CRC-32 is recorded as its bytes are written, for
+5. :func:`checksummed`: every data file's CRC-32 is recorded as its bytes are written, for
    the checkpoint's integrity manifest (:mod:`megatron_ckpt_ext.manifest`).
    ``MCX_WRITE_CHECKSUMS=0`` skips it.
-5. :func:`crc_free`: torch.save's per-record CRC-32 off while writing (no reader checks it; its
+6. :func:`crc_free`: torch.save's per-record CRC-32 off while writing (no reader checks it; its
    cost to the write: docs/notes/save_path.md). ``MCX_KEEP_CRC32=1`` keeps it.
-6. :func:`page_cache_free`: once fsync'd, the written files' pages leave the page cache, so a
+7. :func:`page_cache_free`: once fsync'd, the written files' pages leave the page cache, so a
    checkpoint does not evict the trainer's cache. ``MCX_KEEP_PAGE_CACHE=1`` keeps them.
-7. :func:`cpu_shimmed`: on CPU-only torch, the CPU device shim is active in the writer.
-8. :func:`hooked`: the Checkpointer's :class:`~megatron_ckpt_ext.hooks.SaveHooks` (fault
+8. :func:`cpu_shimmed`: on CPU-only torch, the CPU device shim is active in the writer.
+9. :func:`hooked`: the Checkpointer's :class:`~megatron_ckpt_ext.hooks.SaveHooks` (fault
    injection, and the writer trace of ``MCX_WRITER_TRACE``: docs/DEBUGGING.md).
-9. :func:`preload_in_writer`: the provider's "preload" (nvrx builds the write buckets there) runs
+10. :func:`preload_in_writer`: the provider's "preload" (nvrx builds the write buckets there) runs
    at the start of the write, in the writer, instead of before it while the trainer waits for it:
    the copies it reads are this save's own, complete once the gate opens.
    ``MCX_KEEP_PRELOAD=1`` keeps it where the provider runs it.
-10. :func:`gated`: outermost, the stager's gate: the write waits until the staged copies landed.
-11. :func:`provider_shaped`: the request as the async queue's provider expects it.
+11. :func:`gated`: outermost, the stager's gate: the write waits until the staged copies landed.
+12. :func:`provider_shaped`: the request as the async queue's provider expects it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..hooks import SaveHooks
 from ..manifest import record_sum
 from ..options import CkptOptions
 from ..staging.base import Stager
+from .handover import kept_in_writer
 
 __all__ = ["TRANSFORMS", "WriteContext", "build", "bucket_files", "call_then_drop_written_pages",
            "call_with_checksums", "preload_then_write",
@@ -157,8 +161,8 @@ def provider_shaped(request: Any, ctx: WriteContext) -> Any:
 
 
 TRANSFORMS: tuple[Callable[[Any, WriteContext], Any], ...] = (
-    idle_worker_noop, host_preload_dropped, sequential, checksummed, crc_free, page_cache_free,
-    cpu_shimmed, hooked, preload_in_writer, gated, provider_shaped)
+    idle_worker_noop, host_preload_dropped, kept_in_writer, sequential, checksummed, crc_free,
+    page_cache_free, cpu_shimmed, hooked, preload_in_writer, gated, provider_shaped)
 
 
 # -- what the writer runs (module level: pickled for a spawned writer) ---------------------------

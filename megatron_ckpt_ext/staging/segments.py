@@ -77,6 +77,16 @@ def _register_segment(storage: torch.UntypedStorage, path: str, nbytes: int, *,
         _reducer_installed = True
 
 
+def live_segment(storage_ptr: int) -> tuple[str, int, bool] | None:
+    """(path, bytes, receivers keep it mapped) of this process's live segment at ``storage_ptr``."""
+    return _SEGMENTS.get(storage_ptr)
+
+
+def current_epoch() -> int:
+    """Bumped whenever this process frees a segment: what receivers key their mappings by."""
+    return _epoch
+
+
 def _forget_segment(storage_ptr: int, path: str, *, unlink: bool = True) -> None:
     """The owner frees a segment: a new epoch (receivers drop what they kept), never pickled by
     this name again, unlinked (unless kept as a sealed snapshot)."""

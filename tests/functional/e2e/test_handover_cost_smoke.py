@@ -5,6 +5,7 @@ handles). No timing is asserted (shared CI cores)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.functional
-def test_handover_cost_reports_each_saves_pickling(tmp_path):
+def _saves(tmp_path, **env: str) -> list[dict]:
     out = tmp_path / "handover.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "handover_cost.py"), "--saves", "2",
-                    "--layers", "2", "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "handover_cost.py"), "--saves", "3",
+                    "--layers", "2", "--json", str(out)], check=True, cwd=ROOT, timeout=300,
+                   env={**os.environ, **env})
     saves = json.loads(out.read_text())["saves"]
-    assert [s["iteration"] for s in saves] == [1, 2]
+    assert [s["iteration"] for s in saves] == [1, 2, 3]
     for s in saves:
         assert s["blocking_s"] > 0
         feeder = s["pickling"]["QueueFeederThread"]
         assert feeder["calls"] >= 1 and feeder["bytes"] > 10_000, s  # 100 tensors' handles
+    return saves
+
+
+@pytest.mark.functional
+def test_handover_cost_reports_each_saves_pickling_and_what_the_writer_keeps(tmp_path):
+    saves = _saves(tmp_path)
+    assert saves[0]["kept"]["sent_whole"] >= 1, saves[0]  # the first save's lists, in full
+    for s in saves[1:]:  # later saves: by key only, the writer reuses what it built
+        assert s["kept"]["sent_whole"] == 0 and s["kept"]["sent_known"] >= 1, s
+
+
+@pytest.mark.functional
+def test_resend_each_save_pickles_every_list_in_full(tmp_path):
+    for s in _saves(tmp_path, MCX_RESEND_EACH_SAVE="1"):
+        assert s["kept"] == {"sent_whole": 0, "sent_known": 0}, s
