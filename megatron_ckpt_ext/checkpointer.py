@@ -45,7 +45,7 @@ from .save.publish import Publisher
 from .save.report import SaveRecord
 from .save.retention import Retention, finish_interrupted
 from .preempt import Preemption
-from .save.stage import choose_stager, stage
+from .save.stage import choose_stager
 from .save.steps import _SaveSteps
 from .save.sync_points import sync_points
 from .save.writers import WriterPool
@@ -235,7 +235,9 @@ class Checkpointer(_SaveSteps):
         2. (C) rank 0 opens ``iter_N.incomplete``; all agree whether it could, whether any
            rank's structure is new and whether any rank holds a plain tensor.
         3. stage: issue the device-to-host copies into memory owned by this save ((C) before the
-           first staging: node-level admission, :func:`preflight.admit_node`).
+           first staging: node-level admission, :func:`preflight.admit_node`). A steady async
+           save (this rank's structure unchanged) stages before step 2 instead, so its copies
+           run while the directory opens; a failed open gives its buffers back.
         4. plan: megatron-core's save request ((C) when the structure is new: it validates the
            sharding), changed by the write path; (C) all agree whether rank 0 could write the
            common state (a failure fails every rank alike, as each finalization step does).
@@ -259,12 +261,28 @@ class Checkpointer(_SaveSteps):
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
         before = self.staging_stats()  # (the wait for prepare() in _open counts too)
-        state, workdir = self._open(sharded_state_dict, record)
+        staged = self._stage_first(sharded_state_dict, record, before)  # a steady save's
+        if staged is not None:
+            t = record.phase("stage_s", t)
+        state, workdir = self._open(sharded_state_dict, record, staged=staged)
         if self._memory_tier:  # what the snapshot holds, for a restart to match: walked again
             if record.new_structure or self._layout is None:  # only when the structure changed
                 self._layout = tensor_layout(state)
             record.extra["layout"] = self._layout
         t = record.phase("prepare_dir_s", t)
+        if staged is None:
+            t = self._stage_after_open(state, record, before, t)
+        request = self._plan(state, workdir, record)
+        del state
+        if request is None:  # failed on every rank, under --ckpt-failure-policy warn
+            return
+        t = record.phase("plan_s", t)
+        self._hand_over(request, record, t)
+        record.blocking_s = time.perf_counter() - record.started
+
+    def _stage_after_open(self, state: Any, record: SaveRecord, before: dict, t: float) -> float:
+        """Stage once the directory is open: a new structure, or (C) the first staging, which
+        runs the node admission first."""
         if self.admission is None and self._stager.owns_copies:  # (C) the first staging
             if self._cpu_shm:  # an earlier run's snapshot of this root that nobody adopted
                 discard_snapshot(self._stager, record.root)
@@ -273,20 +291,8 @@ class Checkpointer(_SaveSteps):
             self._admit(tensors)
             record.mode = self._mode  # sync after a node-memory fallback
             record.detail["admit_s"] = time.perf_counter() - t
-        stage(state, record, self._stager)
-        record.detail.update(_stager_delta(before, self.staging_stats()))
-        pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)
-        if pinned is not None:  # a restored snapshot's pinning (after the load), said once
-            record.detail["pin_adopted_s"] = pinned
-        self._hooks.at("staged", record)
-        t = record.phase("stage_s", t)
-        request = self._plan(state, workdir, record)
-        del state
-        if request is None:  # failed on every rank, under --ckpt-failure-policy warn
-            return
-        t = record.phase("plan_s", t)
-        self._hand_over(request, record, t)
-        record.blocking_s = time.perf_counter() - record.started
+        self._stage(state, record, before)
+        return record.phase("stage_s", t)
 
     def wait_for_snapshot(self, *, blocking: bool = False) -> None:
         """Before the state changes after an overlapped save (``--ckpt-overlap-snapshot``): make
@@ -437,14 +443,3 @@ def _mode(is_async: bool, persistent: bool, cpu_shm: bool, overlap: bool) -> str
         return "sync"
     return (f"async-{'persistent' if persistent else 'temporal'}"
             + ("-cpu-shm" if cpu_shm else "") + ("-overlap" if overlap else ""))
-
-
-def _stager_delta(before: dict, after: dict) -> dict:
-    """What one save's staging cost the stager beyond the copies (rank 0's report names it):
-    waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
-    out = {}
-    for key in ("prepare_wait_s", "allocate_s", "register_s", "allocations",
-                "sets_built_at_stage"):
-        if key in after:
-            out[key] = after[key] - before.get(key, 0)
-    return out

@@ -15,6 +15,7 @@ from ..errors import CheckpointWriteError
 from ..manifest import read_manifest
 from .layout import checkpoint_name, commit_on_disk, open_workdir
 from .planner import copy_structure
+from .stage import stage
 from .report import SaveRecord, gather, log_report, report_entry
 from .write_path import WriteContext, build
 from .writers import SaveStepFailed, agreed_finalize, run_agreed
@@ -52,6 +53,7 @@ class _SaveSteps:
         _retention: Any
         _preemption: Any
         _failures_in_a_row: int
+        admission: dict | None
 
     def _finish_previous(self, record: SaveRecord) -> None:
         self._publisher.before_save(record.iteration)
@@ -65,14 +67,53 @@ class _SaveSteps:
             self._failed(e)
             self._writers.ready(record.iteration, record.root)
 
-    def _open(self, sharded_state_dict: Any, record: SaveRecord) -> tuple[Any, Path]:
+    def _stage_first(self, sharded_state_dict: Any, record: SaveRecord,
+                     before: dict) -> tuple[Any, tuple | None] | None:
+        """A steady save (async, the node admitted, this rank's structure known) stages before
+        the directory opens, so its copies run while rank 0 creates it and the ranks agree.
+        Returns the staged state and its structure key, or None where staging waits for the
+        open: a new structure here, the first staging (its admission is collective), a
+        synchronous save."""
+        if not (self._async and self._stager.owns_copies and self.admission is not None):
+            return None
         if self._planner.constant:  # what prepare() planned ahead is in place before the check
             self._stager.wait_prepared()
         structure = self._planner.key(sharded_state_dict)
+        if self._planner.is_new(structure):
+            return None
+        state = copy_structure(sharded_state_dict)
+        self._stage(state, record, before)
+        return state, structure
+
+    def _stage(self, state: Any, record: SaveRecord, before: dict) -> None:
+        stage(state, record, self._stager)
+        record.detail.update(_stager_delta(before, self.staging_stats()))
+        pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)
+        if pinned is not None:  # a restored snapshot's pinning (after the load), said once
+            record.detail["pin_adopted_s"] = pinned
+        self._hooks.at("staged", record)
+
+    def _open(self, sharded_state_dict: Any, record: SaveRecord, *,
+              staged: tuple[Any, tuple | None] | None = None) -> tuple[Any, Path]:
+        """(C) Open the save's directory (:func:`open_workdir`); returns the state to save (the
+        ``staged`` one when :meth:`_stage_first` staged it) and the directory. Where the open
+        fails after staging, the copies land and their buffers go back before it raises."""
+        if staged is not None:
+            structure = staged[1]
+        else:
+            if self._planner.constant:  # what prepare() planned ahead is in place first
+                self._stager.wait_prepared()
+            structure = self._planner.key(sharded_state_dict)
         new = self._planner.is_new(structure)
-        workdir = open_workdir(record, self._group, new_structure=new,
-                               validate=new and not self._planner.validated(structure),
-                               plain=backend.plain_tensors(sharded_state_dict))
+        try:
+            workdir = open_workdir(record, self._group, new_structure=new,
+                                   validate=new and not self._planner.validated(structure),
+                                   plain=backend.plain_tensors(sharded_state_dict))
+        except BaseException:
+            if staged is not None:
+                self._publisher.wait_staged(record)
+                record.release()
+            raise
         self._planner.use(structure, record)
         ahead, self._planner.planned_ahead_s = self._planner.planned_ahead_s, None
         if ahead is not None and not record.new_structure:  # its plan made by prepare()
@@ -80,7 +121,7 @@ class _SaveSteps:
         if self.reports and rank() == 0:
             preflight.check_disk(record.root, self.reports[-1]["bytes_total"],
                                  remeasure=record.new_structure)
-        return copy_structure(sharded_state_dict), workdir
+        return (copy_structure(sharded_state_dict) if staged is None else staged[0]), workdir
 
     def _plan(self, state: Any, workdir: Path, record: SaveRecord) -> Any:
         """megatron-core's save request. Planning reads only the staged tensors' metadata, so it
@@ -216,3 +257,14 @@ class _SaveSteps:
             logger.error("%s --ckpt-failure-policy warn: training goes on and the next save is "
                          "tried (%d of %d failures in a row allowed).", error,
                          self._failures_in_a_row, limit - 1)
+
+
+def _stager_delta(before: dict, after: dict) -> dict:
+    """What one save's staging cost the stager beyond the copies (rank 0's report names it):
+    waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
+    out = {}
+    for key in ("prepare_wait_s", "allocate_s", "register_s", "allocations",
+                "sets_built_at_stage"):
+        if key in after:
+            out[key] = after[key] - before.get(key, 0)
+    return out

@@ -11,21 +11,22 @@ import warnings
 import pytest
 import torch
 
-from megatron_ckpt_ext import Checkpointer, CkptOptions, checkpointer
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.save import steps
 from tests._support.dist import sharded
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def _syncing_stage(monkeypatch):
-    real = checkpointer.stage
+    real = steps.stage
 
     def stage_that_syncs(*args, **kwargs):
         real(*args, **kwargs)
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
         warnings.warn("something else", UserWarning)
 
-    monkeypatch.setattr(checkpointer, "stage", stage_that_syncs)
+    monkeypatch.setattr(steps, "stage", stage_that_syncs)
 
 
 def test_a_save_records_where_it_waited_for_the_device(tmp_path, monkeypatch):
