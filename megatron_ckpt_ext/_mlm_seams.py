@@ -332,6 +332,7 @@ def _prepare_after_first_step(arguments: dict[str, Any]) -> None:
     common = getattr(_state.modules.get("training"), "preprocess_common_state_dict", None)
     with _lock:
         _state.get_checkpointer().prepare(state, preprocess_common=common)
+    backend.import_first_save_modules(margs)  # (not inside the first save's stall)
     if rank() == 0:
         logger.info("megatron-ckpt-ext: staging for the first save prepared after the first "
                     "training step (state built in %.3f s; allocation continues in the "

@@ -217,6 +217,7 @@ for model in $MODELS; do
     launch "${source}_${model}_resume_cold" $source $model resume_cold -- "${base[@]}" \
       "${RESUME[@]}" --train-iters $to --load "$d" --save "${d}_r1" --logging-level 20 \
       --override-opt_param-scheduler "${step[@]}"
+    cp "${d}_r1"/ckpt_report.jsonl "$OUT/logs/${source}_${model}_resume_cold_reports.jsonl" 2>/dev/null
     rm -rf "${d}_r1"
     if [ -n "$OTHER_LAYOUT" ]; then  # the other layout, from the same checkpoint, no --save
       launch "${source}_${model}_resume_other" $source $model resume_other -- "${base[@]}" \

@@ -67,8 +67,9 @@ from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coord
                             fsdp_symm_mem_support, megatron_fsdp_api)
 from .load_reader import ReadResult, ReadSettings, parallel_reads
 from .writer_files import checksummed_writes
-from .megatron_training import (MLM_MODULES, MegatronSeams, megatron_sharded_state,
-                                megatron_training_module, megatron_training_seams)
+from .megatron_training import (MLM_MODULES, MegatronSeams, import_first_save_modules,
+                                megatron_sharded_state, megatron_training_module,
+                                megatron_training_seams)
 
 __all__ = [
     "Capabilities",
@@ -117,6 +118,7 @@ __all__ = [
     "map_sharded_tensors",
     "mcore_content_metadata_key",
     "megatron_fsdp_api",
+    "import_first_save_modules",
     "megatron_sharded_state",
     "megatron_training_module",
     "megatron_training_seams",

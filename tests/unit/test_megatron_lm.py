@@ -272,6 +272,28 @@ def test_with_no_save_rng_the_prepared_state_has_no_rng_state_as_the_save(mlm):
     assert [b[3] for b in built] == [None]
 
 
+def test_the_first_train_step_imports_what_megatrons_first_async_save_would(mlm, tmp_path,
+                                                                           monkeypatch):
+    """Megatron-LM 0.19's save_checkpoint imports megatron.training.distillation inside its
+    first async save: the adapter imports it after the first step, off that save's stall."""
+    from megatron_ckpt_ext.backend import megatron_training
+
+    (tmp_path / "mcx_first_save_stand_in.py").write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(megatron_training, "FIRST_SAVE_IMPORTS",
+                        ["mcx_first_save_stand_in", "mcx_no_such_module"])
+    monkeypatch.delitem(sys.modules, "mcx_first_save_stand_in", raising=False)
+    _train_step_stand_ins(mlm)
+    mlm.mods["checkpointing"].get_args = lambda: argparse.Namespace(
+        save="/ckpt", ckpt_format="torch_dist", no_save_rng=False, async_save=True)
+    _install(mlm, async_save=True)
+    mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
+    assert "mcx_first_save_stand_in" in sys.modules  # the missing one is skipped
+    monkeypatch.delitem(sys.modules, "mcx_first_save_stand_in")
+    assert megatron_training.import_first_save_modules(argparse.Namespace(async_save=False)) == []
+    assert "mcx_first_save_stand_in" not in sys.modules  # a synchronous save imports nothing
+
+
 def test_the_first_train_step_prepares_nothing_without_save(mlm):
     built = _train_step_stand_ins(mlm, save=None)
     _install(mlm, async_save=True)
