@@ -11,7 +11,7 @@ staged buffers. :func:`kept_in_writer` wraps each such list in :class:`Kept`, wh
 bytes; the writer unpickles it once per key and afterwards reuses what it built. The bytes
 travel every time, so a fresh writer (a restart) never depends on what an older one kept.
 
-Keys never outlive their contents: the sender holds the listed objects while their key exists
+Keys never outlive their contents: the sender holds the write items while their key exists
 (so no id is reused), staged tensors are keyed by their data pointer, dtype, shape and stride,
 and every key dies when this process frees a staging segment (the segment epoch), on both
 sides. ``MCX_RESEND_EACH_SAVE=1`` pickles the lists in full at every save, as before.
@@ -38,7 +38,7 @@ MIN_LENGTH = 16  # shorter lists pickle in well under a millisecond: sent as the
 _MAX_KEYS = 8  # per side: a structure's lists, twice for two snapshot sets, and spare
 _MAX_DEPTH = 8
 
-# sender: key -> (serial, segment epoch, the listed objects (held), their pickle)
+# sender: key -> (serial, segment epoch, the write items named by identity (held), the pickle)
 _SENT: OrderedDict[tuple, tuple[int, int, list, bytes]] = OrderedDict()
 _sent_lock = threading.Lock()
 _serial = 0
@@ -69,7 +69,7 @@ class Kept(list):
                 from multiprocessing.reduction import ForkingPickler
 
                 _serial += 1
-                entry = (_serial, epoch, items,
+                entry = (_serial, epoch, _identities(items),
                          bytes(ForkingPickler.dumps(items, pickle.HIGHEST_PROTOCOL)))
                 stats["sent_whole"] += 1
             else:
@@ -97,6 +97,13 @@ def _rebuilt(pid: int, serial: int, epoch: int, data: bytes) -> list:
         _KEPT.move_to_end((pid, serial))
         stats["reused"] += 1
     return list(built)  # a list of its own for each save: the writer may change it
+
+
+def _identities(items: list) -> list:
+    """What the sender holds while a key lives: the write items its key names by identity (so
+    no id is reused meanwhile), never the staged tensors (held, a freed set's memory would stay
+    mapped until the next save)."""
+    return [e[0] if isinstance(e, tuple) else e for e in items if not isinstance(e, torch.Tensor)]
 
 
 def _tensor_key(t: Any) -> tuple | None:

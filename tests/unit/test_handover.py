@@ -155,3 +155,12 @@ def test_the_step_wraps_long_lists_where_the_providers_put_them_and_nothing_else
         is_async=True, persistent=True, options=CkptOptions())) is request
     monkeypatch.setenv("MCX_RESEND_EACH_SAVE", "1")
     assert kept_in_writer(request, _ctx()) is request
+
+
+def test_the_sender_holds_the_write_items_never_the_staged_memory(stager):
+    staged = _views(_staged(stager))
+    items = [WriteItem(index=MetadataIndex(f"w{i}"), type=WriteItemType.SHARD) for i in range(N)]
+    for payload in (staged, list(zip(items, staged))):
+        ForkingPickler.dumps(Kept(payload))
+    held = [x for entry in handover._SENT.values() for x in entry[2]]
+    assert held and all(isinstance(x, WriteItem) for x in held)
