@@ -42,7 +42,7 @@ from .save.joblock import JobLock
 from .save.layout import TRACKER, checkpoint_name, read_tracker
 from .save.planner import SavePlanner, copy_leaves, copy_structure
 from .save.publish import Publisher
-from .save.report import SaveRecord
+from .save.report import SaveRecord, gc_pauses
 from .save.retention import Retention, finish_interrupted
 from .preempt import Preemption
 from .save.stage import choose_stager
@@ -251,11 +251,12 @@ class Checkpointer(_SaveSteps):
         record = SaveRecord(iteration=iteration, root=Path(checkpoint_dir),
                             started=time.perf_counter(), mode=self._mode)
         folder = env_switch("MCX_SYNC_POINTS")
-        if folder:  # where the blocking phases wait for the device (docs/DEBUGGING.md)
-            with sync_points(folder, f"save iteration {iteration}", rank(), record):
+        with gc_pauses(record):  # the collector's pauses inside the save, in its report
+            if folder:  # where the blocking phases wait for the device (docs/DEBUGGING.md)
+                with sync_points(folder, f"save iteration {iteration}", rank(), record):
+                    self._save_steps(sharded_state_dict, record)
+            else:
                 self._save_steps(sharded_state_dict, record)
-        else:
-            self._save_steps(sharded_state_dict, record)
 
     def _save_steps(self, sharded_state_dict: Any, record: SaveRecord) -> None:
         self._finish_previous(record)

@@ -4,12 +4,14 @@ entry built from it at the commit: appended to ``Checkpointer.reports``, logged 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .._runtime import rank
 from .layout import REPORT
@@ -43,6 +45,33 @@ class Held:
         self.batch = None
 
 
+_GC = {"s": 0.0, "n": 0, "t0": None}  # the collector's pauses in this process, summed
+
+
+def _gc_pause(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["t0"] = time.perf_counter()
+    elif _GC["t0"] is not None:
+        _GC["s"] += time.perf_counter() - _GC["t0"]
+        _GC["n"] += 1
+        _GC["t0"] = None
+
+
+@contextlib.contextmanager
+def gc_pauses(record: Any) -> Iterator[None]:
+    """While inside: Python's cyclic collector's pauses (they stop every thread of the process)
+    summed into ``record.detail`` (``gc_pause_s``, ``gc_collections``), so a slow save's report
+    says whether the collector took the time. A ``gc.callbacks`` entry, added once."""
+    if _gc_pause not in gc.callbacks:
+        gc.callbacks.append(_gc_pause)
+    seconds, count = _GC["s"], _GC["n"]
+    try:
+        yield
+    finally:
+        if _GC["n"] > count:
+            record.detail.update(gc_pause_s=_GC["s"] - seconds, gc_collections=_GC["n"] - count)
+
+
 @dataclass
 class SaveRecord:
     """One save in flight: its identity, the decisions every rank agreed on, what it holds
@@ -61,7 +90,8 @@ class SaveRecord:
     mode: str = ""
     host_bytes: int = 0  # host memory holding this save's staged copies (shm or plain)
     phases: dict = field(default_factory=dict)  # seconds per step of save(), see PHASES
-    # this rank's breakdown of stage_s (admission, waiting for prepare(), allocation, pinning)
+    # this rank's breakdown of stage_s (admission, waiting for prepare(), allocation, pinning),
+    # and the collector's pauses inside the blocking part (gc_pause_s, gc_collections)
     detail: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
