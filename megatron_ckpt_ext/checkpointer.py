@@ -251,7 +251,7 @@ class Checkpointer(_SaveSteps):
         record = SaveRecord(iteration=iteration, root=Path(checkpoint_dir),
                             started=time.perf_counter(), mode=self._mode)
         folder = env_switch("MCX_SYNC_POINTS")
-        with gc_pauses(record):  # the collector's pauses inside the save, in its report
+        with gc_pauses(record, defer=env_switch("MCX_GC_IN_SAVE") != "1"):  # (report.py)
             if folder:  # where the blocking phases wait for the device (docs/DEBUGGING.md)
                 with sync_points(folder, f"save iteration {iteration}", rank(), record):
                     self._save_steps(sharded_state_dict, record)

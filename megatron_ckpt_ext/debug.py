@@ -49,6 +49,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_RESEND_EACH_SAVE", "0",
               "1: a persistent writer's request pickles its write items and staged tensors in "
               "full at every save (no writer-side keeping under a constant structure)"),
+    EnvSwitch("MCX_GC_IN_SAVE", "0",
+              "1: Python's cyclic collector may run inside a save (by default it is paused "
+              "while save() blocks and catches up after)"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITE_CHECKSUMS", "1",

@@ -1,6 +1,7 @@
-"""A save's report says how long Python's cyclic collector paused it (``stage_detail``:
-``gc_pause_s``, ``gc_collections``), so a slow save can be told from one the collector took;
-a save the collector left alone names neither."""
+"""Python's cyclic collector is paused while a save blocks (its collections run after the save)
+and any collection that still runs inside a save is in its report (``stage_detail``:
+``gc_pause_s``, ``gc_collections``); a save the collector left alone names neither.
+``MCX_GC_IN_SAVE=1`` leaves the collector running."""
 
 from __future__ import annotations
 
@@ -44,3 +45,37 @@ def test_the_collectors_pause_inside_a_save_is_in_its_report(tmp_path, no_automa
         details = {r["iteration"]: r["stage_detail"] for r in ck.reports}
     assert details[2]["gc_collections"] == 1 and details[2]["gc_pause_s"] > 0
     assert "gc_pause_s" not in details[1] and "gc_pause_s" not in details[3]
+
+
+class _SeesTheCollector(SaveHooks):
+    def __init__(self) -> None:
+        self.enabled: list[bool] = []
+
+    def at(self, point, record):  # noqa: ANN001
+        if point == "staged":
+            self.enabled.append(gc.isenabled())
+
+
+@pytest.mark.parametrize("switch, inside", [(None, False), ("1", True)])
+def test_the_collector_is_paused_while_a_save_blocks(tmp_path, monkeypatch, switch, inside):
+    if switch is None:
+        monkeypatch.delenv("MCX_GC_IN_SAVE", raising=False)
+    else:
+        monkeypatch.setenv("MCX_GC_IN_SAVE", switch)
+    hooks = _SeesTheCollector()
+    assert gc.isenabled()
+    with Checkpointer(CkptOptions(), hooks=hooks) as ck:
+        ck.save(sharded(0, 1, {"w": torch.ones(8)}), tmp_path / "ckpt", iteration=1)
+    assert hooks.enabled == [inside]
+    assert gc.isenabled()  # on again after the save
+
+
+def test_a_save_that_fails_turns_the_collector_back_on(tmp_path):
+    class Fails(SaveHooks):
+        def at(self, point, record):  # noqa: ANN001
+            if point == "staged":
+                raise RuntimeError("injected")
+
+    with Checkpointer(CkptOptions(), hooks=Fails()) as ck, pytest.raises(RuntimeError):
+        ck.save(sharded(0, 1, {"w": torch.ones(8)}), tmp_path / "ckpt", iteration=1)
+    assert gc.isenabled()
