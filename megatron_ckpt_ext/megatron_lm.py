@@ -44,6 +44,7 @@ from .arguments import add_arguments
 from .debug import env_switch, profiled
 from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
+from .save.report import gc_pauses
 
 __all__ = [
     "extra_args_provider",
@@ -196,6 +197,18 @@ def _profiled_save_checkpoint(folder: str, original: Callable[..., Any]) -> Call
     return save_checkpoint
 
 
+def _collector_paused(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's ``save_checkpoint`` with Python's cyclic collector paused while it runs: its
+    own state building around our save triggers collections too (``save/report.py:
+    gc_pauses``; ``MCX_GC_IN_SAVE=1`` leaves it running)."""
+    @functools.wraps(original)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        with gc_pauses(None):
+            return original(*args, **kwargs)
+
+    return save_checkpoint
+
+
 def _apply_patches(modules: dict[str, Any]) -> None:
     replacements: dict[str, Any] = {
         "dist_checkpointing": _DistCheckpointingProxy(modules["checkpointing"].dist_checkpointing),
@@ -209,10 +222,15 @@ def _apply_patches(modules: dict[str, Any]) -> None:
     }
     present = [p for p in _OPTIONAL_PATCHES if hasattr(modules.get(p[0]), p[1])]
     folder = env_switch("MCX_PROFILE_SAVES")
-    if folder and callable(getattr(modules.get("training"), "save_checkpoint", None)):
+    original = getattr(modules.get("training"), "save_checkpoint", None)
+    wrapped = original
+    if callable(original) and env_switch("MCX_GC_IN_SAVE") != "1":
+        wrapped = _collector_paused(wrapped)
+    if folder and callable(original):
         # Megatron's whole save_checkpoint (its own state building around our save), profiled
-        replacements["save_checkpoint"] = _profiled_save_checkpoint(
-            folder, modules["training"].save_checkpoint)
+        wrapped = _profiled_save_checkpoint(folder, wrapped)
+    if wrapped is not original:
+        replacements["save_checkpoint"] = wrapped
         present.append(("training", "save_checkpoint"))
     for short, name in (*_PATCHES, *present):
         _state.originals[(short, name)] = getattr(modules[short], name)

@@ -515,3 +515,33 @@ def test_profile_saves_also_profiles_megatrons_whole_save_checkpoint(mlm, monkey
     assert profile.count("==== megatron save_checkpoint iteration 7") == 1, profile[:300]
     megatron_lm.uninstall()
     assert training.save_checkpoint is save_checkpoint
+
+
+@pytest.mark.parametrize("switch, inside", [(None, False), ("1", True)])
+def test_megatrons_whole_save_checkpoint_runs_with_the_collector_paused(mlm, monkeypatch, switch,
+                                                                         inside):
+    """Megatron's state building around our save triggers the cyclic collector too: the
+    launcher runs its save_checkpoint with the collector paused (MCX_GC_IN_SAVE=1: not)."""
+    import gc
+
+    seen = []
+
+    def save_checkpoint(iteration, *args, **kwargs):
+        seen.append(gc.isenabled())
+        if iteration == 2:
+            raise RuntimeError("Megatron's save failed")
+
+    training = mlm.mods["training"]
+    training.save_checkpoint = save_checkpoint
+    monkeypatch.delenv("MCX_PROFILE_SAVES", raising=False)
+    if switch is None:
+        monkeypatch.delenv("MCX_GC_IN_SAVE", raising=False)
+    else:
+        monkeypatch.setenv("MCX_GC_IN_SAVE", switch)
+    _install(mlm, async_save=True)
+    training.save_checkpoint(1, "model")
+    with pytest.raises(RuntimeError):
+        training.save_checkpoint(2, "model")
+    assert seen == [inside, inside] and gc.isenabled()
+    megatron_lm.uninstall()
+    assert training.save_checkpoint is save_checkpoint
