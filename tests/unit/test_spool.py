@@ -109,12 +109,24 @@ def _start_creator(base, *, fork_writer=False):
     return proc, parent, directory, writer_pid
 
 
-def _wait_gone(conn) -> None:
-    """Until every process holding the other end exited (an orphaned writer's pid may linger as
-    a zombie nobody reaps, but its descriptors, and so its locks, are gone with its exit)."""
+def _wait_gone(conn, pid: int | None = None) -> None:
+    """Until every process holding the other end closed it, and the writer ``pid`` exited: its
+    pipe end can close before its other descriptors (the queue's lock) do, at its exit. An
+    orphaned writer's pid may linger as a zombie nobody reaps; its descriptors are gone then."""
     assert conn.poll(60), "the writer did not exit"
     with pytest.raises(EOFError):
         conn.recv()
+    deadline = time.monotonic() + 60
+    while pid is not None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # reaped
+            return
+        if state in "ZX":  # exited, descriptors closed
+            return
+        time.sleep(0.01)
+    assert pid is None, f"writer {pid} still runs"
 
 
 def test_a_live_queue_of_another_pid_namespace_is_never_swept(tmp_path):
@@ -140,7 +152,7 @@ def test_a_live_queue_of_another_pid_namespace_is_never_swept(tmp_path):
 def test_a_killed_creators_directory_is_kept_while_its_writers_live(tmp_path):
     from megatron_ckpt_ext import spool
 
-    proc, conn, directory, _ = _start_creator(tmp_path, fork_writer=True)
+    proc, conn, directory, writer_pid = _start_creator(tmp_path, fork_writer=True)
     deadline = time.monotonic() + 60  # not join(): the writer inherited its sentinel pipe
     while proc.exitcode is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -152,7 +164,7 @@ def test_a_killed_creators_directory_is_kept_while_its_writers_live(tmp_path):
         attached = pickle.loads(pickle.dumps(SpoolQueue(directory, owner=False)))
     finally:
         conn.send("die")
-    _wait_gone(conn)
+    _wait_gone(conn, writer_pid)
     assert spool.sweep_stale(str(tmp_path)) == [] and os.path.isdir(directory)
     attached.close()  # the last holder lets go
     assert spool.sweep_stale(str(tmp_path)) == [name]
