@@ -8,24 +8,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 R=${OUT:?}
+source docs/megatron_lm/steps/_ab_run.sh
 for v in before after; do
   cp .ab/copies_$v.py megatron_ckpt_ext/staging/copies.py
-  echo "== $v $(date +%T)"
-  MODELS=134m SOURCES=ours KILL=0 RESUME_WARM=0 SAVE_EVERY_134M=50 OUT=/tmp/ab_$v WORK=/tmp/rcw_$v \
-    timeout 250 bash scripts/gpu_real_client.sh 2>&1 | grep '"save"\|"load"\|rc='
-  cp /tmp/ab_$v/real_client.json "$R/h100_134m_1126k_copies_$v.json"
-  cp /tmp/ab_$v/logs.tgz "$R/h100_134m_1126k_copies_${v}_logs.tgz"
-  rm -rf /tmp/rcw_$v /tmp/x_$v && mkdir -p /tmp/x_$v && tar xzf /tmp/ab_$v/logs.tgz -C /tmp/x_$v
-  for f in $(find /tmp/x_$v -name "ours_134m_*_reports.jsonl" | sort); do
-    echo "-- $(basename "$f")"
-    python3 - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "blocking_s" in r:
-        p = {k.removesuffix("_s"): round(v * 1e3, 1) for k, v in r["phases"].items() if v}
-        print(r["iteration"], "blocking_ms", round(r["blocking_s"] * 1e3, 1), p)
-PY
-  done
+  ab_run $v ours 250 h100_134m_1126k_copies
 done
 cp .ab/copies_after.py megatron_ckpt_ext/staging/copies.py

@@ -7,25 +7,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 R=${OUT:?}
+source docs/megatron_lm/steps/_ab_run.sh
 for v in in_save paused; do
   case $v in in_save) export MCX_GC_IN_SAVE=1 ;; paused) unset MCX_GC_IN_SAVE ;; esac
-  echo "== $v $(date +%T)"
-  MODELS=134m SOURCES=ours KILL=0 RESUME_WARM=0 SAVE_EVERY_134M=50 OUT=/tmp/ab_$v WORK=/tmp/rcw_$v \
-    timeout 250 bash scripts/gpu_real_client.sh 2>&1 | grep '"save"\|"load"\|rc='
-  cp /tmp/ab_$v/real_client.json "$R/h100_134m_1126n_gc_$v.json"
-  cp /tmp/ab_$v/logs.tgz "$R/h100_134m_1126n_gc_${v}_logs.tgz"
-  rm -rf /tmp/rcw_$v /tmp/x_$v && mkdir -p /tmp/x_$v && tar xzf /tmp/ab_$v/logs.tgz -C /tmp/x_$v
-  for f in $(find /tmp/x_$v -name "ours_134m_*_reports.jsonl" | sort); do
-    echo "-- $(basename "$f")"
-    python3 - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "blocking_s" in r:
-        p = {k.removesuffix("_s"): round(v * 1e3, 1) for k, v in r["phases"].items() if v}
-        d = r.get("stage_detail", {})
-        print(r["iteration"], "blocking_ms", round(r["blocking_s"] * 1e3, 1), p,
-              "gc_ms", round(d.get("gc_pause_s", 0) * 1e3, 2), d.get("gc_collections", 0))
-PY
-  done
+  ab_run $v ours 250 h100_134m_1126n_gc
 done
