@@ -2,9 +2,9 @@
 at every save of a constant structure (the write items, the staged shared-memory tensors, or
 their pairs), so that each save's hand-over pickles them once.
 
-A persistent writer gets each save as one pickled request. Its long lists (400 write items and
-400 staged tensors for the 134M recipe) took 7-15 ms of the queue's feeder thread per save, GIL
-held, beside the trainer's own work (docs/notes/megatron_lm.md, fifth session). Under a
+A persistent writer gets each save as one pickled request. Pickling its long lists (one write
+item and one staged tensor per tensor of the state) held the GIL in the queue's feeder thread
+beside the trainer's own work (what it cost: docs/notes/megatron_lm.md). Under a
 constant structure they are equal at every save: the same write items, tensors on the same
 staged buffers. :func:`kept_in_writer` wraps each such list in :class:`Kept`, which pickles
 (in the feeder thread) as a key and the list's pickle, made once per key and then sent as

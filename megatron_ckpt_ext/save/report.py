@@ -63,8 +63,7 @@ def gc_pauses(record: Any, *, defer: bool = True) -> Iterator[None]:
     own allocations would trigger run after it, in one pass), and any collection that still
     runs (an explicit ``gc.collect()``; every collection with ``defer=False``) is summed into
     ``record.detail`` (``gc_pause_s``, ``gc_collections``; ``record`` None: not counted): it
-    stops every thread of the process. On the H100 a steady 134M save triggered 4-15 young collections (1-4 ms), and one
-    in 14 a full one (41 ms)."""
+    stops every thread of the process (what it cost a save: docs/notes/megatron_lm.md)."""
     if _gc_pause not in gc.callbacks:
         gc.callbacks.append(_gc_pause)
     seconds, count = _GC["s"], _GC["n"]
