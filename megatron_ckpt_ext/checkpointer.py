@@ -395,6 +395,7 @@ class Checkpointer(_SaveSteps):
         self._closed = True
         drained = False
         try:
+            self.drop_ahead()  # copies issued ahead of a save that never came
             self._publisher.close()  # its copies land before the buffers can be freed
             self.maybe_finalize(blocking=True)
             drained = True

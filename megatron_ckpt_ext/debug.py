@@ -52,6 +52,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_GC_IN_SAVE", "0",
               "1: Python's cyclic collector may run inside a save (by default it is paused "
               "while save() blocks and catches up after)"),
+    EnvSwitch("MCX_STAGE_AHEAD", "1",
+              "0: the launcher issues no copies on entry to Megatron-LM's save_checkpoint; each "
+              "save stages once its state dict is built (save/ahead.py)"),
     EnvSwitch("MCX_KEEP_CRC32", "0",
               "1: let torch.save compute the CRC-32 of every record the writer writes"),
     EnvSwitch("MCX_WRITE_CHECKSUMS", "1",

@@ -28,6 +28,7 @@ megatron; it is importable (and useless) where ``megatron.training`` is absent.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Callable
@@ -197,14 +198,25 @@ def _profiled_save_checkpoint(folder: str, original: Callable[..., Any]) -> Call
     return save_checkpoint
 
 
-def _collector_paused(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron's ``save_checkpoint`` with Python's cyclic collector paused while it runs: its
-    own state building around our save triggers collections too (``save/report.py:
-    gc_pauses``; ``MCX_GC_IN_SAVE=1`` leaves it running)."""
+def _around_save_checkpoint(original: Callable[..., Any], *,
+                            pause_gc: bool) -> Callable[..., Any]:
+    """Megatron's ``save_checkpoint`` with, on entry, the copies of the last save's tensors
+    issued while it builds its state dict (``Checkpointer.stage_ahead``, save/ahead.py: the save
+    takes them only if its tensors are those, unchanged; what it did not take is given back on
+    the way out), and with Python's cyclic collector paused while it runs (its own state
+    building around our save triggers collections too: ``save/report.py: gc_pauses``;
+    ``MCX_GC_IN_SAVE=1`` leaves it running)."""
     @functools.wraps(original)
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        with gc_pauses(None):
-            return original(*args, **kwargs)
+        with gc_pauses(None) if pause_gc else contextlib.nullcontext():
+            checkpointer = _state.checkpointer
+            ahead = (hasattr(checkpointer, "stage_ahead") and not kwargs.get("non_persistent_ckpt")
+                     and checkpointer.stage_ahead())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if ahead:
+                    checkpointer.drop_ahead()
 
     return save_checkpoint
 
@@ -224,8 +236,8 @@ def _apply_patches(modules: dict[str, Any]) -> None:
     folder = env_switch("MCX_PROFILE_SAVES")
     original = getattr(modules.get("training"), "save_checkpoint", None)
     wrapped = original
-    if callable(original) and env_switch("MCX_GC_IN_SAVE") != "1":
-        wrapped = _collector_paused(wrapped)
+    if callable(original):
+        wrapped = _around_save_checkpoint(wrapped, pause_gc=env_switch("MCX_GC_IN_SAVE") != "1")
     if folder and callable(original):
         # Megatron's whole save_checkpoint (its own state building around our save), profiled
         wrapped = _profiled_save_checkpoint(folder, wrapped)

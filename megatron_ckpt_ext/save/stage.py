@@ -7,13 +7,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import backend
 from .._runtime import rank
 from ..errors import CkptOptionsError
 from ..staging.base import Stager
 from .report import SaveRecord
+
+if TYPE_CHECKING:
+    from .ahead import Ahead
 
 __all__ = ["choose_stager", "stage", "sweep_at_start"]
 
@@ -64,13 +67,24 @@ def _check_fits(stager: Stager, *, is_async: bool, cpu_shm: bool, reuse: bool) -
                                f"build it with reuse={reuse}")
 
 
-def stage(state: Any, record: SaveRecord, stager: Stager) -> None:
+def stage(state: Any, record: SaveRecord, stager: Stager, *,
+          ahead: Ahead | None = None) -> tuple[list, list, str]:
     """Issue the copies of every tensor of ``state`` (they may still run when this returns:
-    :meth:`Publisher.wait_staged`) and put the copies in the state in place of the tensors."""
+    :meth:`Publisher.wait_staged`) and put the copies in the state in place of the tensors.
+    Copies issued ``ahead`` (:mod:`.ahead`) are taken where they are of these very tensors, else
+    dropped. Returns the sources, their keys and why ``ahead`` was not taken ('' if it was)."""
     t0 = time.perf_counter()
     tensors: list[Any] = []
     backend.map_sharded_tensors(state, lambda t: tensors.append(t) or t)
-    batch = stager.stage([t.data for t in tensors], keys=[t.key for t in tensors], wait=False)
+    sources, keys = [t.data for t in tensors], [t.key for t in tensors]
+    why = ahead.mismatch(sources, keys) if ahead is not None else ""
+    if ahead is not None and not why:
+        batch = ahead.batch
+        record.detail["staged_ahead_s"] = round(t0 - ahead.issued, 6)  # issued this long before
+    else:
+        if ahead is not None:
+            ahead.drop()  # its copies land and its buffers go back before they are staged into
+        batch = stager.stage(sources, keys=keys, wait=False)
     record.held.batch = batch
     record.nbytes = batch.nbytes
     record.host_bytes = stager.host_bytes()
@@ -79,6 +93,7 @@ def stage(state: Any, record: SaveRecord, stager: Stager) -> None:
         swap = iter(batch.tensors)
         backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
         record.staging_s = time.perf_counter() - t0
+    return sources, keys, why
 
 
 def sweep_at_start() -> None:

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from .. import backend, preflight
 from .._runtime import rank
+from ..debug import env_switch
 from ..errors import CheckpointWriteError
 from ..manifest import read_manifest
 from .layout import checkpoint_name, commit_on_disk, open_workdir
 from .planner import copy_structure
+from .ahead import Ahead, Sources, say_off
 from .stage import stage
 from .report import SaveRecord, gather, log_report, report_entry
 from .write_path import WriteContext, build
@@ -55,6 +57,10 @@ class _SaveSteps:
         _failures_in_a_row: int
         admission: dict | None
 
+    _ahead: Ahead | None = None  # copies stage_ahead() issued for the next save
+    _ahead_sources: Sources | None = None  # what the last save staged (weakly referenced)
+    _ahead_off = ""  # why staging ahead stopped for this run ('' while it goes on)
+
     def _finish_previous(self, record: SaveRecord) -> None:
         self._publisher.before_save(record.iteration)
         if not self._writers.idle:
@@ -67,26 +73,64 @@ class _SaveSteps:
             self._failed(e)
             self._writers.ready(record.iteration, record.root)
 
+    def stage_ahead(self) -> bool:
+        """Issue the copies of the tensors the last save staged, into the buffers the next save
+        stages into, while the caller builds that save's state (the launcher: on entry to
+        Megatron-LM's ``save_checkpoint``). The save takes them only where its tensors are those
+        very ones, unchanged (:mod:`.ahead`); :meth:`drop_ahead` gives back what no save took.
+        Only for an async shared-memory save with no save pending, the node admitted and every
+        tensor of the last save alive; ``MCX_STAGE_AHEAD=0`` never. Whether copies were issued."""
+        if (self._ahead is not None or self._ahead_off or self._ahead_sources is None
+                or not (self._async and self.admission is not None and self._writers.idle)
+                or not hasattr(self._stager, "idle_set_fits")
+                or env_switch("MCX_STAGE_AHEAD") == "0"):
+            return False
+        tensors = self._ahead_sources.alive()
+        if tensors is None:  # a state built anew at each save: nothing to copy ahead
+            self._ahead_sources = None
+            return False
+        keys = self._ahead_sources.keys
+        if not self._stager.idle_set_fits(tensors, keys=keys):  # it would allocate: not ahead
+            return False
+        self._ahead = Ahead.issue(self._stager, tensors, keys, self.staging_stats())
+        return True
+
+    def drop_ahead(self) -> None:
+        """Copies :meth:`stage_ahead` issued that no save took: they land and their buffers go
+        back. Idempotent."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.drop()
+
     def _stage_first(self, sharded_state_dict: Any, record: SaveRecord,
                      before: dict) -> tuple[Any, tuple | None] | None:
         """A steady save (async, the node admitted, this rank's structure known) stages before
-        the directory opens, so its copies run while rank 0 creates it and the ranks agree.
-        Returns the staged state and its structure key, or None where staging waits for the
-        open: a new structure here, the first staging (its admission is collective), a
-        synchronous save."""
+        the directory opens, so its copies run while rank 0 creates it and the ranks agree
+        (or takes the copies :meth:`stage_ahead` issued). Returns the staged state and its
+        structure key, or None where staging waits for the open: a new structure here, the
+        first staging (its admission is collective), a synchronous save."""
         if not (self._async and self._stager.owns_copies and self.admission is not None):
+            self.drop_ahead()
             return None
         if self._planner.constant:  # what prepare() planned ahead is in place before the check
             self._stager.wait_prepared()
         structure = self._planner.key(sharded_state_dict)
         if self._planner.is_new(structure):
+            self.drop_ahead()
             return None
         state = copy_structure(sharded_state_dict)
-        self._stage(state, record, before)
+        ahead, self._ahead = self._ahead, None
+        self._stage(state, record, ahead.before if ahead is not None else before, ahead=ahead)
         return state, structure
 
-    def _stage(self, state: Any, record: SaveRecord, before: dict) -> None:
-        stage(state, record, self._stager)
+    def _stage(self, state: Any, record: SaveRecord, before: dict, *,
+               ahead: Ahead | None = None) -> None:
+        self.drop_ahead()  # (any not taken by _stage_first)
+        sources, keys, why = stage(state, record, self._stager, ahead=ahead)
+        if why:  # the copies ahead were not of this save's tensors: not tried again
+            self._ahead_off = why
+            say_off(why)
+        self._ahead_sources = Sources.of(sources, keys) if self._stager.owns_copies else None
         record.detail.update(_stager_delta(before, self.staging_stats()))
         pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)
         if pinned is not None:  # a restored snapshot's pinning (after the load), said once

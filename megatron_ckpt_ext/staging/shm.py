@@ -122,6 +122,18 @@ class ShmStager(_Sealing, _CopyStreams):
             batch.wait()
         return batch
 
+    def idle_set_fits(self, tensors: Sequence[torch.Tensor], *,
+                      keys: Sequence[str] | None = None) -> bool:
+        """Whether :meth:`stage` of these would stage into a buffer set that is ready now (no
+        allocation, no wait for a background prepare() or for a writer)."""
+        thread = self._prepare_thread
+        if self._closed or (thread is not None and thread.is_alive()):
+            return False
+        specs = _specs(tensors, keys)
+        keep = self._sealed[0] if self.snapshot_sets > 1 and self._sealed is not None else None
+        with self._lock:
+            return any(not s.in_flight and s is not keep and s.fits(specs) for s in self._sets)
+
     def gate(self, write: Callable[..., Any], *, timeout_s: float) -> tuple[Callable[..., Any], int]:
         """``write`` that first waits (in the writer) until :meth:`publish` of its ticket."""
         self._tickets += 1

@@ -545,3 +545,38 @@ def test_megatrons_whole_save_checkpoint_runs_with_the_collector_paused(mlm, mon
     assert seen == [inside, inside] and gc.isenabled()
     megatron_lm.uninstall()
     assert training.save_checkpoint is save_checkpoint
+
+
+def test_megatrons_save_checkpoint_stages_ahead_on_entry_and_gives_back_what_no_save_took(
+        mlm, monkeypatch):
+    """On entry to Megatron's save_checkpoint the launcher asks the Checkpointer to issue the
+    last save's copies (save/ahead.py) while Megatron builds its state; on the way out, also on
+    an error, what no save took is given back. Not for a non-persistent (local) checkpoint,
+    which our save never sees."""
+    calls = []
+
+    class Ahead(FakeCheckpointer):
+        def stage_ahead(self):
+            calls.append("ahead")
+            return True
+
+        def drop_ahead(self):
+            calls.append("drop")
+
+    def save_checkpoint(iteration, *args, **kwargs):
+        calls.append(f"megatron {iteration}")
+        if iteration == 2:
+            raise RuntimeError("Megatron's save failed")
+
+    training = mlm.mods["training"]
+    training.save_checkpoint = save_checkpoint
+    megatron_lm.install(options=CkptOptions(async_save=True), checkpointer_factory=Ahead,
+                        modules=mlm.mods)
+    training.save_checkpoint(0, "model")  # no Checkpointer yet: nothing to stage ahead
+    megatron_lm._state.get_checkpointer()
+    training.save_checkpoint(1, "model")
+    with pytest.raises(RuntimeError):
+        training.save_checkpoint(2, "model")
+    training.save_checkpoint(3, "model", non_persistent_ckpt=True)
+    assert calls == ["megatron 0", "ahead", "megatron 1", "drop", "ahead", "megatron 2", "drop",
+                     "megatron 3"]

@@ -22,9 +22,10 @@ def _syncing_stage(monkeypatch):
     real = steps.stage
 
     def stage_that_syncs(*args, **kwargs):
-        real(*args, **kwargs)
+        staged = real(*args, **kwargs)
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
         warnings.warn("something else", UserWarning)
+        return staged
 
     monkeypatch.setattr(steps, "stage", stage_that_syncs)
 

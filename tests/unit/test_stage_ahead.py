@@ -1,0 +1,147 @@
+"""Staging ahead (save/ahead.py): copies of the last save's tensors issued before the caller
+builds the next save's state (the launcher: on entry to Megatron-LM's save_checkpoint). The save
+takes them only where its tensors are those very ones, unchanged since; otherwise it stages as
+usual, writes its own bytes, and staging ahead stays off. A state built anew at each save stages
+nothing ahead; copies no save took go back to the stager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from tests._support.dist import sharded
+
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank_group")]  # tests/conftest.py
+
+OPTIONS = dict(async_save=True, async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True)
+
+
+class _Model:
+    """Tensors that live across saves (parameters, optimizer state), changed in place."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.w = torch.zeros(n)
+        self.b = torch.zeros(n)
+
+    def step(self, value: float) -> None:
+        self.w.fill_(value)
+        self.b.copy_(torch.arange(self.b.numel(), dtype=torch.float32) + value)
+
+    def state(self) -> dict:  # built at every save, as Megatron does: same tensors, new objects
+        return sharded(0, 1, {"w": self.w, "b": self.b})
+
+
+def _expected(value: float, n: int = 64) -> dict:
+    return {"w": torch.full((n,), value), "b": torch.arange(n, dtype=torch.float32) + value}
+
+
+def _check(ck: Checkpointer, root, iteration: int, expected: dict) -> None:
+    loaded = ck.load(sharded(0, 1, {k: torch.empty_like(v) for k, v in expected.items()}), root,
+                     iteration=iteration)
+    for key, want in expected.items():
+        assert torch.equal(loaded[key], want), (iteration, key)
+
+
+def _ahead_in(ck: Checkpointer) -> list[bool]:
+    return ["staged_ahead_s" in r.get("stage_detail", {}) for r in ck.reports]
+
+
+def _save(ck: Checkpointer, model: _Model, root, iteration: int) -> None:
+    ck.save(model.state(), root, iteration=iteration)
+    ck.maybe_finalize(blocking=True)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_steady_saves_take_the_copies_issued_ahead_and_write_the_state_at_the_save(tmp_path,
+                                                                                   persistent):
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS, use_persistent_ckpt_worker=persistent)) as ck:
+        issued = []
+        for it in range(1, 6):
+            model.step(float(it))
+            issued.append(ck.stage_ahead())
+            _save(ck, model, root, it)
+        allocated = ck.staging_stats()["allocations"]
+        for it in range(1, 6):
+            _check(ck, root, it, _expected(float(it)))
+        assert ck.staging_stats()["allocations"] == allocated
+    # nothing to copy before the first save; the first save admits the node after it
+    assert issued == [False, True, True, True, True]
+    assert _ahead_in(ck) == [False, True, True, True, True]
+
+
+def test_a_change_in_place_after_the_copies_were_issued_is_saved_and_ahead_stops(tmp_path,
+                                                                                 caplog):
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        for it in (1, 2):
+            model.step(float(it))
+            _save(ck, model, root, it)
+        model.step(3.0)
+        assert ck.stage_ahead()
+        model.w.add_(1.0)  # between the copies ahead and the save: the save must hold it
+        with caplog.at_level("INFO", logger="megatron_ckpt_ext"):
+            _save(ck, model, root, 3)
+        model.step(4.0)
+        assert not ck.stage_ahead()  # off for the rest of the run
+        _save(ck, model, root, 4)
+        want = _expected(3.0)
+        want["w"] += 1.0
+        _check(ck, root, 3, want)
+        _check(ck, root, 4, _expected(4.0))
+    assert _ahead_in(ck) == [False, False, False, False]
+    assert any("changed in place" in r.getMessage() for r in caplog.records)
+
+
+def test_another_tensor_under_the_same_key_is_saved_not_the_copy_ahead(tmp_path):
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        for it in (1, 2):
+            model.step(float(it))
+            _save(ck, model, root, it)
+        model.step(3.0)
+        assert ck.stage_ahead()
+        old_w = model.w  # still alive: its memory cannot be handed to the new one
+        model.w = torch.full_like(old_w, 30.0)
+        while model.w._version < old_w._version:  # even its version counter agrees
+            model.w.add_(0.0)
+        assert model.w._version == old_w._version
+        _save(ck, model, root, 3)
+        want = _expected(3.0)
+        want["w"] = torch.full_like(old_w, 30.0)
+        _check(ck, root, 3, want)
+    assert _ahead_in(ck) == [False, False, False]
+
+
+def test_a_state_built_anew_at_each_save_stages_nothing_ahead(tmp_path):
+    root = tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        issued = []
+        for it in (1, 2, 3):
+            issued.append(ck.stage_ahead())
+            fresh = _Model()
+            fresh.step(float(it))
+            _save(ck, fresh, root, it)
+            del fresh
+        _check(ck, root, 3, _expected(3.0))
+    assert issued == [False, False, False]
+
+
+def test_copies_no_save_took_go_back_and_the_next_save_stages_into_them(tmp_path, monkeypatch):
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        for it in (1, 2):
+            model.step(float(it))
+            _save(ck, model, root, it)
+        allocated = ck.staging_stats()["allocations"]
+        assert ck.stage_ahead()
+        ck.drop_ahead()  # the caller saved nothing (say, Megatron's save raised first)
+        model.step(3.0)
+        _save(ck, model, root, 3)
+        assert ck.staging_stats()["allocations"] == allocated
+        _check(ck, root, 3, _expected(3.0))
+        monkeypatch.setenv("MCX_STAGE_AHEAD", "0")
+        assert not ck.stage_ahead()
+        monkeypatch.delenv("MCX_STAGE_AHEAD")
+        assert ck.stage_ahead()  # and close() gives these back
