@@ -25,9 +25,9 @@ from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure
-from ..staging import retained
-from ..staging.retained import (Seal, copy_verified, drop_warm_bounce, read_seal, seal_path,
-                                warm_bounce)
+from ..staging import restore_copy
+from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
+from ..staging.retained import Seal, read_seal, seal_path
 from . import prepared as _prepared
 from .report import LoadRecord
 
@@ -67,22 +67,31 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     if ahead is not None:
         record.memory_detail.update(prepared_s=ahead.seconds, prepare_wait_s=ahead.waited_s,
                                     pinned_ahead=len(ahead.pinned))
-    if tensors is not None:  # checked and copied into the targets in one pass (a refusal
-        why = _check_and_copy(stager, tensors, sharded_state_dict,  # is overwritten by storage)
-                              detail=record.memory_detail,
-                              summed=frozenset(ahead.verified) if ahead else frozenset())
-    if tensors is not None and not why and read_seal(seal.file) != seal:
+    copying: CopyInFlight | None = None
+    if tensors is not None:  # checked and the copies into the targets issued in one pass (a
+        why, copying = _check_and_copy(stager, tensors, sharded_state_dict,  # refusal is
+                                       detail=record.memory_detail,  # overwritten by storage)
+                                       summed=frozenset(ahead.verified) if ahead else frozenset())
+    t = _step(steps, "check_and_copy_s", t)
+    if copying is not None and not why and read_seal(seal.file) != seal:
+        copying.finish()
         stager.drop_adopted(unlink=False)  # unsealed (to be staged into) or replaced meanwhile
         why = "the snapshot was unsealed or replaced while it was copied"
-    t = _step(steps, "check_and_copy_s", t)
-    views = group.all_gather((socket.gethostname(), why))
-    record.memory_steps = steps
-    if any(w for _, w in views):
-        _say(views, iteration, used=False)
-        record.phase("memory_s", t0)
-        return None
-    state = _load_rest_and_fill(sharded_state_dict, path, load_strategy)
-    _step(steps, "rest_from_storage_s", t)
+    t = _step(steps, "seal_recheck_s", t)
+    try:
+        views = group.all_gather((socket.gethostname(), why))
+        t = _step(steps, "agree_s", t)
+        record.memory_steps = steps
+        if any(w for _, w in views):
+            _say(views, iteration, used=False)
+            record.phase("memory_s", t0)
+            return None
+        state = _load_rest_and_fill(sharded_state_dict, path, load_strategy)  # while the
+        t = _step(steps, "rest_from_storage_s", t)  # copies land
+    finally:
+        if copying is not None:
+            copying.finish()
+    _step(steps, "copies_landed_s", t)
     record.tier = "memory"
     record.memory_bytes = sum(b.numel() * b.element_size() for b, _ in tensors)
     record.verified = True
@@ -101,13 +110,13 @@ def warm_restore(stager: Any, root: Path) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
     sums every buffer against the seal and pins buffers until the load comes (:mod:`.prepared`),
-    one builds the pinned bounce pool the rest is copied through (:func:`.retained.warm_bounce`).
+    one builds the pinned bounce pool the rest is copied through (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.
     Whether anything started."""
     shm_dir = getattr(stager, "shm_dir", None)
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
-    started = _prepared.start(stager, root, retained.cuda_device())
+    started = _prepared.start(stager, root, restore_copy.cuda_device())
     return warm_bounce() or started
 
 
@@ -153,22 +162,24 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
 
 
 def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
-                    detail: dict | None = None, summed: frozenset[int] = frozenset()) -> str:
+                    detail: dict | None = None,
+                    summed: frozenset[int] = frozenset()) -> tuple[str, CopyInFlight | None]:
     """Each buffer's CRC-32 against its seal and its copy into the target, chunk by chunk on
     the copy threads (those in ``summed`` matched ahead: only copied); why not (a mismatch), or
-    ''."""
+    '', and the copies, which may still be landing (None where none was issued)."""
     targets: list = []
     backend.map_sharded_tensors(sharded_state_dict, lambda t: targets.append(t.data) or t)
     if not all(t.is_contiguous() for t in targets):
         stager.drop_adopted(unlink=False)
-        return "a target tensor is not contiguous (the copies go to contiguous targets only)"
-    bad = copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)], detail=detail,
-                        summed=summed)
-    if bad:
+        return "a target tensor is not contiguous (the copies go to contiguous targets only)", None
+    copying = start_copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)],
+                                  detail=detail, summed=summed)
+    if copying.bad:
+        copying.finish()
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
-        keys = [adopted[i][1].key for i in bad]
-        return f"{len(bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})"
-    return ""
+        keys = [adopted[i][1].key for i in copying.bad]
+        return f"{len(copying.bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})", copying
+    return "", copying
 
 
 def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration: int,

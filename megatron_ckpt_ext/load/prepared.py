@@ -21,7 +21,7 @@ from typing import Any
 
 from .._runtime import rank
 from .._threads import thread_counts
-from ..staging import retained
+from ..staging import restore_copy
 from ..staging.retained import Seal, presum_pieces, read_seal, seal_path
 
 __all__ = ["Prepared", "drop", "start", "take", "wait"]
@@ -85,7 +85,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None) -> None:
     verified = {i for i, (crc, e) in enumerate(zip(sums, seal.entries)) if crc == e.crc32}
     prepared = entry["prepared"] = Prepared(seal, buffers, verified)
     if device is not None:  # pinned, they go to the device without a bounce (the driver
-        retained.use_device(device)  # serialises registrations: one thread, until the load)
+        restore_copy.use_device(device)  # serialises registrations: one thread, until the load)
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
     prepared.seconds = round(time.perf_counter() - t0, 6)
 

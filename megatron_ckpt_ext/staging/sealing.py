@@ -113,7 +113,7 @@ class _Sealing:
         """Map a sealed snapshot left by an earlier run as this stager's buffer set (the next
         save stages into it); its tensors in the seal's order. The seal stays valid until then.
         The buffers are not pinned yet: the restore copies them through pinned bounce chunks,
-        faster than pinning first (:func:`.retained.copy_verified`); :meth:`pin_adopted` pins
+        faster than pinning first (:func:`.restore_copy.copy_verified`); :meth:`pin_adopted` pins
         them afterwards, in the background, for the next save's staging."""
         self._check_open()
         own = self._own_sealed(seal)

@@ -15,7 +15,7 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions, _threads, add_arguments
 from megatron_ckpt_ext.backend import load_reader
 from megatron_ckpt_ext.errors import CkptOptionsError
 from megatron_ckpt_ext.load import verify
-from megatron_ckpt_ext.staging import retained
+from megatron_ckpt_ext.staging import restore_copy, retained
 from megatron_ckpt_ext.staging.sealing import _Sealing
 from tests._support.dist import sharded
 
@@ -178,11 +178,12 @@ def test_a_memory_snapshots_pools_use_the_ranks_share_of_the_cores(host, monkeyp
     monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", _Recording)  # _pin_all's
     _Sealing._pin_all([])
     assert _Recording.sizes.pop("") == copy
+    monkeypatch.setattr(restore_copy, "ThreadPoolExecutor", _Recording)
     monkeypatch.setattr(retained, "ThreadPoolExecutor", _Recording)
     source, target = torch.randn(1024), torch.zeros(1024)
-    assert retained.copy_verified([(source, retained.buffer_crc32(source), target)]) == []
+    assert restore_copy.copy_verified([(source, retained.buffer_crc32(source), target)]) == []
     assert torch.equal(source, target) and _Recording.sizes.pop("") == copy
-    retained.copy_verified([(source, retained.buffer_crc32(source), target)], threads=5)
+    restore_copy.copy_verified([(source, retained.buffer_crc32(source), target)], threads=5)
     assert _Recording.sizes.pop("") == 5  # a count given wins
     assert retained.crc32_all([source]) == [retained.buffer_crc32(source)]
     assert _Recording.sizes.pop("") == seal

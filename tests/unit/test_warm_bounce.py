@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
-from megatron_ckpt_ext.staging import retained
+from megatron_ckpt_ext.staging import restore_copy, retained
 from megatron_ckpt_ext.staging.retained import discard, read_seal
 
 from tests._support.seals import save_and_wait_for_the_seal
@@ -34,30 +34,30 @@ class _Pool:
 
 @pytest.fixture
 def pool(monkeypatch):
-    """retained's pool replaced by the stand-in, a CUDA device reported to it; no pool left
+    """restore_copy's pool replaced by the stand-in, a CUDA device reported to it; no pool left
     after."""
     _Pool.built = []
-    monkeypatch.setattr(retained, "_Bounce", _Pool)
-    monkeypatch.setattr(retained, "cuda_device", lambda: 0)
-    monkeypatch.setattr(retained, "use_device", lambda device: None)
+    monkeypatch.setattr(restore_copy, "_Bounce", _Pool)
+    monkeypatch.setattr(restore_copy, "cuda_device", lambda: 0)
+    monkeypatch.setattr(restore_copy, "use_device", lambda device: None)
     yield _Pool
-    retained.drop_warm_bounce()
+    restore_copy.drop_warm_bounce()
 
 
 def test_a_warm_pool_is_built_in_the_background_and_taken_once(pool):
-    assert retained.warm_bounce(chunk=8, threads=2)
-    assert not retained.warm_bounce(chunk=8, threads=2)  # one at a time
-    taken = retained.take_warm_bounce(2, 8)
+    assert restore_copy.warm_bounce(chunk=8, threads=2)
+    assert not restore_copy.warm_bounce(chunk=8, threads=2)  # one at a time
+    taken = restore_copy.take_warm_bounce(2, 8)
     assert taken is pool.built[0] and taken.thread == "mcx-warm-bounce" and not taken.closed
-    assert retained.take_warm_bounce(2, 8) is None  # taken: gone
+    assert restore_copy.take_warm_bounce(2, 8) is None  # taken: gone
 
 
 def test_a_warm_pool_of_other_sizes_or_left_unused_is_released(pool):
-    assert retained.warm_bounce(chunk=8, threads=2)
-    assert retained.take_warm_bounce(4, 8) is None and pool.built[0].closed
-    assert retained.warm_bounce(chunk=8, threads=2)
-    assert retained.drop_warm_bounce() and pool.built[1].closed
-    assert not retained.drop_warm_bounce()
+    assert restore_copy.warm_bounce(chunk=8, threads=2)
+    assert restore_copy.take_warm_bounce(4, 8) is None and pool.built[0].closed
+    assert restore_copy.warm_bounce(chunk=8, threads=2)
+    assert restore_copy.drop_warm_bounce() and pool.built[1].closed
+    assert not restore_copy.drop_warm_bounce()
 
 
 OPTIONS = dict(async_save=True, async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True)
@@ -95,7 +95,7 @@ def test_prepare_restore_warms_only_for_a_sealed_snapshot_of_that_directory(pool
         assert len(pool.built) == 1 and not pool.built[0].closed
         assert ck.load(_like(), str(root)) is not None
         assert pool.built[0].closed  # no device to restore to on CPU: released unused
-        assert not retained.drop_warm_bounce()
+        assert not restore_copy.drop_warm_bounce()
     with Checkpointer(CkptOptions(**OPTIONS, ckpt_memory_restore=False)) as ck:
         assert not ck.prepare_restore(root)  # the memory tier off: nothing to warm
 
@@ -184,7 +184,7 @@ def test_a_seal_removed_while_the_snapshot_is_copied_sends_the_load_to_storage(s
 
     root = sealed()
     path = retained.seal_path("/dev/shm", root, 0)
-    real = memory.copy_verified
+    real = memory.start_copy_verified
 
     def unsealed_meanwhile(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -193,7 +193,7 @@ def test_a_seal_removed_while_the_snapshot_is_copied_sends_the_load_to_storage(s
         retained.write_seal(seal, "/tmp")  # kept for the fixture's clean-up: moved aside
         return out
 
-    monkeypatch.setattr(memory, "copy_verified", unsealed_meanwhile)
+    monkeypatch.setattr(memory, "start_copy_verified", unsealed_meanwhile)
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         state = ck.load(_like(), str(root))
         detail = _memory_detail(ck)

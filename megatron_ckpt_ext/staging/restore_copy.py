@@ -1,0 +1,313 @@
+"""A restore from memory's copies (load/memory.py): the adopted snapshot's buffers into the
+load's targets, each summed against its seal on the way unless it was summed ahead; the pinned
+bounce pool that pageable buffers go through, built ahead where it can be (:func:`warm_bounce`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from .._crc import crc32 as _crc32
+from .._threads import cores_per_local_rank, thread_counts
+from .copies import _copy_all
+
+__all__ = ["CopyInFlight", "copy_verified", "cuda_device", "drop_warm_bounce",
+           "start_copy_verified", "take_warm_bounce", "use_device", "warm_bounce"]
+
+
+def _pieces(sizes: Sequence[int], chunk: int,
+            skip: set[int] = frozenset()) -> list[tuple[int, int, int]]:
+    """(buffer index, start, end) of each ``chunk``-sized piece of the buffers not in ``skip``."""
+    return [(i, a, min(a + chunk, n)) for i, n in enumerate(sizes) if i not in skip
+            for a in range(0, n, chunk)]
+
+
+def copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
+                  threads: int | None = None, chunk: int = 16 << 20,
+                  detail: dict | None = None, summed: frozenset[int] = frozenset()) -> list[int]:
+    """For each (host buffer, expected CRC-32, target): copy the buffer into the target, summing
+    it on the way (:func:`start_copy_verified`), and wait until every copy has landed; the
+    indices of the buffers whose CRC-32 differs."""
+    copying = start_copy_verified(jobs, threads=threads, chunk=chunk, detail=detail,
+                                  summed=summed)
+    copying.finish()
+    return copying.bad
+
+
+class CopyInFlight:
+    """What :func:`start_copy_verified` started: ``bad`` (the buffers whose CRC-32 differs) is
+    known; device copies may still run until :meth:`finish` (idempotent) waits for them."""
+
+    def __init__(self, bad: list[int], bounce: _Bounce | None, on_device: bool,
+                 detail: dict | None) -> None:
+        self.bad, self._bounce, self._on_device, self._detail = bad, bounce, on_device, detail
+        self._done = False
+
+    def finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        t0 = time.perf_counter()
+        synced = False
+        try:
+            if self._on_device:
+                torch.cuda.synchronize()
+                synced = True
+        finally:
+            if self._bounce is not None:
+                self._bounce.close(synced=synced)
+        t1 = time.perf_counter()
+        _release_unused_warm_bounce(background=self._on_device)  # after the copies: its
+        # unpinning waits for the device
+        if self._detail is not None:
+            self._detail.update(sync_s=round(t1 - t0, 6),
+                                release_s=round(time.perf_counter() - t1, 6))
+
+
+def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
+                        threads: int | None = None, chunk: int = 16 << 20,
+                        detail: dict | None = None,
+                        summed: frozenset[int] = frozenset()) -> CopyInFlight:
+    """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
+    chunk on ``threads`` threads, summing each chunk on the way; returns once every buffer is
+    summed (the chunks' sums folded in order per buffer), device copies possibly still landing.
+
+    A pageable buffer bound for a device (an adopted snapshot, mapped afresh) goes through
+    pinned bounce chunks (:class:`_Bounce`): each thread faults a chunk's pages in with one
+    ``madvise``, copies it into one of its two pinned chunks, sums it there (cache-hot) and
+    copies it to the device on its own stream. Of the ways measured to bring a fresh mapping to
+    the device that was the fastest: 2.5-3.5x pinning the mapping first (docs/memory/).
+    The buffers in ``summed`` were summed and faulted in ahead (load/prepared.py): only copied;
+    those pinned are copied whole, one call per device on a copy stream, before the pool starts.
+    ``detail`` receives the threads, pieces, step times."""
+    from ..manifest import crc32_combine
+
+    start = time.perf_counter()
+    threads = threads or thread_counts().copy  # the rank's share of the host's cores
+    pinned = {i for i, (src, _, dst) in enumerate(jobs)
+              if dst.is_cuda and _nbytes(src) and src.is_pinned()}
+    direct = pinned & summed  # pinned and summed ahead: whole-buffer copies, issued at once
+    pieces = _pieces([_nbytes(b) for b, _, _ in jobs], chunk, direct)
+    bounced = {i for i, (src, _, dst) in enumerate(jobs)
+               if dst.is_cuda and _nbytes(src) and i not in pinned}
+    t0 = time.perf_counter()
+    _issue_direct([jobs[i] for i in sorted(direct, key=lambda i: -_nbytes(jobs[i][0]))])
+    t_direct = time.perf_counter()
+    bounce = None
+    if bounced:  # the pool warm_bounce() built, or one built now; unused, it goes after the copies
+        bounce = take_warm_bounce(threads, chunk) or _Bounce(threads, chunk)
+    t1 = time.perf_counter()
+
+    def run(piece: tuple[int, int, int]) -> tuple[int, int, int]:
+        i, a, z = piece
+        src, _, dst = jobs[i]
+        raw = _bytes(src)[a:z]
+        if bounce is not None and i in bounced:
+            return i, bounce.copy(raw, _bytes(dst)[a:z], summed=i in summed), z - a
+        crc = 0 if i in summed else _crc32(memoryview(raw.numpy()))
+        _bytes(dst)[a:z].copy_(raw, non_blocking=dst.is_cuda)
+        return i, crc, z - a
+
+    sums: dict[int, int] = {}
+    on_device = any(dst.is_cuda for _, _, dst in jobs)
+    copying = CopyInFlight([], bounce, on_device, detail)
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
+                sums[i] = crc if i not in sums else crc32_combine(sums[i], crc, n)
+    except BaseException:
+        copying.finish()  # no buffer is released while a device copy still reads it
+        raise
+    t2 = time.perf_counter()
+    if detail is not None:
+        detail.update(threads=threads, cores=cores_per_local_rank(), pieces=len(pieces),
+                      bounced=len(bounced), direct=len(direct),
+                      setup_s=round(t0 - start, 6), direct_issue_s=round(t_direct - t0, 6),
+                      bounce_pinned=bool(bounce and bounce.was_pinned),
+                      bounce_warm=bool(bounce is not None and bounce.warm),
+                      summed_ahead=len(summed),
+                      bounce_setup_s=round(t1 - t_direct, 6), copy_s=round(t2 - t1, 6))
+    copying.bad = [i for i, (_, want, _) in enumerate(jobs)
+                   if i not in summed and sums.get(i, 0) != want]
+    return copying
+
+
+def _issue_direct(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    """Pinned host buffers into their device targets: one copy stream per device (after the
+    work queued on its current stream), each device's copies in one call (entering a stream
+    context costs ~25 us, a copy call about as much)."""
+    by_device: dict[torch.device, tuple[list, list]] = {}
+    for src, _, dst in jobs:
+        dsts, srcs = by_device.setdefault(dst.device, ([], []))
+        dsts.append(_bytes(dst)), srcs.append(_bytes(src))
+    for device, (dsts, srcs) in by_device.items():
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            _copy_all(dsts, srcs, non_blocking=True)
+        torch.cuda.current_stream(device).wait_stream(stream)  # later work reads the targets
+
+
+def _release_unused_warm_bounce(*, background: bool) -> None:
+    """The pool warm_bounce() built for a restore that copied nothing through it, unpinned
+    (``background``: on a thread of its own; cudaHostUnregister waits for the device)."""
+    if not _warm:
+        return
+    if background:
+        threading.Thread(target=drop_warm_bounce, name="mcx-warm-bounce-release",
+                         daemon=True).start()
+    else:
+        drop_warm_bounce()
+
+
+_warm: dict[str, Any] = {}  # the pool warm_bounce() builds ahead: {"key", "thread", "bounce"}
+_warm_lock = threading.Lock()
+
+
+def warm_bounce(chunk: int = 16 << 20, threads: int | None = None) -> bool:
+    """Build the pinned bounce pool a restore from memory copies through (:func:`copy_verified`)
+    in a background thread now, while the model is built, instead of inside the restore
+    (faulting in and registering 2 x threads x ``chunk`` bytes, docs/MEMORY.md). The next
+    :func:`copy_verified` of the same sizes takes it; :func:`drop_warm_bounce` releases it
+    unused. Whether a build started (not twice, not without CUDA)."""
+    device = cuda_device()
+    if device is None:
+        return False
+    threads = threads or thread_counts().copy
+    with _warm_lock:
+        if _warm:
+            return False
+        _warm["key"] = (threads, chunk)
+
+        def build() -> None:
+            use_device(device)  # no context on another device from this thread
+            _warm["bounce"] = _Bounce(threads, chunk)
+
+        thread = threading.Thread(target=build, name="mcx-warm-bounce", daemon=True)
+        _warm["thread"] = thread
+        thread.start()
+    return True
+
+
+def cuda_device() -> int | None:
+    """This thread's CUDA device; None without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def use_device(device: int) -> None:
+    torch.cuda.set_device(device)
+
+
+def take_warm_bounce(threads: int, chunk: int) -> _Bounce | None:
+    """The pool :func:`warm_bounce` built (waiting for it), if it has these sizes; another one
+    is released. None when none was started."""
+    key, bounce = _pop_warm()
+    if bounce is not None and key != (threads, chunk):  # another rank count, say
+        bounce.close(synced=True)
+        return None
+    if bounce is not None:
+        bounce.warm = True
+    return bounce
+
+
+def drop_warm_bounce() -> bool:
+    """Release a pool :func:`warm_bounce` built that no restore took; whether there was one."""
+    key, bounce = _pop_warm()
+    if bounce is not None:
+        bounce.close(synced=True)
+    return key is not None
+
+
+def _pop_warm() -> tuple[Any, _Bounce | None]:
+    """The warm pool's (sizes, pool), once its build is done, and forgotten here; (None, None)
+    without one. The pool is None where its build raised (its thread printed why)."""
+    with _warm_lock:
+        entry = dict(_warm)
+        _warm.clear()
+    if not entry:
+        return None, None
+    entry["thread"].join()
+    return entry["key"], entry.get("bounce")
+
+
+class _Bounce:
+    """Two pinned chunks per copy thread (one registered allocation, unregistered by close()),
+    a stream per thread and device, and an event per chunk: a chunk is refilled only once its
+    last device copy is done."""
+
+    def __init__(self, threads: int, chunk: int) -> None:
+        self.chunk = chunk
+        self.host = torch.empty(2 * threads * chunk, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.host.numel(), 0)
+        self.pinned = self.was_pinned = int(err) == 0  # else pageable copies: correct, slower
+        self.warm = False  # built ahead by warm_bounce()
+        self._slots = iter(range(threads))
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, *, summed: bool = False) -> int:
+        """``src`` (bytes of a host buffer) into ``dst`` (bytes on a device); its CRC-32 (0 where
+        ``summed``: faulted in and summed ahead)."""
+        local = self._local
+        if not hasattr(local, "chunks"):
+            with self._lock:
+                slot = next(self._slots)
+            base = 2 * slot * self.chunk
+            local.chunks = [self.host[base:base + self.chunk],
+                            self.host[base + self.chunk:base + 2 * self.chunk]]
+            local.events, local.turn, local.streams = [None, None], 0, {}
+        turn = local.turn = 1 - local.turn
+        if local.events[turn] is not None:
+            local.events[turn].synchronize()
+        n = src.numel()
+        chunk = local.chunks[turn][:n]
+        if not summed:
+            _populate(src.data_ptr(), n)
+        chunk.numpy()[:] = src.numpy()  # numpy's copy releases the GIL
+        crc = 0 if summed else _crc32(memoryview(chunk.numpy()))
+        stream = local.streams.get(dst.device)
+        if stream is None:
+            stream = local.streams[dst.device] = torch.cuda.Stream(device=dst.device)
+        with torch.cuda.stream(stream):
+            dst.copy_(chunk, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        local.events[turn] = event
+        return crc
+
+    def close(self, *, synced: bool) -> None:
+        """Unpin the chunks, once no device copy reads them (``synced``: the caller waited for
+        every copy already; else, after an error, wait here)."""
+        if self.pinned:
+            if not synced:
+                torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+            self.pinned = False
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it and the copy faults pages in
+_libc: list = []
+
+
+def _populate(address: int, nbytes: int) -> None:
+    """Fault ``nbytes`` at ``address`` in with one call (a fresh mapping of a segment would
+    otherwise take a fault per few pages during the copy)."""
+    if not _libc:
+        import ctypes
+
+        _libc.append(ctypes.CDLL(None, use_errno=True))
+        _libc[0].madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = address & ~4095
+    _libc[0].madvise(start, address + nbytes - start, _MADV_POPULATE_READ)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
