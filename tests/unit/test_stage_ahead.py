@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
-from tests._support.dist import sharded
+from tests._support.dist import device, sharded
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank_group")]  # tests/conftest.py
 
@@ -20,13 +20,14 @@ OPTIONS = dict(async_save=True, async_ckpt_use_cpu_shm=True, ckpt_assume_constan
 class _Model:
     """Tensors that live across saves (parameters, optimizer state), changed in place."""
 
-    def __init__(self, n: int = 64) -> None:
-        self.w = torch.zeros(n)
-        self.b = torch.zeros(n)
+    def __init__(self, n: int = 64) -> None:  # on MCX_TEST_DEVICE: copies ahead run async
+        self.w = torch.zeros(n, device=device())
+        self.b = torch.zeros(n, device=device())
 
     def step(self, value: float) -> None:
         self.w.fill_(value)
-        self.b.copy_(torch.arange(self.b.numel(), dtype=torch.float32) + value)
+        self.b.copy_(torch.arange(self.b.numel(), dtype=torch.float32, device=self.b.device)
+                     + value)
 
     def state(self) -> dict:  # built at every save, as Megatron does: same tensors, new objects
         return sharded(0, 1, {"w": self.w, "b": self.b})
@@ -40,7 +41,7 @@ def _check(ck: Checkpointer, root, iteration: int, expected: dict) -> None:
     loaded = ck.load(sharded(0, 1, {k: torch.empty_like(v) for k, v in expected.items()}), root,
                      iteration=iteration)
     for key, want in expected.items():
-        assert torch.equal(loaded[key], want), (iteration, key)
+        assert torch.equal(loaded[key].cpu(), want.cpu()), (iteration, key)
 
 
 def _ahead_in(ck: Checkpointer) -> list[bool]:
@@ -109,7 +110,7 @@ def test_another_tensor_under_the_same_key_is_saved_not_the_copy_ahead(tmp_path)
         assert model.w._version == old_w._version
         _save(ck, model, root, 3)
         want = _expected(3.0)
-        want["w"] = torch.full_like(old_w, 30.0)
+        want["w"] = torch.full((old_w.numel(),), 30.0)
         _check(ck, root, 3, want)
     assert _ahead_in(ck) == [False, False, False]
 
