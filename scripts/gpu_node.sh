@@ -9,6 +9,7 @@
 # not stop the next. Run from the repository root after the lead's install line:
 #   OUT=$OUT bash scripts/gpu_node.sh                   # 8 ranks, 1 GiB each
 #   OUT=$OUT NPROC=8 GIB=2 SAVES=5 bash scripts/gpu_node.sh
+#   STEPS="save load" ...: only those steps (default "checks save load")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results folder}
@@ -28,16 +29,18 @@ run() {  # NAME -- command...: bounded, logged to $OUT/NAME.log
   echo "[$(( $(date +%s) - START ))s] $name rc=$rc"
   tail -3 "$OUT/$name.log"
 }
+STEPS=" ${STEPS:-checks save load} "
+want() { [[ $STEPS == *" $1 "* ]]; }
 TR=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
-run node_checks -- "${TR[@]}" tools/node_checks.py --out "$WORK/checks" --device "$DEVICE" \
-  --ranks-per-device "$RPD"
+want checks && run node_checks -- "${TR[@]}" tools/node_checks.py --out "$WORK/checks" \
+  --device "$DEVICE" --ranks-per-device "$RPD"
 cp "$WORK/checks/node_checks.json" "$OUT/" 2>/dev/null
-run bench_save -- "${TR[@]}" benchmarks/bench_ckpt.py --device "$DEVICE" --ranks-per-device "$RPD" \
-  --gib-per-rank "$GIB" --saves "$SAVES" \
+want save && run bench_save -- "${TR[@]}" benchmarks/bench_ckpt.py --device "$DEVICE" \
+  --ranks-per-device "$RPD" --gib-per-rank "$GIB" --saves "$SAVES" \
   --modes ours-async-persistent-cpu-shm megatron-async-persistent-cpu-shm \
   --out "$WORK/save" --json "$OUT/node_save.json"
 rm -rf "$WORK/save"
-run bench_load -- "${TR[@]}" benchmarks/bench_load.py --ranks-per-device "$RPD" --gib "$GIB" \
-  --repeats 2 --out "$WORK/load" --json "$OUT/node_load.json"
+want load && run bench_load -- "${TR[@]}" benchmarks/bench_load.py --ranks-per-device "$RPD" \
+  --gib "$GIB" --repeats 2 --out "$WORK/load" --json "$OUT/node_load.json"
 rm -rf "$WORK"
 echo "[$(( $(date +%s) - START ))s] done"
