@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_modes as bm  # noqa: E402
 import _bench_node as node  # noqa: E402
 
+from megatron_ckpt_ext import _crc  # noqa: E402
 from megatron_ckpt_ext import _cpu_shim, backend  # noqa: E402
 from megatron_ckpt_ext._threads import thread_counts  # noqa: E402
 
@@ -344,7 +345,7 @@ class Bench:
             "schema": SCHEMA, "device": node.describe_device(self.device),
             "versions": {"torch": torch.__version__, "megatron-core": caps.mcore_version,
                          "nvrx": caps.nvrx_version, "python": platform.python_version(),
-                         "cuda": torch.version.cuda},
+                         "cuda": torch.version.cuda, "crc32": _crc.IMPLEMENTATION},
             "world": world(), "argv": sys.argv[1:], "world_size": world(),
             "ranks_per_device": self.layout.ranks_per_device,
             "layout": node.layout_json(self.layout), "command": node.command_line(self.layout),

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _bench_node as node  # noqa: E402
 from benchmarks._bench_modes import build_state, gpt_shape, sharded, state_bytes  # noqa: E402
+from megatron_ckpt_ext import _crc  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 from megatron_ckpt_ext._threads import thread_counts  # noqa: E402
 
@@ -341,7 +342,8 @@ class LoadBench:
             "threads_per_rank": {"cores": threads.cores, "load_read": threads.load_read,
                                  "checksum": threads.checksum, "floor_read": self.args.threads},
             "versions": {"torch": torch.__version__, "megatron-core": caps.mcore_version,
-                         "nvidia-resiliency-ext": caps.nvrx_version},
+                         "nvidia-resiliency-ext": caps.nvrx_version,
+                         "crc32": _crc.IMPLEMENTATION},
             "floors": {k: max(m[k] for m in measured) if measured[0][k] is not None else None
                        for k in ("h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps")},
             "floor_samples": measured, "runs": runs,

@@ -36,6 +36,7 @@ from benchmarks._bench_modes import (build_state, gpt_shape, sharded,  # noqa: E
                                       single_process_env, state_bytes)
 from benchmarks.bench_load import (_files, _like, _same, drop_pages, h2d_pinned_s,  # noqa: E402
                                    parallel_read_s)
+from megatron_ckpt_ext import _crc  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 from megatron_ckpt_ext.load import prepared  # noqa: E402
 from megatron_ckpt_ext.staging.retained import read_seal, seal_path  # noqa: E402
@@ -186,7 +187,8 @@ def main() -> int:
         "schema": "megatron-ckpt-ext/bench_memory_restore/1", "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "megatron-core": caps.mcore_version,
-                     "nvidia-resiliency-ext": caps.nvrx_version},
+                     "nvidia-resiliency-ext": caps.nvrx_version,
+                         "crc32": _crc.IMPLEMENTATION},
         "world_size": 1, "state_bytes": nbytes,
         "bytes_on_disk": sum(f.stat().st_size for f in _files(checkpoint)),
         "floors": {"h2d_pinned_gbps": round(nbytes / h2d / 1e9, 3) if h2d else None},

@@ -172,11 +172,23 @@ def report(caps: Capabilities | None = None) -> dict[str, Any]:
                      "megatron-core": caps.mcore_version, "nvidia-resiliency-ext": caps.nvrx_version},
         "cuda_available": caps.cuda_available,
         "async_provider": caps.async_provider,
+        "crc32": _crc32_line(),
         "features": [dataclasses.asdict(r) for r in rows(caps)],
         "capabilities": dataclasses.asdict(caps),
         "debug_switches": non_default_switches(),
         "verdict": verdict(caps),
     }
+
+
+def _crc32_line() -> str:
+    """Which CRC-32 the manifests, seals and verifying loads use: ISA-L's, or zlib's where the
+    ``isal`` dependency is not importable (same values, several times slower per core)."""
+    from . import _crc
+
+    if _crc.IMPLEMENTATION == "isal":
+        return "isal (ISA-L)"
+    return ("zlib: isal is not importable (pip install isal, a dependency of this package); "
+            "verifying loads and seals run several times slower")
 
 
 def to_json(data: dict[str, Any]) -> str:
@@ -189,7 +201,10 @@ def format_text(data: dict[str, Any]) -> str:
     v = data["versions"]
     lines = [f"{name:<22} {value or 'not installed'}" for name, value in v.items()]
     lines += [f"{'CUDA available':<22} {data['cuda_available']}",
-              f"{'async provider':<22} {data['async_provider']}", ""]
+              f"{'async provider':<22} {data['async_provider']}"]
+    if data.get("crc32"):
+        lines.append(f"{'CRC-32':<22} {data['crc32']}")
+    lines.append("")
     width = max(len(r["feature"]) for r in data["features"])
     lines.append(f"{'feature':<{width}}  {'status':<9}  detail")
     lines.append(f"{'-' * width}  {'-' * 9}  {'-' * 40}")
