@@ -53,6 +53,15 @@ def _save(ck: Checkpointer, model: _Model, root, iteration: int) -> None:
     ck.maybe_finalize(blocking=True)
 
 
+def _saved_twice_then_ahead(ck: Checkpointer, model: _Model, root) -> None:
+    """Saves 1 and 2 (the second records what to copy ahead), step 3, its copies issued."""
+    for it in (1, 2):
+        model.step(float(it))
+        _save(ck, model, root, it)
+    model.step(3.0)
+    assert ck.stage_ahead()
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_steady_saves_take_the_copies_issued_ahead_and_write_the_state_at_the_save(tmp_path,
                                                                                    persistent):
@@ -76,11 +85,7 @@ def test_a_change_in_place_after_the_copies_were_issued_is_saved_and_ahead_stops
                                                                                  caplog):
     model, root = _Model(), tmp_path / "ckpt"
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
-        for it in (1, 2):
-            model.step(float(it))
-            _save(ck, model, root, it)
-        model.step(3.0)
-        assert ck.stage_ahead()
+        _saved_twice_then_ahead(ck, model, root)
         model.w.add_(1.0)  # between the copies ahead and the save: the save must hold it
         with caplog.at_level("INFO", logger="megatron_ckpt_ext"):
             _save(ck, model, root, 3)
@@ -98,11 +103,7 @@ def test_a_change_in_place_after_the_copies_were_issued_is_saved_and_ahead_stops
 def test_another_tensor_under_the_same_key_is_saved_not_the_copy_ahead(tmp_path):
     model, root = _Model(), tmp_path / "ckpt"
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
-        for it in (1, 2):
-            model.step(float(it))
-            _save(ck, model, root, it)
-        model.step(3.0)
-        assert ck.stage_ahead()
+        _saved_twice_then_ahead(ck, model, root)
         old_w = model.w  # still alive: its memory cannot be handed to the new one
         model.w = torch.full_like(old_w, 30.0)
         while model.w._version < old_w._version:  # even its version counter agrees
