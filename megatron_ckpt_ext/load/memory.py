@@ -110,7 +110,8 @@ def warm_restore(stager: Any, root: Path) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
     sums every buffer against the seal and pins buffers until the load comes (:mod:`.prepared`),
-    one builds the pinned bounce pool the rest is copied through (:func:`.restore_copy.warm_bounce`).
+    one builds the pinned bounce pool the rest is copied through
+    (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.
     Whether anything started."""
     shm_dir = getattr(stager, "shm_dir", None)
@@ -178,7 +179,8 @@ def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
         copying.finish()
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
         keys = [adopted[i][1].key for i in copying.bad]
-        return f"{len(copying.bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})", copying
+        why = f"{len(copying.bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})"
+        return why, copying
     return "", copying
 
 
