@@ -65,7 +65,7 @@ from .planning import object_collectives_on
 from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coordinates,
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)
-from .load_reader import ReadResult, ReadSettings, parallel_reads
+from .load_reader import ReadResult, ReadSettings, metadata_read_once, parallel_reads
 from .writer_files import checksummed_writes
 from .megatron_training import (MLM_MODULES, MegatronSeams, import_first_save_modules,
                                 megatron_sharded_state, megatron_training_module,
@@ -122,6 +122,7 @@ __all__ = [
     "megatron_sharded_state",
     "megatron_training_module",
     "megatron_training_seams",
+    "metadata_read_once",
     "parallel_reads",
     "new_async_calls_queue",
     "newest_writer_pid",

@@ -93,6 +93,17 @@ def parallel_reads(settings: ReadSettings) -> Iterator[ReadResult]:
         yield result
 
 
+@contextlib.contextmanager
+def metadata_read_once() -> Iterator[None]:
+    """While inside, the readers megatron-core builds for a load (its sharded load's; on 0.19
+    its common-state load's too) unpickle ``.metadata`` at most once between them, and read as
+    megatron-core does otherwise (a restore from memory's load of the non-tensor state)."""
+    memo = MetadataMemo()
+    with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
+            factory_wrapped(f"{MCORE_STRATEGIES}.torch", partial(share, memo=memo)):
+        yield
+
+
 def _make_parallel(reader: Any, settings: ReadSettings, result: ReadResult,
                    memo: MetadataMemo) -> Any:
     from torch.distributed.checkpoint import FileSystemReader

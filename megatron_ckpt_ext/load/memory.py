@@ -223,7 +223,8 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
             f"{'; '.join(str(p) for p in problems)}. Fix: restore those files, or resume from "
             "another checkpoint (point --load at a directory whose tracker names it).")
     state = copy_structure(sharded_state_dict)  # its tensors' data: the filled targets
-    return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data)
+    with backend.metadata_read_once():  # (0.19 loads the common state apart: one unpickle)
+        return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data)
 
 
 def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:

@@ -104,6 +104,32 @@ def test_the_readers_of_one_load_share_one_read(tmp_path, metadata_reads, monkey
     assert metadata_reads == [str(path)] * 2
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_restore_from_memory_reads_the_rest_with_one_metadata_read(tmp_path, metadata_reads,
+                                                                     monkeypatch):
+    """From memory, the rest of the state (common state, ShardedObjects) is megatron-core's load,
+    which on 0.19 builds two readers (its common-state load's under serialization's own name,
+    its sharded load's): they share one unpickle of ``.metadata`` (backend.metadata_read_once)."""
+    from megatron_ckpt_ext import backend
+    from megatron_ckpt_ext.load import memory
+
+    path = _saved(tmp_path)
+    torch_strategy = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    monkeypatch.setattr(serialization, "_get_filesystem_reader",
+                        torch_strategy._get_filesystem_reader, raising=False)
+
+    def as_megatron_core_0_19(state, checkpoint_dir, strategy, fill):  # two readers, one load
+        serialization._get_filesystem_reader(checkpoint_dir).read_metadata()
+        torch_strategy._get_filesystem_reader(checkpoint_dir).read_metadata()
+        return {}
+
+    monkeypatch.setattr(backend, "load_with_tensors_from", as_megatron_core_0_19)
+    metadata_reads.clear()
+    memory._load_rest_and_fill(_like(), path, lambda: None)
+    assert metadata_reads == [str(path)]
+
+
 def test_locate_hands_the_metadata_it_read_to_the_load(tmp_path, metadata_reads):
     """A megatron-core 0.19 checkpoint keeps its common state inside the torch_dist files: the
     check that it is there unpickles ``.metadata`` and keeps it for the load."""
