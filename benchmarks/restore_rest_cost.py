@@ -4,7 +4,7 @@ with ``.metadata`` unpickled once for the load's readers (``backend.metadata_rea
 default) and once per reader (megatron-core's own way), alternated in one process, on the
 134M-shaped state of ``plan_cost.py`` (``--layers 8``: 400 tensors).
 
-    python benchmarks/restore_rest_cost.py [--repeats 12] [--json OUT]   (or under torchrun, one rank)
+    python benchmarks/restore_rest_cost.py [--repeats 12] [--json OUT]   (or torchrun, 1 rank)
 
 On megatron-core 0.19 the common state is loaded apart from the ShardedObjects, so its load
 builds two readers; on 0.16 it reads ``common.pt`` and the variants do the same.
