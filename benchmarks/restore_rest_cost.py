@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks._bench_modes import single_process_env  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 from megatron_ckpt_ext.load import memory  # noqa: E402
 
@@ -38,10 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29577")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    single_process_env()
+    dist.init_process_group("gloo")
     from plan_cost import GptState
 
     state = GptState(args.layers, args.hidden, "cpu")
@@ -72,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
               "median_s": {k: round(v, 5) for k, v in med.items()},
               "ratio": round(med["one_metadata_read"] / med["a_read_per_reader"], 3),
               "seconds": {k: [round(x, 5) for x in v] for k, v in seconds.items()}}
-    print(json.dumps({k: result[k] for k in ("versions", "median_s", "ratio")}))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
+    print(json.dumps({k: result[k] for k in ("versions", "median_s", "ratio")}))
+    if args.json:  # (one rank)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
