@@ -362,7 +362,7 @@ class Checkpointer(_SaveSteps):
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, work, path, record,
                                         self._group, load_strategy=load_strategy)
-            release_warm_restore()  # taken by the restore, or unused: it goes either way
+            release_warm_restore(background=True)  # taken by the restore, or unused: it goes
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)
         elif self._cpu_shm:  # a snapshot an earlier run left will not be adopted: free it

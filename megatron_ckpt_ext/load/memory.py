@@ -121,10 +121,11 @@ def warm_restore(stager: Any, root: Path) -> bool:
     return warm_bounce() or started
 
 
-def release_warm_restore() -> None:
-    """What :func:`warm_restore` prepared and no restore took: the pool released (unpinned),
-    the snapshot unmapped (its seal and segments stay)."""
-    if drop_warm_bounce() | _prepared.drop():
+def release_warm_restore(*, background: bool = False) -> None:
+    """What :func:`warm_restore` prepared and no restore took: the pool released (unpinned;
+    ``background``: on a thread of its own), the snapshot unmapped (its seal and segments
+    stay)."""
+    if drop_warm_bounce(background=background) | _prepared.drop():
         logger.debug("what was prepared ahead of a restore from memory was not used")
 
 

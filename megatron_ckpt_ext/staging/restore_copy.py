@@ -58,11 +58,9 @@ class CopyInFlight:
                 torch.cuda.synchronize()
                 synced = True
         finally:
+            t1 = time.perf_counter()
             if self._bounce is not None:
                 self._bounce.close(synced=synced)
-        t1 = time.perf_counter()
-        _release_unused_warm_bounce(background=self._on_device)  # after the copies: its
-        # unpinning waits for the device
         if self._detail is not None:
             self._detail.update(sync_s=round(t1 - t0, 6),
                                 release_s=round(time.perf_counter() - t1, 6))
@@ -98,7 +96,7 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
     _issue_direct([jobs[i] for i in sorted(direct, key=lambda i: -_nbytes(jobs[i][0]))])
     t_direct = time.perf_counter()
     bounce = None
-    if bounced:  # the pool warm_bounce() built, or one built now; unused, it goes after the copies
+    if bounced:  # the pool warm_bounce() built, or one built now
         bounce = take_warm_bounce(threads, chunk) or _Bounce(threads, chunk)
     t1 = time.perf_counter()
 
@@ -152,18 +150,6 @@ def _issue_direct(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> Non
         torch.cuda.current_stream(device).wait_stream(stream)  # later work reads the targets
 
 
-def _release_unused_warm_bounce(*, background: bool) -> None:
-    """The pool warm_bounce() built for a restore that copied nothing through it, unpinned
-    (``background``: on a thread of its own; cudaHostUnregister waits for the device)."""
-    if not _warm:
-        return
-    if background:
-        threading.Thread(target=drop_warm_bounce, name="mcx-warm-bounce-release",
-                         daemon=True).start()
-    else:
-        drop_warm_bounce()
-
-
 _warm: dict[str, Any] = {}  # the pool warm_bounce() builds ahead: {"key", "thread", "bounce"}
 _warm_lock = threading.Lock()
 
@@ -214,8 +200,17 @@ def take_warm_bounce(threads: int, chunk: int) -> _Bounce | None:
     return bounce
 
 
-def drop_warm_bounce() -> bool:
-    """Release a pool :func:`warm_bounce` built that no restore took; whether there was one."""
+def drop_warm_bounce(*, background: bool = False) -> bool:
+    """Release a pool :func:`warm_bounce` built that no restore took; whether there was one.
+    ``background``: unpinned on a thread of its own (``mcx-warm-bounce-release``, not joined):
+    ``cudaHostUnregister`` waits for the device, which a load need not."""
+    if background:
+        with _warm_lock:
+            there = bool(_warm)
+        if there:
+            threading.Thread(target=drop_warm_bounce, name="mcx-warm-bounce-release",
+                             daemon=True).start()
+        return there
     key, bounce = _pop_warm()
     if bounce is not None:
         bounce.close(synced=True)

@@ -99,7 +99,7 @@ class ShmStager(_Sealing, _CopyStreams):
         self._check_open()
         self._join_prepare()
         t0 = time.perf_counter()
-        keep = self._sealed[0] if self.snapshot_sets > 1 and self._sealed is not None else None
+        keep = self._kept_sealed()
         if keep is None:
             self.unseal()  # before any byte of the sealed set changes
         specs = _specs(tensors, keys)
@@ -130,7 +130,7 @@ class ShmStager(_Sealing, _CopyStreams):
         if self._closed or (thread is not None and thread.is_alive()):
             return False
         specs = _specs(tensors, keys)
-        keep = self._sealed[0] if self.snapshot_sets > 1 and self._sealed is not None else None
+        keep = self._kept_sealed()
         with self._lock:
             return any(not s.in_flight and s is not keep and s.fits(specs) for s in self._sets)
 
@@ -206,6 +206,10 @@ class ShmStager(_Sealing, _CopyStreams):
             pass
 
     # -- cache key -------------------------------------------------------------------------------
+    def _kept_sealed(self) -> _BufferSet | None:
+        """The sealed set no staging may touch (two snapshot sets); None with one set."""
+        return self._sealed[0] if self.snapshot_sets > 1 and self._sealed is not None else None
+
     def _check_key(self, tensors: Sequence[torch.Tensor], specs: Sequence[_Spec]) -> None:
         key = tuple((s[0], s[1], s[2], t.device, t.untyped_storage().data_ptr(), t.storage_offset())
                     for s, t in zip(specs, tensors))

@@ -158,8 +158,8 @@ def test_verdict_on_a_host_without_cuda_does_not_claim_cpu_shm_is_whole():
 
 
 def test_the_report_names_the_crc32_in_use_and_how_to_get_the_fast_one(monkeypatch):
-    """A GPU host without the isal wheel verifies at zlib's rate: the doctor says so, with the
-    fix (a node run of 2026-11-26 (seventh session) measured verifying loads 2.7x slower so, unnoticed)."""
+    """A host without the isal wheel verifies at zlib's rate: the doctor says so, with the
+    fix."""
     from megatron_ckpt_ext import _crc
 
     monkeypatch.setattr(_crc, "IMPLEMENTATION", "isal")

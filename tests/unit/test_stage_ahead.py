@@ -62,23 +62,29 @@ def _saved_twice_then_ahead(ck: Checkpointer, model: _Model, root) -> None:
     assert ck.stage_ahead()
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent,sets", [(False, 1), (True, 1), (True, 2)])
 def test_steady_saves_take_the_copies_issued_ahead_and_write_the_state_at_the_save(tmp_path,
-                                                                                   persistent):
+                                                                                   persistent,
+                                                                                   sets):
+    """Also with two snapshot sets: the copies ahead go to the set that is not sealed."""
     model, root = _Model(), tmp_path / "ckpt"
-    with Checkpointer(CkptOptions(**OPTIONS, use_persistent_ckpt_worker=persistent)) as ck:
-        issued = []
-        for it in range(1, 6):
+    options = CkptOptions(**OPTIONS, use_persistent_ckpt_worker=persistent,
+                          ckpt_memory_snapshot_sets=sets)
+    with Checkpointer(options) as ck:
+        issued, allocated = [], None
+        for it in range(1, 7):
             model.step(float(it))
             issued.append(ck.stage_ahead())
             _save(ck, model, root, it)
-        allocated = ck.staging_stats()["allocations"]
-        for it in range(1, 6):
+            if it == 3:  # every buffer set exists by now
+                allocated = ck.staging_stats()["allocations"]
+        assert ck.staging_stats()["allocations"] == allocated  # staged ahead, not allocated
+        for it in range(1, 7):
             _check(ck, root, it, _expected(float(it)))
-        assert ck.staging_stats()["allocations"] == allocated
-    # nothing to copy before the first save; the first save admits the node after it
-    assert issued == [False, True, True, True, True]
-    assert _ahead_in(ck) == [False, True, True, True, True]
+    # nothing to copy before the first save (it admits the node after it); with two sets the
+    # second save's set does not exist yet: not ahead, it would allocate
+    first_ahead = [False, sets == 1] + [True] * 4
+    assert issued == first_ahead and _ahead_in(ck) == first_ahead
 
 
 def test_a_change_in_place_after_the_copies_were_issued_is_saved_and_ahead_stops(tmp_path,

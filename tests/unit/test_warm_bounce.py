@@ -29,7 +29,14 @@ class _Pool:
         _Pool.built.append(self)
 
     def close(self, *, synced: bool) -> None:
-        self.closed = True
+        self.closed, self.closed_by = True, threading.current_thread().name
+
+
+def _join_release() -> None:
+    """The load unpins an unused pool on a thread of its own: wait for it."""
+    for thread in threading.enumerate():
+        if thread.name == "mcx-warm-bounce-release":
+            thread.join(10)
 
 
 @pytest.fixture
@@ -94,7 +101,8 @@ def test_prepare_restore_warms_only_for_a_sealed_snapshot_of_that_directory(pool
         assert ck.prepare_restore(root)
         assert len(pool.built) == 1 and not pool.built[0].closed
         assert ck.load(_like(), str(root)) is not None
-        assert pool.built[0].closed  # no device to restore to on CPU: released unused
+        _join_release()  # no device to restore to on CPU: released unused, off the load's path
+        assert pool.built[0].closed and pool.built[0].closed_by == "mcx-warm-bounce-release"
         assert not restore_copy.drop_warm_bounce()
     with Checkpointer(CkptOptions(**OPTIONS, ckpt_memory_restore=False)) as ck:
         assert not ck.prepare_restore(root)  # the memory tier off: nothing to warm
@@ -108,6 +116,7 @@ def test_a_load_the_snapshot_cannot_serve_releases_the_pool(pool, sealed):
         assert ck.prepare_restore(root)
         assert ck.load(_like(), str(root), iteration=1) is not None
         assert ck.load_reports[-1]["tier"] == "storage"
+        _join_release()
         assert pool.built[0].closed
 
 
