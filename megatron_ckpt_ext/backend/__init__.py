@@ -62,6 +62,7 @@ from .mcore import (adapt_async_request, async_calls_queue_cls, async_request_cl
                     torch_dist_save_strategy_cls, validate_sharding, with_data,
                     without_host_preload)
 from .planning import object_collectives_on
+from .replay import SaveReplay, plan_replayed
 from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coordinates,
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)
@@ -76,6 +77,7 @@ __all__ = [
     "ConversionCache",
     "ReadResult",
     "ReadSettings",
+    "SaveReplay",
     "conversions_cached",
     "convert_ahead",
     "with_data",
@@ -112,6 +114,7 @@ __all__ = [
     "get_write_results_queue",
     "into_fresh_directory",
     "object_collectives_on",
+    "plan_replayed",
     "version_checks_cached",
     "load_with_tensors_from",
     "lone_writes_deferred",

@@ -34,6 +34,8 @@ class SavePlanner:
         self._structure: tuple | None = None
         # megatron-core's conversions of the last save, reused while the structure holds
         self.conversions = backend.ConversionCache() if self.constant else None
+        # the request megatron-core planned for this structure, replayed by steady saves
+        self.replay = backend.SaveReplay() if self.constant else None
         self._validated: tuple | None = None  # the structure prepare() validated
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
         # the caller's preprocessing of the common state before megatron-core compares it across
@@ -70,6 +72,7 @@ class SavePlanner:
                             "the cached save plan", describe_change(self._structure, key))
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
             record.new_structure = True  # (the conversions' own keys hold their inputs)
+            self.replay.clear()  # recorded with the old strategy
         self._structure = key
 
     def strategy(self) -> Any:
@@ -177,6 +180,8 @@ class SavePlanner:
             self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
         if ok:
             self._strategy, self._structure = planned, key
+            if self.replay is not None:
+                self.replay.clear()
         return ok
 
     def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any,
@@ -201,6 +206,8 @@ class SavePlanner:
         self._strategy = self._structure = self._validated = None
         if self.conversions is not None:
             self.conversions.clear()
+        if self.replay is not None:
+            self.replay.clear()
 
 
 def _all_true(ok: bool, group: Group) -> bool:

@@ -173,7 +173,9 @@ class _SaveSteps:
         again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first. Its
         collectives run on the host (:func:`run_agreed`), so none waits behind those copies."""
         snapshots = record.held.snapshots
-        with backend.writer_keeps_snapshots(
+        strategy = self._planner.strategy()
+        replay = None if record.new_structure else self._planner.replay
+        with backend.plan_replayed(strategy, replay), backend.writer_keeps_snapshots(
                 lambda t: t.untyped_storage().data_ptr() in snapshots) as keeps, \
                 backend.into_fresh_directory(), backend.version_checks_cached(), \
                 backend.conversions_cached(self._planner.conversions):
@@ -186,13 +188,15 @@ class _SaveSteps:
                 common = (backend.common_check_kwargs(save, self._planner.preprocess_common)
                           if record.validate else {})
                 request = run_agreed(lambda: save(
-                    state, str(workdir), self._planner.strategy(), async_sharded_save=True,
+                    state, str(workdir), strategy, async_sharded_save=True,
                     validate_access_integrity=record.validate, **common), self._group)
             except SaveStepFailed as e:
                 if e.raised is not None:  # megatron-core's own error (a sharding it rejects)
                     raise e.raised from e.raised.__cause__
                 self._not_planned(record, e)
                 return None
+        if self._planner.replay is not None:  # (a new structure plans in full)
+            record.detail["plan"] = replay.last if replay is not None else "planned"
         self._hooks.at("planned", record)
         return build(request, WriteContext(
             options=self.options, is_async=self._async, persistent=self._writers.persistent,

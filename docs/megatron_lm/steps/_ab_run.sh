@@ -20,7 +20,8 @@ for line in open(sys.argv[1]):
     if "blocking_s" in r:
         p = {k.removesuffix("_s"): round(v * 1e3, 1) for k, v in r["phases"].items() if v}
         d = r.get("stage_detail", {})
-        extra = {k: d[k] for k in ("copy_queue_wait_s", "gc_pause_s", "gc_collections", "staged_ahead_s")
+        extra = {k: d[k] for k in ("copy_queue_wait_s", "gc_pause_s", "gc_collections", "staged_ahead_s",
+                                   "plan")
                  if k in d}
         print(r["iteration"], "blocking_ms", round(r["blocking_s"] * 1e3, 1), p, extra)
 PY
