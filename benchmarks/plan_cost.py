@@ -86,20 +86,76 @@ class GptState:
                 "opt_param_scheduler": {"max_lr": 3e-4, "num_steps": iteration}}
 
 
+# --breakdown: the functions a steady save's planning runs, timed by wrapping them (module,
+# attribute, label); absent ones (another megatron-core or nvrx) are skipped
+BREAKDOWN = (
+    ("megatron.core.dist_checkpointing.serialization", "save_preprocess", "save_preprocess"),
+    ("megatron.core.dist_checkpointing.strategies.torch",
+     "_replace_state_dict_keys_with_sharded_keys", "replace_keys"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "mcore_to_pyt_state_dict",
+     "mcore_to_pyt"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy.async_save",
+     "async_save"),
+    ("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
+     "FileSystemWriterAsync.prepare_write_data", "prepare_write_data"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+     "FileSystemWriterAsync.prepare_write_data", "prepare_write_data"),
+    ("megatron_ckpt_ext.backend.replay", "_replay", "replay"),
+    ("megatron_ckpt_ext.backend.replay", "_objects_planner", "replay_objects"),
+    ("megatron_ckpt_ext.backend.replay", "_fingerprint", "replay_fingerprint"),
+    ("megatron_ckpt_ext.save.steps", "run_agreed", "run_agreed"),
+    ("megatron_ckpt_ext.save.steps", "build", "write_path_build"),
+)
+TIMES: dict[str, list[float]] = {}
+
+
+def install_breakdown() -> None:
+    import functools
+    import importlib
+    import time
+
+    for module, attr, label in BREAKDOWN:
+        try:
+            owner = importlib.import_module(module)
+            for part in attr.split(".")[:-1]:
+                owner = getattr(owner, part)
+            fn = getattr(owner, attr.split(".")[-1])
+        except (ImportError, AttributeError):
+            continue
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                TIMES.setdefault(_label, []).append(time.perf_counter() - t)
+
+        functools.update_wrapper(timed, fn)
+        setattr(owner, attr.split(".")[-1], timed)
+
+
 def run_variant(state: GptState, options: CkptOptions, saves: int, switch: dict) -> dict:
     old = {k: os.environ.get(k) for k in switch}
     os.environ.update(switch)
     root = tempfile.mkdtemp(prefix="plan_cost_")
+    TIMES.clear()
     try:
         with Checkpointer(options, save_dir=root) as ck:
             ck.prepare(state.sharded_state_dict(0))
             ck.wait_prepared(120)
+            marks = []
             for s in range(1, saves + 1):
                 state.step()
+                marks.append({k: len(v) for k, v in TIMES.items()})
                 ck.save(state.sharded_state_dict(s), root, iteration=s)
                 ck.maybe_finalize(blocking=True)
             reports = [{"iteration": r["iteration"], "blocking_s": r["blocking_s"],
-                        "phases": r["phases"]} for r in ck.reports]
+                        "phases": r["phases"], "plan": r["stage_detail"].get("plan")}
+                       for r in ck.reports]
+            # per function, the median of its time per save over saves 3.. (calls summed)
+            start = marks[2] if len(marks) > 2 else {}
+            breakdown = {k: round(sum(v[start.get(k, 0):]) / max(1, saves - 2), 6)
+                         for k, v in TIMES.items()}
     finally:
         for k, v in old.items():
             if v is None:
@@ -111,7 +167,7 @@ def run_variant(state: GptState, options: CkptOptions, saves: int, switch: dict)
     steady = reports[2:] or reports
     med = lambda key: statistics.median(  # noqa: E731
         r["phases"][key] if key != "blocking_s" else r["blocking_s"] for r in steady)
-    return {"switch": switch, "saves": reports,
+    return {"switch": switch, "saves": reports, "breakdown_mean_s": breakdown,
             "steady_median": {k: round(med(k), 5) for k in ("blocking_s", "plan_s", "stage_s",
                                                              "prepare_dir_s", "schedule_s")}}
 
@@ -125,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-switch", default="MCX_CONVERT_EVERY_SAVE=1",
                    help="NAME=VALUE of a registered MCX_* switch for the baseline variant")
     p.add_argument("--json", default=None)
+    p.add_argument("--breakdown", action="store_true",
+                   help="time the functions a steady save's planning runs (breakdown_mean_s)")
     args = p.parse_args(argv)
+    if args.breakdown:
+        install_breakdown()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29561")
@@ -155,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                                       / base["steady_median"]["blocking_s"], 3)}
     if dist.get_rank() == 0:
         print(json.dumps({k: result[k] for k in ("tensors", "plan_ratio", "blocking_ratio")}))
-        print("ours", ours["steady_median"])
-        print("baseline", base["steady_median"])
+        print("ours", ours["steady_median"], {k: round(v * 1e3, 2) for k, v in ours["breakdown_mean_s"].items()})
+        print("baseline", base["steady_median"], {k: round(v * 1e3, 2) for k, v in base["breakdown_mean_s"].items()})
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()

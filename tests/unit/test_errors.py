@@ -120,6 +120,8 @@ DOCUMENTED_BUILTINS = {
     ("staging/ready.py", "TimeoutError"): "internal: the writer's, reported as a "
                                           "CheckpointWriteError at the finalize",
     ("launch.py", "LaunchError"): "internal: main() prints it and exits",
+    ("backend/replay.py", "ValueError"): "internal: a writer it cannot replay; caught there, "
+                                         "the save is planned in full",
 }
 
 
