@@ -93,6 +93,8 @@ def main() -> int:
         "largest_first": _chunked(sorted(items, key=lambda i: -i[2])),
         "file_offset": _chunked(by_offset),
         "stripes": "stripes",
+        "stripes_fadv_sequential": "stripes",  # each stripe's descriptor POSIX_FADV_SEQUENTIAL
+        "willneed_then_stripes": "stripes",  # the files' whole range POSIX_FADV_WILLNEED first
     }
     out = {"bytes": total, "items": len(items), "files": len(files), "threads": args.threads,
            "gbps": {}}
@@ -103,10 +105,16 @@ def main() -> int:
             per_file = [[j for j in _chunked(by_offset) if j[0] == f] for f in files]
             if jobs == "stripes":
                 per_file = [s for f in per_file for s in _stripes(f, args.threads)]
+            advice = os.POSIX_FADV_SEQUENTIAL if name == "stripes_fadv_sequential" else None
             _drop(args.ckpt)
             t = time.perf_counter()
+            if name == "willneed_then_stripes":
+                for f in files:
+                    fd = os.open(args.ckpt / f, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                    os.close(fd)
             with ThreadPoolExecutor(len(per_file)) as pool:
-                list(pool.map(lambda js: _run_serial(args.ckpt, js), per_file))
+                list(pool.map(lambda js: _run_serial(args.ckpt, js, advice), per_file))
             seconds = time.perf_counter() - t
         else:
             seconds = _run(args.ckpt, jobs, args.threads)
@@ -128,10 +136,12 @@ def _stripes(jobs: list, n: int) -> list[list]:
     return out + ([cur] if cur else [])
 
 
-def _run_serial(ckpt: Path, jobs: list[tuple[str, int, int]]) -> None:
+def _run_serial(ckpt: Path, jobs: list[tuple[str, int, int]], advice: int | None = None) -> None:
     buf = bytearray(CHUNK)
     fd = os.open(ckpt / jobs[0][0], os.O_RDONLY)
     try:
+        if advice is not None:
+            os.posix_fadvise(fd, 0, 0, advice)
         for _, off, n in jobs:
             os.preadv(fd, [memoryview(buf)[:n]], off)
     finally:

@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
+__all__ = ["Files", "chunk_spans", "stripes", "ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
            "DEFAULT_CHUNK", "EDGE"]
 
 DEFAULT_CHUNK = 32 << 20
@@ -270,3 +270,49 @@ class PinnedChunks:
 
     def give(self, buf: Any) -> None:
         self._free.put(buf)
+
+
+# -- how a load's reading threads share the files (backend/load_reader.py) ---------------------
+class Files:
+    """One read-only descriptor per checkpoint file, shared by the reading threads (pread) for
+    the items' headers; each stripe reads its bytes through descriptors of its own
+    (``load_reader._read_stripe``), opened again from :meth:`path_of`."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader, self._fds, self._lock = reader, {}, threading.Lock()
+
+    def __enter__(self) -> "Files":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+    def fd(self, relative_path: str) -> int:
+        with self._lock:
+            if relative_path not in self._fds:
+                path = os.path.join(str(self._reader.path), relative_path)
+                self._fds[relative_path] = os.open(path, os.O_RDONLY)
+            return self._fds[relative_path]
+
+    def path_of(self, fd: int) -> str:
+        name = next(k for k, v in self._fds.items() if v == fd)
+        return os.path.join(str(self._reader.path), name)
+
+
+def chunk_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(nbytes, a + chunk)) for a in range(0, max(nbytes, 1), chunk)] if nbytes \
+        else []
+
+
+def stripes(chunks: list, n: int) -> list[list]:
+    """``chunks`` cut into at most ``n`` runs of consecutive chunks of about equal bytes."""
+    total = sum(b - a for _, a, b in chunks)
+    out: list[list] = [[]]
+    done = 0
+    for chunk in chunks:
+        if out[-1] and done >= total * len(out) / n:
+            out.append([])
+        out[-1].append(chunk)
+        done += chunk[2] - chunk[1]
+    return [s for s in out if s]

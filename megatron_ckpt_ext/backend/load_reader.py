@@ -19,7 +19,9 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
+from ..debug import env_switch
 from . import direct_read
+from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
 from ._imports import MCORE_DC, MCORE_STRATEGIES
 from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
 from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
@@ -234,27 +236,6 @@ def _split_read(result: ReadResult, busy: _Busy, wall: float) -> None:
     result.read_s += wall - h2d
 
 
-class _Files:
-    """One read-only descriptor per checkpoint file, shared by the reading threads (pread)."""
-
-    def __init__(self, reader: Any) -> None:
-        self._reader, self._fds, self._lock = reader, {}, threading.Lock()
-
-    def __enter__(self) -> "_Files":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-
-    def fd(self, relative_path: str) -> int:
-        with self._lock:
-            if relative_path not in self._fds:
-                path = os.path.join(str(self._reader.path), relative_path)
-                self._fds[relative_path] = os.open(path, os.O_RDONLY)
-            return self._fds[relative_path]
-
-
 @dataclass
 class _ItemPlan:
     req: Any
@@ -308,31 +289,27 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
         os.posix_fadvise(fd, start, edge, os.POSIX_FADV_WILLNEED)
 
 
-def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
-    return [(a, min(nbytes, a + chunk)) for a in range(0, max(nbytes, 1), chunk)] if nbytes \
-        else []
-
-
-def _stripes(chunks: list, n: int) -> list[list]:
-    """``chunks`` cut into at most ``n`` runs of consecutive chunks of about equal bytes."""
-    total = sum(b - a for _, a, b in chunks)
-    out: list[list] = [[]]
-    done = 0
-    for chunk in chunks:
-        if out[-1] and done >= total * len(out) / n:
-            out.append([])
-        out[-1].append(chunk)
-        done += chunk[2] - chunk[1]
-    return [s for s in out if s]
-
-
 def _read_stripe(files: _Files, stripe: list, settings: ReadSettings, busy: _Busy,
                  sums: "_Sums") -> None:
-    for plan, a, b in stripe:
-        _read_chunk(files, plan, a, b, settings, busy, sums)
+    """A stripe reads through descriptors of its own, marked sequential: the kernel keeps one
+    read-ahead state per open file, and the threads' interleaved reads of one shared descriptor
+    look random to it (a cold read then streams at a fraction of the disk's rate).
+    ``MCX_READ_SHARED_FD=1`` reads through the shared ones."""
+    own: dict[int, int] = {}
+    shared = env_switch("MCX_READ_SHARED_FD") == "1"
+    try:
+        for plan, a, b in stripe:
+            fd = plan.fd if shared else own.get(plan.fd)
+            if fd is None:
+                fd = own[plan.fd] = os.open(files.path_of(plan.fd), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            _read_chunk(fd, plan, a, b, settings, busy, sums)
+    finally:
+        for fd in own.values():
+            os.close(fd)
 
 
-def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, settings: ReadSettings,
+def _read_chunk(fd: int, plan: _ItemPlan, a: int, b: int, settings: ReadSettings,
                 busy: _Busy, sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
     a device target (copied on this thread's stream). A chunk to be summed goes to the summing
@@ -346,7 +323,7 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, settings: ReadSe
     t = time.perf_counter()
     if target.device.type == "cpu":
         view = direct_read.tensor_bytes(flat[a:b])
-        direct_read.pread_into(plan.fd, view, offset, plan.what)
+        direct_read.pread_into(fd, view, offset, plan.what)
         busy.add("read", t)
         sums.chunk(plan, offset, view)
         return
@@ -356,7 +333,7 @@ def _read_chunk(files: _Files, plan: _ItemPlan, a: int, b: int, settings: ReadSe
     try:
         n = b - a
         view = direct_read.tensor_bytes(buf[:n])
-        direct_read.pread_into(plan.fd, view, offset, plan.what)
+        direct_read.pread_into(fd, view, offset, plan.what)
         t = busy.add("read", t)
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):
