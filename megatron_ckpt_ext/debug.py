@@ -46,9 +46,6 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_PLAN_AHEAD", "1",
               "0: the first save plans itself (no planning of it ahead in prepare()'s "
               "background thread under a constant structure)"),
-    EnvSwitch("MCX_READ_SHARED_FD", "0",
-              "1: a load's reading threads read each file through one shared descriptor (no "
-              "sequential descriptor of its own per stripe)"),
     EnvSwitch("MCX_REPLAY_PLAN", "1",
               "0: megatron-core plans every steady save in full (no replay of the request it "
               "planned for the same structure under a constant structure)"),

@@ -274,9 +274,7 @@ class PinnedChunks:
 
 # -- how a load's reading threads share the files (backend/load_reader.py) ---------------------
 class Files:
-    """One read-only descriptor per checkpoint file, shared by the reading threads (pread) for
-    the items' headers; each stripe reads its bytes through descriptors of its own
-    (``load_reader._read_stripe``), opened again from :meth:`path_of`."""
+    """One read-only descriptor per checkpoint file, shared by the reading threads (pread)."""
 
     def __init__(self, reader: Any) -> None:
         self._reader, self._fds, self._lock = reader, {}, threading.Lock()
@@ -294,10 +292,6 @@ class Files:
                 path = os.path.join(str(self._reader.path), relative_path)
                 self._fds[relative_path] = os.open(path, os.O_RDONLY)
             return self._fds[relative_path]
-
-    def path_of(self, fd: int) -> str:
-        name = next(k for k, v in self._fds.items() if v == fd)
-        return os.path.join(str(self._reader.path), name)
 
 
 def chunk_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:

@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
-from ..debug import env_switch
 from . import direct_read
 from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
 from ._imports import MCORE_DC, MCORE_STRATEGIES
@@ -291,22 +290,10 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
 
 def _read_stripe(files: _Files, stripe: list, settings: ReadSettings, busy: _Busy,
                  sums: "_Sums") -> None:
-    """A stripe reads through descriptors of its own, marked sequential: the kernel keeps one
-    read-ahead state per open file, and the threads' interleaved reads of one shared descriptor
-    look random to it (a cold read then streams at a fraction of the disk's rate).
-    ``MCX_READ_SHARED_FD=1`` reads through the shared ones."""
-    own: dict[int, int] = {}
-    shared = env_switch("MCX_READ_SHARED_FD") == "1"
-    try:
-        for plan, a, b in stripe:
-            fd = plan.fd if shared else own.get(plan.fd)
-            if fd is None:
-                fd = own[plan.fd] = os.open(files.path_of(plan.fd), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            _read_chunk(fd, plan, a, b, settings, busy, sums)
-    finally:
-        for fd in own.values():
-            os.close(fd)
+    """One thread's run of chunks, through the shared descriptors. (A descriptor of its own per
+    stripe, marked sequential, read no faster cold: docs/notes/benchmarks.md.)"""
+    for plan, a, b in stripe:
+        _read_chunk(plan.fd, plan, a, b, settings, busy, sums)
 
 
 def _read_chunk(fd: int, plan: _ItemPlan, a: int, b: int, settings: ReadSettings,

@@ -2,7 +2,8 @@
 # A/B on one GPU (carry .whl), in one call: the 8 GiB load benchmark with the reading threads
 # sharing one descriptor per file (MCX_READ_SHARED_FD=1, as before) and with a sequential
 # descriptor of its own per stripe (the default, backend/load_reader.py). Each run measures its
-# own floors. Results: docs/benchmarks/<card>_load_8gib_1126r_fd_{shared,own}.json
+# own floors. Results: docs/benchmarks/steps/h200_load_8gib_1126r_fd_{shared,own}.json. The own-
+# descriptor reading read no faster and was taken out again: run this at commit 2eb2d6d.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target .site .whl/*.whl
