@@ -163,6 +163,8 @@ class SavePlanner:
                                                   or self._structure != key):
             planned = strategy.save_strategy(self.options, dp_group=self.dp_group)
             ok = also is None or also[1] is not None  # the exchange's stand-in was made
+            if self.replay is not None:  # the second plan below records for the first save
+                self.replay.clear()
         agree = Group(group, self.options)  # the background group's own collectives
         ok = _all_true(ok, agree)  # every rank reaches this, planning or not
         if ok:
@@ -180,8 +182,8 @@ class SavePlanner:
             self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
         if ok:
             self._strategy, self._structure = planned, key
-            if self.replay is not None:
-                self.replay.clear()
+        elif planned is not None and self.replay is not None:
+            self.replay.clear()  # (what it recorded, if anything, is of a strategy not kept)
         return ok
 
     def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any,
@@ -197,10 +199,11 @@ class SavePlanner:
                 backend.into_fresh_directory(), backend.version_checks_cached(), \
                 backend.conversions_cached(self.conversions), \
                 backend.object_collectives_on(group, also):
-            for _ in range(2):
-                backend.dist_checkpointing().save(
-                    copy_structure(state), folder, planned, async_sharded_save=True,
-                    validate_access_integrity=False)
+            for replay in (None, self.replay):  # the second, its cache valid, is recorded
+                with backend.plan_replayed(planned, replay):
+                    backend.dist_checkpointing().save(
+                        copy_structure(state), folder, planned, async_sharded_save=True,
+                        validate_access_integrity=False)
 
     def reset(self) -> None:
         self._strategy = self._structure = self._validated = None

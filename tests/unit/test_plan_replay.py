@@ -127,3 +127,19 @@ def test_without_constant_structure_nothing_is_replayed_or_reported(tmp_path):
             _save(ck, model, root, it)
         assert _paths(ck) == [None] * 3
         _check(ck, root, 3)
+
+
+def test_the_first_save_after_prepare_replays_what_prepare_planned(tmp_path):
+    """prepare() plans the first save ahead (twice, into a throwaway directory, with the buffers
+    that save stages into): its second plan is recorded, so the first save replays it and writes
+    its own bytes into its own directory."""
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck.prepare(model.state(0))
+        ck.wait_prepared(120)
+        for it in (1, 2):
+            _save(ck, model, root, it)
+        assert _paths(ck) == ["replayed", "replayed"], _paths(ck)
+        assert "planned_ahead_s" in ck.reports[0]["stage_detail"]
+        for it in (1, 2):
+            _check(ck, root, it)
