@@ -24,11 +24,5 @@ for v in off on; do
   ab_run "replay_$v" ours 240 h100_134m_1126r
 done
 for v in off on; do
-  python3 - "$R/h100_134m_1126r_replay_$v.json" "$v" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("==", sys.argv[2], "floors", d.get("floors"))
-for row in d["table"]:
-    print(row)
-PY
+  print_table "$R/h100_134m_1126r_replay_$v.json" "$v"
 done

@@ -19,10 +19,4 @@ source docs/megatron_lm/steps/_ab_run.sh
 mkdir -p $R/prof
 MCX_PROFILE_SAVES=$R/prof ab_run replay_on_prof ours 200 ${CARD}_134m_1126r 2>&1 | tail -12
 ab_run stock stock 300 ${CARD}_134m_1126r 2>&1 | tail -3
-python3 - $R/${CARD}_134m_1126r_stock.json <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("floors", d.get("floors"))
-for row in d["table"]:
-    print(row)
-PY
+print_table "$R/${CARD}_134m_1126r_stock.json" stock

@@ -15,14 +15,5 @@ MODELS=134m KILL=0 RESUME_WARM=0 OUT=/tmp/run_$LABEL WORK=/tmp/rcw_$LABEL timeou
 cp /tmp/run_$LABEL/real_client.json "$OUT/${CARD}_134m_$LABEL.json"
 cp /tmp/run_$LABEL/logs.tgz "$OUT/${CARD}_134m_${LABEL}_logs.tgz"
 mkdir -p /tmp/x_$LABEL && tar xzf /tmp/run_$LABEL/logs.tgz -C /tmp/x_$LABEL
-for f in $(find /tmp/x_$LABEL -name "ours_134m_*reports.jsonl" | sort); do
-  echo "-- $(basename "$f")"
-  python3 - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "blocking_s" in r:
-        p = {k.removesuffix("_s"): round(v * 1e3, 1) for k, v in r["phases"].items() if v}
-        print(r["iteration"], "blocking_ms", round(r["blocking_s"] * 1e3, 1), p, r.get("stage_detail", {}).get("plan"))
-PY
-done
+source docs/megatron_lm/steps/_ab_run.sh
+print_reports /tmp/x_$LABEL
