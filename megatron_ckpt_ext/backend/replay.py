@@ -247,8 +247,10 @@ class _Recorder:
             if pos is None:
                 return None
             slots[id(item)] = (pos, tuple(data.shape), tuple(data.stride()))
+        template = _template(writer)
         entry = _Entry(fingerprint=fingerprint, call=call, plan=plan, slots=slots,
-                      writer=writer, old_dir=old_dir, ret=ret, callbacks=rest, planner=planner,
+                      writer=template, old_dir=old_dir,
+                      ret=type(ret)([template, *list(ret)[1:]]), callbacks=rest, planner=planner,
                       coordinator=bool(getattr(planner, "is_coordinator", False)),
                       all_cpu=all(d.device.type == "cpu" for i, d in resolved
                                   if not _is_bytes(i)))
@@ -256,6 +258,26 @@ class _Recorder:
         if isinstance(getattr(planner, "state_dict", None), dict):
             planner.state_dict = {}  # (its converted state: replays set up their own)
         return entry
+
+
+def _template(writer: Any) -> Any:
+    """A copy of the recorded writer without that save's data: every attribute holding a tensor
+    (at any depth of lists and tuples) is None in it, so the entry keeps no staged memory mapped
+    after its buffers are freed; ``prepare_write_data`` sets each of them anew at a replay."""
+    import torch
+
+    def holds(value: Any, depth: int = 0) -> bool:
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, (list, tuple)) and depth < 6:
+            return any(holds(v, depth + 1) for v in value)
+        return False
+
+    template = copy.copy(writer)
+    for name, value in list(vars(template).items()):
+        if holds(value):
+            setattr(template, name, None)
+    return template
 
 
 def _where(t: Any) -> tuple:

@@ -66,6 +66,16 @@ def _check(ck: Checkpointer, root, iteration: int) -> None:
     assert loaded["iteration"] == iteration
 
 
+def _tensors_in(value, depth: int = 0) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)) and depth < 8:
+        return [t for v in value for t in _tensors_in(v, depth + 1)]
+    return []
+
+
 def _paths(ck: Checkpointer) -> list:
     return [r["stage_detail"].get("plan") for r in ck.reports]
 
@@ -89,6 +99,7 @@ def test_replayed_saves_write_their_own_bytes_into_their_own_directory(tmp_path,
                 shutil.rmtree(checkpoint_name(root, 2))
         paths = _paths(ck)
         assert paths[0] == "planned" and paths[3:] == ["replayed"] * 4, paths
+        assert not _tensors_in(vars(ck._planner.replay.entry.writer))  # no staged memory held
         for it in range(3, 8):
             _check(ck, root, it)
 
