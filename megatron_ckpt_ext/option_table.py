@@ -78,7 +78,8 @@ class _KnobTable:
     ckpt_assume_constant_structure: bool = _knob(
         False,
         flag="--ckpt-assume-constant-structure",
-        help="Cache the save plan, metadata and staging buffers across saves. The cache is "
+        help="Cache the save plan, metadata and staging buffers across saves; a steady save "
+        "replays the request megatron-core planned for the same structure. The cache is "
         "validated on every save and rebuilt when the state's structure or storage changes.",
     )
     use_persistent_ckpt_worker: bool = _knob(
