@@ -41,7 +41,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple) -> None:
+# A rank is a fork of a server that imported these once (each fresh interpreter would import
+# megatron-core again: 5-10 s a rank on the 2-core CI machine, most of the multirank tier's time).
+# MCX_TEST_START_METHOD=spawn starts each rank as a fresh interpreter instead.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.dist_checkpointing"]
+
+
+def _start_method() -> str:
+    method = os.environ.get("MCX_TEST_START_METHOD", "forkserver")
+    if method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts (once)
+    return method
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple,
+           env: dict[str, str] | None = None) -> None:
+    if env is not None:  # the caller's environment now, not the server's at its start
+        os.environ.clear()
+        os.environ.update(env)
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -105,8 +124,8 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int | None = None, timeout:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; raise if any rank
     fails, or kill them all and raise if they are not done within ``timeout`` seconds."""
     world_size = world_size or world()
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args, dict(os.environ)),
+                             nprocs=world_size, join=False, start_method=_start_method())
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:
