@@ -169,7 +169,7 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         direct = [p for p in plans if p.span is not None]
         chunks = sorted(((p, a, b) for p in direct for a, b in _chunks(p.span[1], settings.chunk)),
                         key=lambda c: (c[0].what, c[0].span[0] + c[1]))
-        jobs = [pool.submit(_read_stripe, files, stripe, settings, busy, sums)
+        jobs = [pool.submit(_read_stripe, stripe, settings, busy, sums)
                 for stripe in _stripes(chunks, settings.threads)]
         jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
                  for p in plans if p.span is None]
@@ -288,16 +288,13 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
         os.posix_fadvise(fd, start, edge, os.POSIX_FADV_WILLNEED)
 
 
-def _read_stripe(files: _Files, stripe: list, settings: ReadSettings, busy: _Busy,
-                 sums: "_Sums") -> None:
-    """One thread's run of chunks, through the shared descriptors. (A descriptor of its own per
-    stripe, marked sequential, read no faster cold: docs/notes/benchmarks.md.)"""
+def _read_stripe(stripe: list, settings: ReadSettings, busy: _Busy, sums: "_Sums") -> None:
     for plan, a, b in stripe:
-        _read_chunk(plan.fd, plan, a, b, settings, busy, sums)
+        _read_chunk(plan, a, b, settings, busy, sums)
 
 
-def _read_chunk(fd: int, plan: _ItemPlan, a: int, b: int, settings: ReadSettings,
-                busy: _Busy, sums: "_Sums") -> None:
+def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _Busy,
+                sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
     a device target (copied on this thread's stream). A chunk to be summed goes to the summing
     threads, which lend the host chunk again once both its sum and its copy are done; this
@@ -310,7 +307,7 @@ def _read_chunk(fd: int, plan: _ItemPlan, a: int, b: int, settings: ReadSettings
     t = time.perf_counter()
     if target.device.type == "cpu":
         view = direct_read.tensor_bytes(flat[a:b])
-        direct_read.pread_into(fd, view, offset, plan.what)
+        direct_read.pread_into(plan.fd, view, offset, plan.what)
         busy.add("read", t)
         sums.chunk(plan, offset, view)
         return
@@ -320,7 +317,7 @@ def _read_chunk(fd: int, plan: _ItemPlan, a: int, b: int, settings: ReadSettings
     try:
         n = b - a
         view = direct_read.tensor_bytes(buf[:n])
-        direct_read.pread_into(fd, view, offset, plan.what)
+        direct_read.pread_into(plan.fd, view, offset, plan.what)
         t = busy.add("read", t)
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..debug import env_switch
@@ -61,7 +61,6 @@ class SaveReplay:
     """One Checkpointer's recorded plan (one structure); :meth:`clear` when it changes."""
 
     entry: _Entry | None = None
-    stats: dict = field(default_factory=lambda: {"replayed": 0, "recorded": 0, "missed": 0})
     last: str = ""  # "replayed" or "planned" (the last save's path), for the save report
 
     def clear(self) -> None:
@@ -115,40 +114,29 @@ def _replay_or_record(base: Any, original: Any, replay: SaveReplay, state: Any,
                 logger.debug("save request not replayed (%s: %s): planning it", type(e).__name__,
                              e)
             else:
-                replay.stats["replayed"] += 1
                 replay.last = "replayed"
                 return request
-        replay.stats["missed"] += 1
         replay.entry = None
     recorder = _Recorder(base)
     with recorder.installed():
         request = original(state, checkpoint_dir, *args, **kwargs)
     replay.entry = recorder.entry(shards, fingerprint, call, str(checkpoint_dir))
-    replay.stats["recorded"] += replay.entry is not None
     return request
 
 
 # -- what a save's state holds ------------------------------------------------------------------
 def _leaves(state: Any) -> tuple[list, list]:
-    """The ShardedTensors and ShardedObjects of ``state`` in traversal order."""
+    """The ShardedTensors and ShardedObjects of ``state`` in traversal order (megatron-core's
+    own ``nested_values``)."""
     mapping = _import(f"{MCORE_DC}.mapping")
     tensor_cls, object_cls = mapping.ShardedTensor, mapping.ShardedObject
     shards: list = []
     objects: list = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            node = node.values()
-        elif not isinstance(node, (list, tuple)):
-            if isinstance(node, tensor_cls):
-                shards.append(node)
-            elif isinstance(node, object_cls):
-                objects.append(node)
-            return
-        for value in node:
-            walk(value)
-
-    walk(state)
+    for value in _import(f"{MCORE_DC}.dict_utils").nested_values(state):
+        if isinstance(value, tensor_cls):
+            shards.append(value)
+        elif isinstance(value, object_cls):
+            objects.append(value)
     return shards, objects
 
 
