@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ENV_SWITCHES", "EnvSwitch", "TRACE_FILE", "env_switch", "non_default_switches",
-           "trace_event", "traced_request"]
+           "trace_event", "trace_gc", "traced_request"]
 
 TRACE_FILE = "writer_trace.jsonl"
 
@@ -79,7 +79,8 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "in) to <dir>/sync_points_rank<R>.jsonl"),
     EnvSwitch("MCX_WRITER_TRACE", "",
               "<dir>: append each save's preload, write, results hand-back, schedule and commit "
-              f"wall times to <dir>/{TRACE_FILE}"),
+              f"wall times to <dir>/{TRACE_FILE}; through the launcher also Megatron's whole "
+              "save_checkpoint and the trainer's collector passes"),
 )}
 
 
@@ -121,6 +122,33 @@ def trace_event(folder: str | None, what: str, *, rank: int, **fields: Any) -> N
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / TRACE_FILE, "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+_GC_TRACE: dict[str, Any] = {}
+
+
+def trace_gc(folder: str | None, *, rank: int, min_s: float = 0.001) -> None:
+    """Trace every pass of Python's cyclic collector in this process lasting ``min_s`` or more
+    (event ``gc``: generation, seconds, objects collected) to ``<folder>/writer_trace.jsonl``:
+    a pass stops every thread, so one that falls inside a timed save shows there. Idempotent;
+    nothing when ``folder`` is empty."""
+    import gc
+
+    if not folder or _GC_TRACE.get("folder") == folder:
+        return
+    _GC_TRACE.update(folder=folder, rank=rank, min_s=min_s, t0=None)
+    if _gc_traced not in gc.callbacks:
+        gc.callbacks.append(_gc_traced)
+
+
+def _gc_traced(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC_TRACE["t0"] = time.time()
+        return
+    start, _GC_TRACE["t0"] = _GC_TRACE.get("t0"), None
+    if start is not None and time.time() - start >= _GC_TRACE["min_s"]:
+        trace_event(_GC_TRACE["folder"], "gc", rank=_GC_TRACE["rank"], start=start,
+                    generation=info.get("generation"), collected=info.get("collected"))
 
 
 class _TracedQueue:

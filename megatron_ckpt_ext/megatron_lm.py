@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from typing import Any, Callable
 
 from . import backend
@@ -42,7 +43,7 @@ from ._mlm_seams import (CheckpointerFactory, _default_factory,
                          _warming_setup)
 from ._runtime import rank
 from .arguments import add_arguments
-from .debug import env_switch, profiled
+from .debug import env_switch, profiled, trace_event, trace_gc
 from .errors import BackendUnavailable, MegatronAdapterError
 from .options import CkptOptions
 from .save.report import gc_pauses
@@ -206,19 +207,41 @@ def _around_save_checkpoint(original: Callable[..., Any], *,
     the way out), and with Python's cyclic collector paused while it runs (its own state
     building around our save triggers collections too: ``save/report.py: gc_pauses``;
     ``MCX_GC_IN_SAVE=1`` leaves it running)."""
+    trace = env_switch("MCX_WRITER_TRACE")
+    trace_gc(trace, rank=rank())
+
     @functools.wraps(original)
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        start = time.time()
         with gc_pauses(None) if pause_gc else contextlib.nullcontext():
             checkpointer = _state.checkpointer
             ahead = (hasattr(checkpointer, "stage_ahead") and not kwargs.get("non_persistent_ckpt")
                      and checkpointer.stage_ahead())
+            ahead_s = time.time() - start
             try:
                 return original(*args, **kwargs)
             finally:
                 if ahead:
                     checkpointer.drop_ahead()
+                if trace:
+                    _trace_window(trace, start, ahead_s)
 
     return save_checkpoint
+
+
+def _trace_window(folder: str, start: float, ahead_s: float) -> None:
+    """``MCX_WRITER_TRACE``: Megatron's whole ``save_checkpoint`` as one event, with the time
+    staging ahead took on entry and what a device synchronize right after it waits (Megatron's
+    timer synchronizes there too, so this adds no wait of its own)."""
+    returned = time.time()
+    sync = time.time()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    trace_event(folder, "save_checkpoint", rank=rank(), start=start,
+                ahead_s=round(ahead_s, 4), body_s=round(returned - start, 4),
+                sync_after_s=round(time.time() - sync, 4))
 
 
 def _apply_patches(modules: dict[str, Any]) -> None:

@@ -580,3 +580,39 @@ def test_megatrons_save_checkpoint_stages_ahead_on_entry_and_gives_back_what_no_
     training.save_checkpoint(3, "model", non_persistent_ckpt=True)
     assert calls == ["megatron 0", "ahead", "megatron 1", "drop", "ahead", "megatron 2", "drop",
                      "megatron 3"]
+
+
+def test_writer_trace_times_megatrons_whole_save_checkpoint_and_the_collectors_passes(
+        mlm, monkeypatch, tmp_path):
+    """MCX_WRITER_TRACE: one ``save_checkpoint`` event per call of Megatron's save_checkpoint
+    (its whole body, the staging ahead on entry, the device wait after it), and a ``gc`` event
+    for a collector pass in the trainer (a pass stops every thread: inside a timed save it
+    shows there)."""
+    import gc
+    import json
+    import time as _time
+
+    from megatron_ckpt_ext import debug
+
+    def save_checkpoint(iteration, *args, **kwargs):
+        _time.sleep(0.02)
+
+    training = mlm.mods["training"]
+    training.save_checkpoint = save_checkpoint
+    monkeypatch.delenv("MCX_PROFILE_SAVES", raising=False)
+    monkeypatch.setenv("MCX_WRITER_TRACE", str(tmp_path))
+    monkeypatch.setitem(debug._GC_TRACE, "folder", None)
+    _install(mlm, async_save=True)
+    try:
+        training.save_checkpoint(3, "model")
+        monkeypatch.setitem(debug._GC_TRACE, "min_s", 0.0)
+        gc.collect()
+    finally:
+        megatron_lm.uninstall()
+        gc.callbacks[:] = [c for c in gc.callbacks if c is not debug._gc_traced]
+    events = [json.loads(line) for line in (tmp_path / debug.TRACE_FILE).read_text().splitlines()]
+    windows = [e for e in events if e["what"] == "save_checkpoint"]
+    assert len(windows) == 1 and windows[0]["body_s"] >= 0.02, windows
+    assert {"ahead_s", "sync_after_s", "s"} <= set(windows[0])
+    passes = [e for e in events if e["what"] == "gc"]
+    assert passes and passes[-1]["generation"] == 2, passes
