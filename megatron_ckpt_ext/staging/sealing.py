@@ -78,17 +78,23 @@ class _Sealing:
             except OSError as e:  # no snapshot then: a restart reads storage
                 logger.warning("could not seal the staging buffers as a snapshot: %s", e)
 
-    def unseal(self) -> None:
-        """Before the sealed buffers change (the next staging, close): no seal may name them."""
+    def unseal(self, *, wait: bool = False) -> None:
+        """Before the sealed buffers change (the next staging, close): no seal may name them.
+
+        A seal still being summed is cancelled, not waited for (``wait``: at close): once the
+        seal file is gone under the seal lock, the summing thread can no longer write one (it
+        checks its own cancel event under that lock) and only reads the buffers, whose mappings
+        its references keep alive, until its current chunk ends. The next save's staging thus
+        never waits for the summing of a save that committed just before it."""
         sealed = self._sealed
         if sealed is None:
             return
         self._seal_cancel.set()
         with self._seal_lock:
             remove_seal(self.shm_dir, sealed[1], self.rank)
-        if self._seal_thread is not None:
-            self._seal_thread.join()
-            self._seal_thread = None
+        thread, self._seal_thread = self._seal_thread, None
+        if thread is not None and wait:
+            thread.join()
         self._sealed = None
         with self._lock:
             buffer_set = sealed[0]

@@ -166,7 +166,7 @@ class ShmStager(_Sealing, _CopyStreams):
             self._prepare_thread = None
         kept = self._finish_sealing() if keep_sealed else None
         if kept is None:
-            self.unseal()
+            self.unseal(wait=True)
         with self._lock:
             for s in self._sets:
                 self._free_all(s.buffers.values(), unlink=s is not kept)

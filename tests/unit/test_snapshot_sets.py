@@ -112,3 +112,40 @@ def test_node_admission_counts_both_sets(one_rank_group, tmp_path, sets, admitte
         else:
             with pytest.raises(InsufficientHostMemory):
                 ck.prepare(state)
+
+
+def test_staging_does_not_wait_for_the_summing_of_the_seal_it_cancels(tmp_path, make, monkeypatch):
+    """A save that stages right after the previous one committed (Megatron-LM's end-of-training
+    save can come a few milliseconds after the commit) cancels that seal's summing and stages
+    at once; the cancelled summing, when it ends, writes no seal naming buffers that changed."""
+    import threading
+
+    from megatron_ckpt_ext.staging import sealing
+
+    held, started = threading.Event(), threading.Event()
+
+    def slow_sums(tensors, *, cancelled=None, threads=None):
+        started.set()
+        held.wait(30)  # the summing of a large snapshot, still running
+        return [buffer_crc32(t) for t in tensors]  # (finished: not cancelled by itself)
+
+    monkeypatch.setattr(sealing, "crc32_all", slow_sums)
+    root = tmp_path / "ckpt"
+    stager = make(1)
+    batch = stager.stage(_state(1), keys=KEYS)
+    stager.seal(batch, root=str(root), iteration=1, world=1, layout=LAYOUT, manifest_crc32="1")
+    summing = stager._seal_thread
+    stager._release(batch._set)
+    assert started.wait(10)
+
+    staged = threading.Event()
+    worker = threading.Thread(target=lambda: (stager.stage(_state(2), keys=KEYS), staged.set()),
+                              daemon=True)
+    worker.start()
+    try:
+        assert staged.wait(10), "the next staging waited for the cancelled seal's summing"
+    finally:
+        held.set()
+    summing.join(10)
+    assert not summing.is_alive()
+    assert _sealed(tmp_path, root) is None  # the cancelled seal was never written
