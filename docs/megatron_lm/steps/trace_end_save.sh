@@ -4,7 +4,8 @@
 # Ours only, 134M, saves every 100 (train to 350, resume cold to 450), with MCX_WRITER_TRACE:
 # Megatron's whole save_checkpoint per save (staging ahead, body, device wait after) and every
 # collector pass of 1 ms or more in the trainer. Results: $OUT/<card>_134m_$LABEL.json, _logs.tgz,
-# _trace.jsonl; the table printed by print_trace below.
+# _trace.jsonl; the table printed below. Run 1127a at 48fb0ca (before the seal is cancelled, not
+# waited for), 1127b after it with PROFILE=1.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target .site .whl/*.whl
@@ -13,6 +14,11 @@ LABEL=${LABEL:-1127a}
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
 export MCX_WRITER_TRACE=/tmp/trace_$LABEL
 rm -rf "$MCX_WRITER_TRACE"
+# PROFILE=1: also every save under cProfile (Megatron's whole save_checkpoint) and torch's CUDA
+# sync debug mode (where a save waited for the device): $OUT/<card>_134m_$LABEL_{profile,sync}/
+if [ "${PROFILE:-0}" = 1 ]; then
+  export MCX_PROFILE_SAVES=$OUT/${CARD}_134m_${LABEL}_profile MCX_SYNC_POINTS=$OUT/${CARD}_134m_${LABEL}_sync
+fi
 MODELS=134m SOURCES=ours KILL=0 RESUME_WARM=0 OUT=/tmp/run_$LABEL WORK=/tmp/rcw_$LABEL \
   timeout 400 bash scripts/gpu_real_client.sh 2>&1 | grep '"save"\|"load"\|identical\|rc='
 cp /tmp/run_$LABEL/real_client.json "$OUT/${CARD}_134m_$LABEL.json"
