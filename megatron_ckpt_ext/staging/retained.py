@@ -172,6 +172,8 @@ def discard(seal: Seal, *, is_mapped: Callable[[str], bool]) -> list[str]:
 def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None) -> int | None:
     """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers);
     None when ``cancelled`` is set meanwhile."""
+    if cancelled is not None and cancelled.is_set():
+        return None
     if tensor.numel() == 0:
         return 0
     raw = tensor.detach().reshape(-1).view(torch.uint8).numpy()
@@ -209,8 +211,27 @@ def crc32_all(tensors: Sequence[torch.Tensor], *, threads: int | None = None,
     """Every tensor's CRC-32, on ``threads`` threads (default 4, at most the rank's share of
     the host's cores: it runs beside training); None when cancelled."""
     threads = threads or min(_SEAL_SUM_THREADS, cores_per_local_rank())
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        crcs = list(pool.map(lambda t: buffer_crc32(t, cancelled), tensors))
+    crcs: list[int | None] = [None] * len(tensors)
+    order = iter(range(len(tensors)))
+    taking = threading.Lock()
+
+    def work() -> None:
+        # each thread takes the next buffer until none is left or the seal is cancelled: once
+        # cancelled, no thread touches another buffer (the next save's staging runs beside
+        # these threads, and its Python work would otherwise share the GIL with their churn)
+        while cancelled is None or not cancelled.is_set():
+            with taking:
+                i = next(order, None)
+            if i is None:
+                return
+            crcs[i] = buffer_crc32(tensors[i], cancelled)
+
+    workers = [threading.Thread(target=work, name="mcx-seal-sum", daemon=True)
+               for _ in range(max(1, min(threads, len(tensors))))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
     return None if any(c is None for c in crcs) else crcs  # type: ignore[return-value]
 
 

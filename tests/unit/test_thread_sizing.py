@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -185,5 +187,14 @@ def test_a_memory_snapshots_pools_use_the_ranks_share_of_the_cores(host, monkeyp
     assert torch.equal(source, target) and _Recording.sizes.pop("") == copy
     restore_copy.copy_verified([(source, retained.buffer_crc32(source), target)], threads=5)
     assert _Recording.sizes.pop("") == 5  # a count given wins
-    assert retained.crc32_all([source]) == [retained.buffer_crc32(source)]
-    assert _Recording.sizes.pop("") == seal
+    started = []
+
+    class _Thread(threading.Thread):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.name)
+
+    monkeypatch.setattr(retained, "threading",
+                        types.SimpleNamespace(Thread=_Thread, Lock=threading.Lock))
+    assert retained.crc32_all([source] * 20) == [retained.buffer_crc32(source)] * 20
+    assert started == ["mcx-seal-sum"] * seal
