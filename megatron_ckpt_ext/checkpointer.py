@@ -152,7 +152,8 @@ class Checkpointer(_SaveSteps):
         instead of inside the load (docs/MEMORY.md). Whether anything started; the load takes
         what is of the seal it finds, or releases it unused (as does :meth:`close`)."""
         self._check_open()
-        return bool(self._memory_tier and warm_restore(self._stager, Path(checkpoint_dir)))
+        return bool(self._memory_tier and warm_restore(
+            self._stager, Path(checkpoint_dir), to_device=self.options.ckpt_restore_prefetch))
 
     def _admit(self, tensors: list[Any]) -> None:
         """Collective, once (the first save or :meth:`prepare`): node-level admission of what

@@ -71,7 +71,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     if tensors is not None:  # checked and the copies into the targets issued in one pass (a
         why, copying = _check_and_copy(stager, tensors, sharded_state_dict,  # refusal is
                                        detail=record.memory_detail,  # overwritten by storage)
-                                       summed=frozenset(ahead.verified) if ahead else frozenset())
+                                       summed=frozenset(ahead.verified) if ahead else frozenset(),
+                                       on_device=ahead.device if ahead else None)
     t = _step(steps, "check_and_copy_s", t)
     if copying is not None and not why and read_seal(seal.file) != seal:
         copying.finish()
@@ -106,10 +107,11 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
     return now
 
 
-def warm_restore(stager: Any, root: Path) -> bool:
+def warm_restore(stager: Any, root: Path, *, to_device: bool = True) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
-    sums every buffer against the seal and pins buffers until the load comes (:mod:`.prepared`),
+    sums every buffer against the seal and pins buffers until the load comes, each copied to
+    the device as it is pinned where the device has room (``to_device``, :mod:`.prepared`),
     one builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.
@@ -117,7 +119,7 @@ def warm_restore(stager: Any, root: Path) -> bool:
     shm_dir = getattr(stager, "shm_dir", None)
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
-    started = _prepared.start(stager, root, restore_copy.cuda_device())
+    started = _prepared.start(stager, root, restore_copy.cuda_device(), to_device=to_device)
     return warm_bounce() or started
 
 
@@ -149,6 +151,7 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
     why = _mismatch(seal, sharded_state_dict, root, iteration, world)
     if why:
         if ahead is not None:
+            ahead.release_device()
             stager.drop_adopted(unlink=False)
         if seal is not None and os.path.realpath(seal.root) == os.path.realpath(root):
             stager.discard_stale(seal)  # this rank's, and nobody will adopt it: free its memory
@@ -164,18 +167,21 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
 
 
 def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
-                    detail: dict | None = None,
-                    summed: frozenset[int] = frozenset()) -> tuple[str, CopyInFlight | None]:
+                    detail: dict | None = None, summed: frozenset[int] = frozenset(),
+                    on_device: Any = None) -> tuple[str, CopyInFlight | None]:
     """Each buffer's CRC-32 against its seal and its copy into the target, chunk by chunk on
-    the copy threads (those in ``summed`` matched ahead: only copied); why not (a mismatch), or
-    '', and the copies, which may still be landing (None where none was issued)."""
+    the copy threads (those in ``summed`` matched ahead: only copied; those ``on_device`` holds,
+    copied to the device ahead, from there); why not (a mismatch), or '', and the copies, which
+    may still be landing (None where none was issued)."""
     targets: list = []
     backend.map_sharded_tensors(sharded_state_dict, lambda t: targets.append(t.data) or t)
     if not all(t.is_contiguous() for t in targets):
+        if on_device is not None:
+            on_device.release()
         stager.drop_adopted(unlink=False)
         return "a target tensor is not contiguous (the copies go to contiguous targets only)", None
     copying = start_copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)],
-                                  detail=detail, summed=summed)
+                                  detail=detail, summed=summed, on_device=on_device)
     if copying.bad:
         copying.finish()
         stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again

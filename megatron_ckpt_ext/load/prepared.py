@@ -23,6 +23,7 @@ from .._runtime import rank
 from .._threads import thread_counts
 from ..staging import restore_copy
 from ..staging.retained import Seal, presum_pieces, read_seal, seal_path
+from .device_ahead import DeviceAhead
 
 __all__ = ["Prepared", "drop", "start", "take", "wait"]
 
@@ -40,16 +41,24 @@ class Prepared:
     pinned: set[int] = field(default_factory=set)  # registered with CUDA before the load came
     seconds: float = 0.0
     waited_s: float = 0.0
+    device: DeviceAhead | None = None  # copies of verified buffers on the device (device_ahead)
+
+    def release_device(self) -> None:
+        """The device block given back (the load's copies landed, or no load took it)."""
+        device, self.device = self.device, None
+        if device is not None:
+            device.release()
 
 
 _lock = threading.Lock()
 _pending: list[dict] = []  # at most one: {"stager", "stop", "thread", "prepared" or "error"}
 
 
-def start(stager: Any, root: Any, device: int | None = None) -> bool:
+def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = True) -> bool:
     """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
-    CUDA ``device``) pin its buffers until the load comes; whether it started (a seal of ``root``
-    for this rank, no snapshot of this run's own, none pending)."""
+    CUDA ``device``) pin its buffers until the load comes, each copied to the device as it is
+    pinned where the device has room (``to_device``, :mod:`.device_ahead`); whether it started
+    (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
     if not hasattr(stager, "adopt") or stager.sealed_root() is not None:
         return False
     seal = read_seal(seal_path(stager.shm_dir, root, rank()))
@@ -59,14 +68,14 @@ def start(stager: Any, root: Any, device: int | None = None) -> bool:
         if _pending:
             return False
         entry: dict = {"stager": stager, "stop": threading.Event()}
-        entry["thread"] = threading.Thread(target=_prepare, args=(entry, seal, device),
+        entry["thread"] = threading.Thread(target=_prepare, args=(entry, seal, device, to_device),
                                            name="mcx-prepare-restore", daemon=True)
         _pending.append(entry)
         entry["thread"].start()
     return True
 
 
-def _prepare(entry: dict, seal: Seal, device: int | None) -> None:
+def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> None:
     stager, t0 = entry["stager"], time.perf_counter()
     try:
         buffers = stager.adopt(seal)
@@ -86,7 +95,14 @@ def _prepare(entry: dict, seal: Seal, device: int | None) -> None:
     prepared = entry["prepared"] = Prepared(seal, buffers, verified)
     if device is not None:  # pinned, they go to the device without a bounce (the driver
         restore_copy.use_device(device)  # serialises registrations: one thread, until the load)
-        prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
+        ahead = DeviceAhead.start(buffers, verified, f"cuda:{device}") if to_device else None
+        try:
+            prepared.pinned = stager.pin_adopted_now(
+                buffers, entry["stop"], then=ahead.issue if ahead is not None else None)
+        finally:
+            if ahead is not None:
+                ahead.seal_issued()
+                prepared.device = ahead
     prepared.seconds = round(time.perf_counter() - t0, 6)
 
 
@@ -98,6 +114,7 @@ def take(seal: Seal | None) -> Prepared | None:
     if prepared is None:
         return None
     if seal is None or prepared.seal != seal:
+        prepared.release_device()
         entry["stager"].drop_adopted(unlink=False)
         return None
     prepared.waited_s = waited
@@ -125,6 +142,7 @@ def drop() -> bool:
         logger.debug("the restore prepared ahead failed: %s", e)
         return True
     if entry.get("prepared") is not None:
+        entry["prepared"].release_device()
         entry["stager"].drop_adopted(unlink=False)
     return bool(entry)
 

@@ -43,8 +43,9 @@ class CopyInFlight:
     known; device copies may still run until :meth:`finish` (idempotent) waits for them."""
 
     def __init__(self, bad: list[int], bounce: _Bounce | None, on_device: bool,
-                 detail: dict | None) -> None:
+                 detail: dict | None, ahead: Any = None) -> None:
         self.bad, self._bounce, self._on_device, self._detail = bad, bounce, on_device, detail
+        self._ahead = ahead  # the device block copied ahead (load/device_ahead.py), if any
         self._done = False
 
     def finish(self) -> None:
@@ -61,6 +62,8 @@ class CopyInFlight:
             t1 = time.perf_counter()
             if self._bounce is not None:
                 self._bounce.close(synced=synced)
+            if self._ahead is not None:
+                self._ahead.release()
         if self._detail is not None:
             self._detail.update(sync_s=round(t1 - t0, 6),
                                 release_s=round(time.perf_counter() - t1, 6))
@@ -68,8 +71,8 @@ class CopyInFlight:
 
 def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
                         threads: int | None = None, chunk: int = 16 << 20,
-                        detail: dict | None = None,
-                        summed: frozenset[int] = frozenset()) -> CopyInFlight:
+                        detail: dict | None = None, summed: frozenset[int] = frozenset(),
+                        on_device: Any = None) -> CopyInFlight:
     """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
     chunk on ``threads`` threads, summing each chunk on the way; returns once every buffer is
     summed (the chunks' sums folded in order per buffer), device copies possibly still landing.
@@ -81,6 +84,8 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
     the device that was the fastest: 2.5-3.5x pinning the mapping first (docs/memory/).
     The buffers in ``summed`` were summed and faulted in ahead (load/prepared.py): only copied;
     those pinned are copied whole, one call per device on a copy stream, before the pool starts.
+    Those of them ``on_device`` copied to the device ahead (load/device_ahead.py) are copied
+    from there, device to device, on the current stream once those copies landed.
     ``detail`` receives the threads, pieces, step times."""
     from ..manifest import crc32_combine
 
@@ -88,11 +93,12 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
     threads = threads or thread_counts().copy  # the rank's share of the host's cores
     pinned = {i for i, (src, _, dst) in enumerate(jobs)
               if dst.is_cuda and _nbytes(src) and src.is_pinned()}
-    direct = pinned & summed  # pinned and summed ahead: whole-buffer copies, issued at once
-    pieces = _pieces([_nbytes(b) for b, _, _ in jobs], chunk, direct)
-    bounced = {i for i, (src, _, dst) in enumerate(jobs)
-               if dst.is_cuda and _nbytes(src) and i not in pinned}
     t0 = time.perf_counter()
+    ahead = _issue_from_device(jobs, on_device, summed)  # device to device: done
+    direct = (pinned & summed) - ahead  # pinned and summed ahead: whole-buffer copies, at once
+    pieces = _pieces([_nbytes(b) for b, _, _ in jobs], chunk, direct | ahead)
+    bounced = {i for i, (src, _, dst) in enumerate(jobs)
+               if dst.is_cuda and _nbytes(src) and i not in pinned and i not in ahead}
     _issue_direct([jobs[i] for i in sorted(direct, key=lambda i: -_nbytes(jobs[i][0]))])
     t_direct = time.perf_counter()
     bounce = None
@@ -111,8 +117,8 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
         return i, crc, z - a
 
     sums: dict[int, int] = {}
-    on_device = any(dst.is_cuda for _, _, dst in jobs)
-    copying = CopyInFlight([], bounce, on_device, detail)
+    copying = CopyInFlight([], bounce, any(dst.is_cuda for _, _, dst in jobs), detail,
+                           ahead=on_device)
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
@@ -127,11 +133,31 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
                       setup_s=round(t0 - start, 6), direct_issue_s=round(t_direct - t0, 6),
                       bounce_pinned=bool(bounce and bounce.was_pinned),
                       bounce_warm=bool(bounce is not None and bounce.warm),
-                      summed_ahead=len(summed),
+                      summed_ahead=len(summed), device_ahead=len(ahead),
+                      device_ahead_bytes=sum(_nbytes(jobs[i][0]) for i in ahead),
                       bounce_setup_s=round(t1 - t_direct, 6), copy_s=round(t2 - t1, 6))
     copying.bad = [i for i, (_, want, _) in enumerate(jobs)
                    if i not in summed and sums.get(i, 0) != want]
     return copying
+
+
+def _issue_from_device(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], on_device: Any,
+                       summed: frozenset[int]) -> set[int]:
+    """The buffers copied to the device ahead (and summed ahead) into their targets, device to
+    device on the current stream after those copies; the indices copied."""
+    if on_device is None:
+        return set()
+    devices = {jobs[i][2].device for i in on_device.views if i < len(jobs)}
+    stream = (torch.cuda.current_stream(next(iter(devices)))
+              if len(devices) == 1 and next(iter(devices)).type == "cuda" else None)
+    views = on_device.taken(stream)
+    done = {i for i, view in views.items()
+            if i in summed and i < len(jobs) and jobs[i][2].device == view.device
+            and _nbytes(jobs[i][2]) == view.numel()}
+    if done:
+        _copy_all([_bytes(jobs[i][2]) for i in sorted(done)], [views[i] for i in sorted(done)],
+                  non_blocking=True)
+    return done
 
 
 def _issue_direct(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> None:

@@ -64,21 +64,26 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
             assert rep["allocated_after_save"] == rep["allocated_before_save"]
 
 
-def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path, prefetch):
     """prepare_restore (as the launcher calls it) maps and sums the snapshot ahead on every rank;
-    with CUDA it pins it too, and the pinned buffers are copied whole (scripts/gpu_tests.sh)."""
+    with CUDA it pins it too and copies it to the device as it pins (the load then copies device
+    to device), or with --no-ckpt-restore-prefetch the load copies the pinned buffers whole
+    (scripts/gpu_tests.sh)."""
     import torch
 
-    run_ranks(w.save_and_die, args=(str(root), MODES["persistent-constant"], 2))
+    options = {**MODES["persistent-constant"], "ckpt_restore_prefetch": prefetch}
+    run_ranks(w.save_and_die, args=(str(root), options, 2))
     buffers = len(read_seal(seal_path("/dev/shm", root, 0)).entries)
-    run_ranks(w.restore_prepared, args=(str(root), MODES["persistent-constant"], 2, 1.0,
-                                        str(tmp_path)))
+    run_ranks(w.restore_prepared, args=(str(root), options, 2, 1.0, str(tmp_path)))
     for rep in _reports(tmp_path):
         report, detail = rep["report"], rep["report"]["memory_detail"]
         assert report["tier"] == "memory" and report["verified"]
         assert detail["summed_ahead"] == buffers and detail["prepare_wait_s"] < 1.0
         if torch.cuda.is_available() and device() == "cuda":
-            assert detail["pinned_ahead"] == buffers and detail["direct"] == buffers
+            assert detail["pinned_ahead"] == buffers
+            ahead = buffers if prefetch else 0
+            assert detail["device_ahead"] == ahead and detail["direct"] == buffers - ahead
 
 
 @pytest.mark.parametrize("sets,tier", [(2, "memory"), (1, "storage")])

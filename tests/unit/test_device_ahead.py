@@ -1,0 +1,105 @@
+"""A restore from memory prepared while the model is built also copies the summed, pinned
+snapshot to the device (load/device_ahead.py), where the device has room; the load then copies
+device to device and gives the block back. On CPU the device is stood in for by host memory
+(the same copies, no stream): what is checked is which copies the load makes, the room rule,
+the flag and the release on every path."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.load import device_ahead, prepared
+from megatron_ckpt_ext.staging import sealing
+
+from tests.unit.test_warm_bounce import OPTIONS, _like, _loaded_w, _memory_detail, pool, sealed  # noqa: F401
+
+
+@pytest.fixture
+def device(monkeypatch, pool):  # noqa: F811
+    """Pinning stood in for (every buffer 'pinned'), the device stood in for by the CPU with
+    ``free`` bytes of room; the blocks made, for the checks."""
+    made: list[device_ahead.DeviceAhead] = []
+    room = {"free": 1 << 40}
+    start = device_ahead.DeviceAhead.start.__func__
+
+    def cpu_start(cls, buffers, wanted, _device, **kwargs):
+        made_now = start(cls, buffers, wanted, "cpu", free_bytes=lambda d: room["free"])
+        if made_now is not None:
+            made.append(made_now)
+        return made_now
+
+    class _Cudart:
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(sealing, "_register", lambda t, n: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    monkeypatch.setattr(device_ahead.DeviceAhead, "start", classmethod(cpu_start))
+    return made, room
+
+
+def _prepare_and_load(ck, root, **load):
+    assert ck.prepare_restore(root)
+    assert prepared.wait(30)  # the model build outlasts the preparation
+    return ck.load(_like(), str(root), **load)
+
+
+def test_the_load_copies_what_was_copied_ahead_from_the_device_and_gives_the_block_back(
+        device, sealed):  # noqa: F811
+    made, _ = device
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True
+        state = _prepare_and_load(ck, root)
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory"
+    assert detail["device_ahead"] == 1 and detail["device_ahead_bytes"] == 4096 * 4
+    assert detail["pieces"] == 0 and detail["direct"] == 0  # nothing else copied from the host
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+    assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views  # given back
+
+
+def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):  # noqa: F811
+    made, room = device
+    room["free"] = 4096 * 4 * device_ahead.ROOM_FACTOR - 1
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True
+        state = _prepare_and_load(ck, root)
+        detail = _memory_detail(ck)
+    assert not made and detail["tier"] == "memory" and detail["device_ahead"] == 0
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_the_flag_turns_the_copy_ahead_off(device, sealed):  # noqa: F811
+    made, _ = device
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS, ckpt_restore_prefetch=False)) as ck:
+        ck._stager.pin = True
+        _prepare_and_load(ck, root)
+        assert _memory_detail(ck)["device_ahead"] == 0
+    assert not made
+
+
+@pytest.mark.parametrize("how", ["other_iteration", "never_loaded"])
+def test_a_block_no_load_takes_is_given_back(device, sealed, how):  # noqa: F811
+    """The snapshot holds iteration 2: a load of 1 reads storage; or the run closes without a
+    load. Either way the device block goes back (on a GPU it would hold the snapshot's bytes)."""
+    made, _ = device
+    root = sealed((1, 2))
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True
+        if how == "other_iteration":
+            _prepare_and_load(ck, root, iteration=1)
+            assert ck.load_reports[-1]["tier"] == "storage"
+        else:
+            assert ck.prepare_restore(root)
+            deadline = time.monotonic() + 30
+            while not made or not made[0].views:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+    assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views
