@@ -43,12 +43,15 @@ def free_port() -> int:
 
 # A rank is a fork of a server that imported these once (each fresh interpreter would import
 # megatron-core again: 5-10 s a rank on the 2-core CI machine, most of the multirank tier's time).
-# MCX_TEST_START_METHOD=spawn starts each rank as a fresh interpreter instead.
+# MCX_TEST_START_METHOD=spawn starts each rank as a fresh interpreter instead, and is the default
+# with MCX_TEST_DEVICE=cuda: importing megatron-core initializes CUDA in the server, and a process
+# forked after that cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess").
 _PRELOAD = ["torch", "torch.distributed", "megatron.core.dist_checkpointing"]
 
 
 def _start_method() -> str:
-    method = os.environ.get("MCX_TEST_START_METHOD", "forkserver")
+    cuda = os.environ.get("MCX_TEST_DEVICE") == "cuda"
+    method = os.environ.get("MCX_TEST_START_METHOD", "spawn" if cuda else "forkserver")
     if method == "forkserver":
         import multiprocessing
 

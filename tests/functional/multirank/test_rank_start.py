@@ -26,3 +26,15 @@ def test_ranks_see_the_callers_environment_of_the_moment(monkeypatch):
 def test_ranks_start_with_megatron_core_imported(monkeypatch):
     monkeypatch.delenv("MCX_TEST_START_METHOD", raising=False)
     run_ranks(w.imported_once, timeout=60)
+
+
+def test_ranks_on_cuda_start_as_fresh_interpreters(monkeypatch):
+    """A server that imported megatron-core has initialized CUDA, and a fork of it cannot use
+    CUDA: with MCX_TEST_DEVICE=cuda ranks are spawned (scripts/gpu_tests.sh)."""
+    from tests._support import dist
+
+    monkeypatch.delenv("MCX_TEST_START_METHOD", raising=False)
+    monkeypatch.setenv("MCX_TEST_DEVICE", "cuda")
+    assert dist._start_method() == "spawn"
+    monkeypatch.setenv("MCX_TEST_START_METHOD", "forkserver")
+    assert dist._start_method() == "forkserver"  # asked for: as asked
