@@ -17,7 +17,8 @@
 # load-checkpoint timer and tier, its losses against train's, and a warm storage load of a copy
 # of the same checkpoint (restart_storage).
 # Floors in the same run: pinned device-to-host copy of the state's bytes, cold and warm reads.
-# SOURCES="ours stock" (default) picks the sources; KILL=0 skips the kill; RESUME_WARM=0 the warm resume.
+# SOURCES="ours stock" (default) picks the sources (none: only the kill run, floors from its
+# checkpoint); KILL=0 skips the kill; RESUME_COLD=0 the cold resume; RESUME_WARM=0 the warm resume.
 # Several GPUs, one per rank (issue 33): NPROC=2 PAR_ARGS="--tensor-model-parallel-size 2"
 # LAYOUT=tp2 runs every run with NPROC ranks in that layout; RESUME_STEP=200 resumes the cold
 # resume from that iteration (--ckpt-step) to ITERS, so its losses compare with train's (bit-
@@ -36,6 +37,7 @@ MODELS=${MODELS:-134m}
 KILL=${KILL:-1}
 SOURCES=${SOURCES:-ours stock}
 RESUME_WARM=${RESUME_WARM:-1}
+RESUME_COLD=${RESUME_COLD:-1}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 NPROC=${NPROC:-1}
 LAYOUT=${LAYOUT:-single}
@@ -43,7 +45,7 @@ read -r -a PAR <<< "${PAR_ARGS:-}"
 read -r -a OTHER_PAR <<< "${OTHER_PAR_ARGS:-}"
 OTHER_LAYOUT=${OTHER_LAYOUT:-}
 RESUME_STEP=${RESUME_STEP:-}
-export MODELS SOURCES KILL RESUME_WARM NPROC LAYOUT PAR_ARGS OTHER_PAR_ARGS OTHER_LAYOUT RESUME_STEP
+export MODELS SOURCES KILL RESUME_WARM RESUME_COLD NPROC LAYOUT PAR_ARGS OTHER_PAR_ARGS OTHER_LAYOUT RESUME_STEP
 export SAVE_EVERY_134M SAVE_EVERY_1B ITERS_1B RESUME_ITERS_1B  # unset ones stay unset
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -202,6 +204,7 @@ for model in $MODELS; do
   # scheduler whose total differs from the checkpoint's
   base=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval "$SAVE_EVERY" --lr-decay-iters 1000)
   for source in $SOURCES; do
+    [ "$source" = none ] && continue  # SOURCES=none: the kill run alone (KILL=1)
     d="$WORK/${source}_$model"
     iters=$ITERS
     # stock megatron-core 0.19.2 + nvrx 0.7.0 fails the save after the training loop ("Worker
@@ -214,11 +217,13 @@ for model in $MODELS; do
     step=(); to=$RESUME_ITERS
     [ "$iters" = "$ITERS" ] || to=$((RESUME_ITERS / SAVE_EVERY * SAVE_EVERY))
     [ -n "$RESUME_STEP" ] && step=(--ckpt-step "$RESUME_STEP") && to=$iters
-    launch "${source}_${model}_resume_cold" $source $model resume_cold -- "${base[@]}" \
-      "${RESUME[@]}" --train-iters $to --load "$d" --save "${d}_r1" --logging-level 20 \
-      --override-opt_param-scheduler "${step[@]}"
-    cp "${d}_r1"/ckpt_report.jsonl "$OUT/logs/${source}_${model}_resume_cold_reports.jsonl" 2>/dev/null
-    rm -rf "${d}_r1"
+    if [ "$RESUME_COLD" = 1 ]; then
+      launch "${source}_${model}_resume_cold" $source $model resume_cold -- "${base[@]}" \
+        "${RESUME[@]}" --train-iters $to --load "$d" --save "${d}_r1" --logging-level 20 \
+        --override-opt_param-scheduler "${step[@]}"
+      cp "${d}_r1"/ckpt_report.jsonl "$OUT/logs/${source}_${model}_resume_cold_reports.jsonl" 2>/dev/null
+      rm -rf "${d}_r1"
+    fi
     if [ -n "$OTHER_LAYOUT" ]; then  # the other layout, from the same checkpoint, no --save
       launch "${source}_${model}_resume_other" $source $model resume_other -- "${base[@]}" \
         "${RESUME[@]}" --train-iters $to --load "$d" --logging-level 20 \
@@ -239,7 +244,10 @@ for model in $MODELS; do
     k="$WORK/kill_$model"
     kargs=("${base[@]}" --train-iters $ITERS --save "$k" --load "$k" --logging-level 20 --seed 1234)
     kill_run "ours_${model}_kill" "$model" "$k" -- "${kargs[@]}"
-    copy_committed "$k" "${k}_copy"; pages read "${k}_copy"
+    copy_committed "$k" "${k}_copy"
+    # no source run made a checkpoint (SOURCES=none): the floors from the killed run's
+    [ -z "$last" ] && floors "$(ls -d "${k}_copy"/iter_[0-9]* | tail -1)" "$model"
+    pages read "${k}_copy"
     launch "ours_${model}_restart" ours $model restart -- "${kargs[@]}"
     cp "$k"/ckpt_report.jsonl "$OUT/logs/ours_${model}_restart_reports.jsonl" 2>/dev/null
     launch "ours_${model}_restart_storage" ours $model resume_warm -- "${base[@]}" "${RESUME[@]}" \
@@ -257,7 +265,7 @@ meta = {"device": torch.cuda.get_device_name(0), "world_size": int(os.environ["N
         "layout": os.environ["LAYOUT"], "parallel_args": os.environ.get("PAR_ARGS", ""),
         "versions": {p: md.version(p) for p in ("megatron-core", "nvidia-resiliency-ext", "torch")},
         "command": " ".join(f"{k}={os.environ[k]!r}" for k in
-                            ("MODELS", "SOURCES", "KILL", "RESUME_WARM", "NPROC", "PAR_ARGS",
+                            ("MODELS", "SOURCES", "KILL", "RESUME_COLD", "RESUME_WARM", "NPROC", "PAR_ARGS",
                              "LAYOUT", "RESUME_STEP", "OTHER_PAR_ARGS", "OTHER_LAYOUT",
                              "SAVE_EVERY_134M", "SAVE_EVERY_1B", "ITERS_1B", "RESUME_ITERS_1B")
                             if os.environ.get(k)) + " OUT=$OUT bash scripts/gpu_real_client.sh"}

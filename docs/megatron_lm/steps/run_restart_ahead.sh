@@ -2,7 +2,7 @@
 # One call on one GPU (carry .whl .mlm): the restart from memory with the snapshot copied to the
 # device while the model is built (load/device_ahead.py). First the memory tier's GPU tests
 # (the prepared restart with and without --no-ckpt-restore-prefetch), then the real client:
-# MODELS (default 1b) ours, kill -9 of every process after a committed save, relaunch, and the
+# MODELS (default 1b) ours: train (the uninterrupted run), kill -9 of every process after a committed save, relaunch, and the
 # warm storage load of the same checkpoint; losses compared with the uninterrupted run.
 # Results: $OUT/<card>_<model>_$LABEL.json (+ _logs.tgz), $OUT/gpu_tests_$LABEL/.
 set -uo pipefail
@@ -13,7 +13,7 @@ LABEL=${LABEL:-1127c}; MODELS=${MODELS:-1b}
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
 OUT=$OUT/gpu_tests_$LABEL timeout 150 bash scripts/gpu_tests.sh -k "prepared" 2>&1 | tail -4
 for m in $MODELS; do
-  MODELS=$m SOURCES=ours KILL=1 RESUME_WARM=0 OUT=/tmp/run_${LABEL}_$m WORK=/tmp/rcw_${LABEL}_$m \
+  MODELS=$m SOURCES=ours KILL=1 RESUME_COLD=0 RESUME_WARM=0 OUT=/tmp/run_${LABEL}_$m WORK=/tmp/rcw_${LABEL}_$m \
     timeout ${RUN_TIMEOUT:-430} bash scripts/gpu_real_client.sh 2>&1 | grep '"save"\|"load"\|identical\|rc='
   cp /tmp/run_${LABEL}_$m/real_client.json "$OUT/${CARD}_${m}_$LABEL.json"
   cp /tmp/run_${LABEL}_$m/logs.tgz "$OUT/${CARD}_${m}_${LABEL}_logs.tgz"
