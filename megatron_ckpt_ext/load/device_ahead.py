@@ -1,8 +1,8 @@
 """A restore from memory copied to the device ahead of its load: while Megatron builds the model,
-each buffer of the sealed snapshot that was summed against its seal and pinned (load/prepared.py)
-is also copied into one device block on a stream of its own. The load then copies device to
-device into its targets (tens of GB/s become a TB/s), and only what was not copied ahead goes
-from the host as before.
+the sealed snapshot's buffers are copied into one device block through the restore's pinned
+bounce pool, each summed against its seal on the way (load/prepared.py). The load then copies
+device to device into its targets (tens of GB/s become a TB/s); a buffer whose sum did not match
+is not taken from the block (the load sums it again from the host, and refuses it).
 
 Only where the device has room: the block holds the snapshot's bytes once more while the model
 and optimizer it fills are built beside it (they take about those bytes again, plus gradients),
@@ -13,6 +13,7 @@ and given back (``torch.cuda.empty_cache``) once the load's copies have landed.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,21 +30,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 class DeviceAhead:
-    """The device block and the copies issued into it; :meth:`issue` per buffer as it is pinned
-    (from the preparing thread), :meth:`taken` by the load."""
+    """The device block and the snapshot's bytes copied into it, each buffer summed on the way
+    (:meth:`fill`, on the preparing thread); :meth:`taken` by the load."""
 
-    def __init__(self, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any,
-                 block: torch.Tensor, offsets: dict[int, int], stream: Any) -> None:
-        self._buffers, self._device, self.block = buffers, device, block
-        self._offsets, self._stream = offsets, stream
-        self.views: dict[int, torch.Tensor] = {}
-        self.ready: Any = None  # the stream's event after the last copy issued
+    def __init__(self, buffers: Sequence[torch.Tensor], device: Any, block: torch.Tensor,
+                 offsets: dict[int, int]) -> None:
+        self._buffers, self._device, self.block, self._offsets = buffers, device, block, offsets
+        self.views: dict[int, torch.Tensor] = {}  # the buffers copied and matching their seal
         self.nbytes = 0
+        self.seconds = 0.0
 
     @classmethod
     def start(cls, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any, *,
@@ -63,58 +59,48 @@ class DeviceAhead:
                 logger.debug("the snapshot is not copied to the device ahead of the load: %d "
                              "bytes need %d x free, %d free", total, ROOM_FACTOR, free)
                 return None
-            stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-            with torch.cuda.stream(stream) if stream is not None else _Nothing():
-                block = torch.empty(total, dtype=torch.uint8, device=device)  # the stream's pool
+            block = torch.empty(total, dtype=torch.uint8, device=device)
         except (RuntimeError, AttributeError, AssertionError) as e:  # no usable device: the
             logger.debug("no copy to the device ahead of the load: %s", e)  # load copies it all
             return None
-        return cls(buffers, wanted, device, block, offsets, stream)
+        return cls(buffers, device, block, offsets)
 
-    def issue(self, i: int) -> None:
-        """Copy buffer ``i`` (pinned by now) into its place, if it is one of the wanted."""
-        at = self._offsets.get(i)
-        if at is None or i in self.views:
-            return
-        n = _nbytes(self._buffers[i])
-        view = self.block[at:at + n]
-        if self._stream is None:
-            view.copy_(_bytes(self._buffers[i]))
-        else:
-            with torch.cuda.stream(self._stream):
-                view.copy_(_bytes(self._buffers[i]), non_blocking=True)
-        self.views[i] = view
-        self.nbytes += n
+    def fill(self, crcs: Sequence[int], *, threads: int) -> set[int]:
+        """Copy every wanted buffer into its place through the restore's pinned bounce pool,
+        summing each chunk on the way (``crcs``: the seal's, per buffer), and wait until the
+        copies landed: the indices whose bytes match their seal (only those the load takes
+        from here). Faster than pinning the fresh mapping first (docs/MEMORY.md)."""
+        from ..staging.restore_copy import start_copy_verified
 
-    def seal_issued(self) -> None:
-        """After the last :meth:`issue`: the event the load's stream waits for."""
-        if self._stream is not None:
-            self.ready = self._stream.record_event()
+        t0 = time.perf_counter()
+        order = sorted(self._offsets)
+        jobs = [(self._buffers[i], crcs[i], self._view(i)) for i in order]
+        copying = start_copy_verified(jobs, threads=threads)
+        copying.finish()
+        bad = {order[k] for k in copying.bad}
+        self.views = {i: jobs[k][2] for k, i in enumerate(order) if i not in bad}
+        self.nbytes = sum(v.numel() for v in self.views.values())
+        self.seconds = round(time.perf_counter() - t0, 6)
+        return set(self.views)
+
+    def _view(self, i: int) -> torch.Tensor:
+        at = self._offsets[i]
+        return self.block[at:at + _nbytes(self._buffers[i])]  # the buffer's bytes
 
     def taken(self, stream: Any | None) -> dict[int, torch.Tensor]:
-        """For the load: ``stream`` (its current stream) waits for the copies ahead; the block is
-        marked used there, so it is not handed out again before the load's copies read it."""
-        if stream is not None and self.ready is not None:
-            stream.wait_event(self.ready)
+        """For the load: the buffers on the device (landed: :meth:`fill` waited), the block
+        marked used on the load's ``stream`` so it is not handed out again before its copies
+        read it."""
+        if stream is not None and self.block.is_cuda:
             self.block.record_stream(stream)
         return dict(self.views)
 
     def release(self) -> None:
         """Give the block back (after the load's copies were waited for, or never taken)."""
-        if self._stream is not None and self.ready is not None:
-            self.ready.synchronize()
         self.views.clear()
         self.block = torch.empty(0, dtype=torch.uint8)
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _free_bytes(device: torch.device) -> int:

@@ -85,24 +85,32 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
     except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
         entry["error"] = e
         return
+    if device is not None:
+        restore_copy.use_device(device)
+    ahead = (DeviceAhead.start(buffers, set(range(len(buffers))), f"cuda:{device}")
+             if device is not None and to_device else None)
+    verified: set[int] | None = None
+    if ahead is not None:  # copied to the device, summed on the way
+        try:
+            verified = ahead.fill([e.crc32 for e in seal.entries], threads=thread_counts().copy)
+        except Exception as e:  # noqa: BLE001 - the copy ahead is optional: the load copies
+            logger.warning("the snapshot could not be copied to the device ahead of the load "
+                           "(%s: %s); the load copies it from host memory", type(e).__name__, e)
+            ahead.release()
+            ahead = None
     try:
-        sums = presum_pieces(buffers, threads=thread_counts().copy)
+        if verified is None:
+            sums = presum_pieces(buffers, threads=thread_counts().copy)
+            verified = {i for i, (crc, e) in enumerate(zip(sums, seal.entries)) if crc == e.crc32}
     except BaseException as e:  # noqa: BLE001
         stager.drop_adopted(unlink=False)
         entry["error"] = e
         return
-    verified = {i for i, (crc, e) in enumerate(zip(sums, seal.entries)) if crc == e.crc32}
-    prepared = entry["prepared"] = Prepared(seal, buffers, verified)
+    prepared = entry["prepared"] = Prepared(seal, buffers, verified, device=ahead)
     if device is not None:  # pinned, they go to the device without a bounce (the driver
-        restore_copy.use_device(device)  # serialises registrations: one thread, until the load)
-        ahead = DeviceAhead.start(buffers, verified, f"cuda:{device}") if to_device else None
-        try:
-            prepared.pinned = stager.pin_adopted_now(
-                buffers, entry["stop"], then=ahead.issue if ahead is not None else None)
-        finally:
-            if ahead is not None:
-                ahead.seal_issued()
-                prepared.device = ahead
+        # serialises registrations: one thread, until the load); with the copy ahead, for the
+        # next save's staging
+        prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
     prepared.seconds = round(time.perf_counter() - t0, 6)
 
 

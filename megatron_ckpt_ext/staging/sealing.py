@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -158,14 +158,12 @@ class _Sealing:
                                                 daemon=True)
         self._prepare_thread.start()
 
-    def pin_adopted_now(self, tensors: Sequence[torch.Tensor], stop: threading.Event, *,
-                        then: Callable[[int], None] | None = None) -> set[int]:
+    def pin_adopted_now(self, tensors: Sequence[torch.Tensor],
+                        stop: threading.Event) -> set[int]:
         """Pin these adopted buffers (as :meth:`adopt` returned them), largest first, one at a
-        time on this thread, until ``stop`` is set: the indices now pinned (``then(i)`` after
-        each: its copy to the device ahead of the load, load/device_ahead.py). A restore
-        prepared while the model is built (load/prepared.py) copies those straight to the
-        device and the rest through the bounce pool; :meth:`pin_adopted` pins the rest after
-        the load."""
+        time on this thread, until ``stop`` is set: the indices now pinned. A restore prepared
+        while the model is built (load/prepared.py) copies those straight to the device and the
+        rest through the bounce pool; :meth:`pin_adopted` pins the rest after the load."""
         sealed = self._sealed
         if sealed is None or not self.pin:
             return set()
@@ -179,8 +177,6 @@ class _Sealing:
                 buffer.registered = _register(buffer.tensor, buffer.nbytes)
             if buffer is not None and buffer.registered:
                 done.add(i)
-                if then is not None:
-                    then(i)
         return done
 
     def _pin_in_background(self, buffers: list[_Buffer],

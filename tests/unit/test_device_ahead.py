@@ -103,3 +103,52 @@ def test_a_block_no_load_takes_is_given_back(device, sealed, how):  # noqa: F811
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
     assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views
+
+
+def test_a_flipped_byte_is_caught_by_the_copy_ahead_and_the_load_reads_storage(device, sealed):  # noqa: F811
+    """The copy ahead sums every chunk against the seal: a byte flipped in /dev/shm after the
+    seal is not taken from the device block, the load sums it again, refuses the snapshot and
+    reads storage; the block goes back."""
+    from megatron_ckpt_ext.staging import retained
+
+    made, _ = device
+    root = sealed()
+    seal = retained.read_seal(retained.seal_path("/dev/shm", root, 0))
+    path = next(e.path for e in seal.entries if e.path and e.nbytes >= 4096 * 4)
+    with open(path, "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    flipped = next(i for i, e in enumerate(seal.entries) if e.path == path)
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True
+        assert ck.prepare_restore(root) and prepared.wait(30)
+        assert flipped not in made[0].views and len(made[0].views) == len(seal.entries) - 1
+        state = ck.load(_like(), str(root))
+        report = ck.load_reports[-1]
+    assert report["tier"] == "storage"
+    assert len(made) == 1 and not made[0].views and made[0].block.numel() == 0
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_a_failed_copy_ahead_gives_the_block_back_and_the_load_copies_from_host(
+        device, sealed, monkeypatch, caplog):  # noqa: F811
+    """The copy ahead is optional: where it fails (a device error) the block goes back, a
+    warning says so, and the prepared restore sums on the host as without it."""
+    made, _ = device
+
+    def broken(self, crcs, *, threads):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(device_ahead.DeviceAhead, "fill", broken)
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True
+        state = _prepare_and_load(ck, root)
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["device_ahead"] == 0
+    assert detail["summed_ahead"] >= 1
+    assert len(made) == 1 and made[0].block.numel() == 0
+    assert "could not be copied to the device ahead" in caplog.text
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
