@@ -59,6 +59,7 @@ def test_the_load_copies_what_was_copied_ahead_from_the_device_and_gives_the_blo
     assert detail["tier"] == "memory"
     assert detail["device_ahead"] == 1 and detail["device_ahead_bytes"] == 4096 * 4
     assert detail["pieces"] == 0 and detail["direct"] == 0  # nothing else copied from the host
+    assert detail["pinned_ahead"] == 0  # no registering beside the model build: after the load
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
     assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views  # given back
 
@@ -72,6 +73,7 @@ def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):  # noqa: F81
         state = _prepare_and_load(ck, root)
         detail = _memory_detail(ck)
     assert not made and detail["tier"] == "memory" and detail["device_ahead"] == 0
+    assert detail["pinned_ahead"] == 1  # pinned ahead, copied whole
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
