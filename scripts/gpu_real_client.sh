@@ -24,7 +24,7 @@
 # resume from that iteration (--ckpt-step) to ITERS, so its losses compare with train's (bit-
 # identical expected); OTHER_PAR_ARGS="--tensor-model-parallel-size 1" OTHER_LAYOUT=dp2 adds a
 # resume of each source's train into that layout (resume_other, losses compared).
-# Diagnostics pass through to our runs: MCX_SYNC_POINTS=$OUT/logs/sync (docs/DEBUGGING.md) lists
+# OURS_ARGS="--ckpt-restore-prefetch" adds flags to our runs only. Diagnostics pass through to our runs: MCX_SYNC_POINTS=$OUT/logs/sync (docs/DEBUGGING.md) lists
 # where each save waited for the device, and lands in logs.tgz.
 # Writes $OUT/real_client.json (benchmarks/real_client.py) and $OUT/logs.tgz (the runs' logs and
 # reports, runs.jsonl, floors, meta); prints the table.
@@ -43,9 +43,11 @@ NPROC=${NPROC:-1}
 LAYOUT=${LAYOUT:-single}
 read -r -a PAR <<< "${PAR_ARGS:-}"
 read -r -a OTHER_PAR <<< "${OTHER_PAR_ARGS:-}"
+read -r -a OURS_ARGS <<< "${OURS_ARGS:-}"  # our flags for our runs only (stock's parser lacks them)
 OTHER_LAYOUT=${OTHER_LAYOUT:-}
 RESUME_STEP=${RESUME_STEP:-}
-export MODELS SOURCES KILL RESUME_WARM RESUME_COLD NPROC LAYOUT PAR_ARGS OTHER_PAR_ARGS OTHER_LAYOUT RESUME_STEP
+OURS_ARGS=${OURS_ARGS:-}
+export MODELS SOURCES KILL RESUME_WARM RESUME_COLD OURS_ARGS NPROC LAYOUT PAR_ARGS OTHER_PAR_ARGS OTHER_LAYOUT RESUME_STEP
 export SAVE_EVERY_134M SAVE_EVERY_1B ITERS_1B RESUME_ITERS_1B  # unset ones stay unset
 mkdir -p "$OUT/logs" && rm -rf "$WORK" && mkdir -p "$WORK"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -76,6 +78,7 @@ launch() {
   local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000)))
   [ "$source" = ours ] && cmd+=(-m megatron_ckpt_ext.launch)
   cmd+=(.mlm/pretrain_gpt.py "$@")
+  [ "$source" = ours ] && cmd+=("${OURS_ARGS[@]}")
   [ "$kind" = resume_other ] || cmd+=("${PAR[@]}")  # later flags win in Megatron's parser
   timeout -k 10 "$RUN_TIMEOUT" "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
@@ -172,7 +175,7 @@ copy_committed() {  # SRC DST: the tracker and the checkpoint it names (not a ne
 kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it after 2*SAVE_EVERY
   local name=$1 model=$2 dir=$3; shift 4
   local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000))
-             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" "${PAR[@]}")
+             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" "${OURS_ARGS[@]}" "${PAR[@]}")
   setsid "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1 &
   local pid=$! t0=$(date +%s) target=$((2 * SAVE_EVERY))
   until [ "$(cat "$dir/latest_checkpointed_iteration.txt" 2>/dev/null)" = "$target" ]; do
@@ -266,7 +269,7 @@ meta = {"device": torch.cuda.get_device_name(0), "world_size": int(os.environ["N
         "versions": {p: md.version(p) for p in ("megatron-core", "nvidia-resiliency-ext", "torch")},
         "command": " ".join(f"{k}={os.environ[k]!r}" for k in
                             ("MODELS", "SOURCES", "KILL", "RESUME_COLD", "RESUME_WARM", "NPROC", "PAR_ARGS",
-                             "LAYOUT", "RESUME_STEP", "OTHER_PAR_ARGS", "OTHER_LAYOUT",
+                             "LAYOUT", "RESUME_STEP", "OTHER_PAR_ARGS", "OTHER_LAYOUT", "OURS_ARGS",
                              "SAVE_EVERY_134M", "SAVE_EVERY_1B", "ITERS_1B", "RESUME_ITERS_1B")
                             if os.environ.get(k)) + " OUT=$OUT bash scripts/gpu_real_client.sh"}
 json.dump(meta, open(sys.argv[1], "w"))

@@ -8,7 +8,7 @@ Only where the device has room: the block holds the snapshot's bytes once more w
 and optimizer it fills are built beside it (they take about those bytes again, plus gradients),
 so it is made only when the device's free memory is at least ``ROOM_FACTOR`` times the bytes,
 and given back (``torch.cuda.empty_cache``) once the load's copies have landed.
-``--no-ckpt-restore-prefetch`` turns it off."""
+``--ckpt-restore-prefetch`` turns it on (off by default: docs/MEMORY.md says why)."""
 
 from __future__ import annotations
 

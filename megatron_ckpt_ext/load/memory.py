@@ -107,7 +107,7 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
     return now
 
 
-def warm_restore(stager: Any, root: Path, *, to_device: bool = True) -> bool:
+def warm_restore(stager: Any, root: Path, *, to_device: bool = False) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
     sums every buffer against the seal and pins buffers until the load comes, each copied to

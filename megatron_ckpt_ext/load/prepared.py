@@ -54,7 +54,7 @@ _lock = threading.Lock()
 _pending: list[dict] = []  # at most one: {"stager", "stop", "thread", "prepared" or "error"}
 
 
-def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = True) -> bool:
+def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = False) -> bool:
     """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
     CUDA ``device``) pin its buffers until the load comes, each copied to the device as it is
     pinned where the device has room (``to_device``, :mod:`.device_ahead`); whether it started

@@ -15,7 +15,10 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.load import device_ahead, prepared
 from megatron_ckpt_ext.staging import sealing
 
-from tests.unit.test_warm_bounce import OPTIONS, _like, _loaded_w, _memory_detail, pool, sealed  # noqa: F401
+from tests.unit.test_warm_bounce import OPTIONS as _OPTIONS, _like, _loaded_w, _memory_detail, pool, sealed  # noqa: F401
+
+
+OPTIONS = dict(_OPTIONS, ckpt_restore_prefetch=True)
 
 
 @pytest.fixture
@@ -77,10 +80,10 @@ def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):  # noqa: F81
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
-def test_the_flag_turns_the_copy_ahead_off(device, sealed):  # noqa: F811
+def test_without_the_flag_nothing_is_copied_ahead(device, sealed):  # noqa: F811
     made, _ = device
     root = sealed()
-    with Checkpointer(CkptOptions(**OPTIONS, ckpt_restore_prefetch=False)) as ck:
+    with Checkpointer(CkptOptions(**_OPTIONS)) as ck:  # the default: off
         ck._stager.pin = True
         _prepare_and_load(ck, root)
         assert _memory_detail(ck)["device_ahead"] == 0

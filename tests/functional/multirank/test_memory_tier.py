@@ -67,9 +67,9 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path, prefetch):
     """prepare_restore (as the launcher calls it) maps and sums the snapshot ahead on every rank;
-    with CUDA it pins it too and copies it to the device as it pins (the load then copies device
-    to device), or with --no-ckpt-restore-prefetch the load copies the pinned buffers whole
-    (scripts/gpu_tests.sh)."""
+    with CUDA it pins it too and the load copies the pinned buffers whole, or with
+    --ckpt-restore-prefetch it copies it to the device, summing on the way, and the load copies
+    device to device (scripts/gpu_tests.sh)."""
     import torch
 
     options = {**MODES["persistent-constant"], "ckpt_restore_prefetch": prefetch}
