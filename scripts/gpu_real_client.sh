@@ -43,7 +43,7 @@ NPROC=${NPROC:-1}
 LAYOUT=${LAYOUT:-single}
 read -r -a PAR <<< "${PAR_ARGS:-}"
 read -r -a OTHER_PAR <<< "${OTHER_PAR_ARGS:-}"
-read -r -a OURS_ARGS <<< "${OURS_ARGS:-}"  # our flags for our runs only (stock's parser lacks them)
+read -r -a OURS_EXTRA <<< "${OURS_ARGS:-}"  # our flags for our runs only (stock's parser lacks them)
 OTHER_LAYOUT=${OTHER_LAYOUT:-}
 RESUME_STEP=${RESUME_STEP:-}
 OURS_ARGS=${OURS_ARGS:-}
@@ -78,7 +78,7 @@ launch() {
   local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000)))
   [ "$source" = ours ] && cmd+=(-m megatron_ckpt_ext.launch)
   cmd+=(.mlm/pretrain_gpt.py "$@")
-  [ "$source" = ours ] && cmd+=("${OURS_ARGS[@]}")
+  [ "$source" = ours ] && cmd+=("${OURS_EXTRA[@]}")
   [ "$kind" = resume_other ] || cmd+=("${PAR[@]}")  # later flags win in Megatron's parser
   timeout -k 10 "$RUN_TIMEOUT" "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
@@ -175,7 +175,7 @@ copy_committed() {  # SRC DST: the tracker and the checkpoint it names (not a ne
 kill_run() {  # NAME MODEL SAVE_DIR -- args: start in its own group, kill -9 it after 2*SAVE_EVERY
   local name=$1 model=$2 dir=$3; shift 4
   local cmd=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29500 + RANDOM % 1000))
-             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" "${OURS_ARGS[@]}" "${PAR[@]}")
+             -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py "$@" "${OURS_EXTRA[@]}" "${PAR[@]}")
   setsid "${cmd[@]}" > "$OUT/logs/$name.log" 2>&1 &
   local pid=$! t0=$(date +%s) target=$((2 * SAVE_EVERY))
   until [ "$(cat "$dir/latest_checkpointed_iteration.txt" 2>/dev/null)" = "$target" ]; do
