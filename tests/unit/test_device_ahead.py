@@ -15,14 +15,17 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.load import device_ahead, prepared
 from megatron_ckpt_ext.staging import sealing
 
-from tests.unit.test_warm_bounce import OPTIONS as _OPTIONS, _like, _loaded_w, _memory_detail, pool, sealed  # noqa: F401
+from tests.unit import test_warm_bounce as _wb
+from tests.unit.test_warm_bounce import OPTIONS as _OPTIONS, _like, _loaded_w, _memory_detail
+
+pool, sealed = _wb.pool, _wb.sealed  # the snapshot fixtures of the warm-bounce tests
 
 
 OPTIONS = dict(_OPTIONS, ckpt_restore_prefetch=True)
 
 
 @pytest.fixture
-def device(monkeypatch, pool):  # noqa: F811
+def device(monkeypatch, pool):
     """Pinning stood in for (every buffer 'pinned'), the device stood in for by the CPU with
     ``free`` bytes of room; the blocks made, for the checks."""
     made: list[device_ahead.DeviceAhead] = []
@@ -52,7 +55,7 @@ def _prepare_and_load(ck, root, **load):
 
 
 def test_the_load_copies_what_was_copied_ahead_from_the_device_and_gives_the_block_back(
-        device, sealed):  # noqa: F811
+        device, sealed):
     made, _ = device
     root = sealed()
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
@@ -67,7 +70,7 @@ def test_the_load_copies_what_was_copied_ahead_from_the_device_and_gives_the_blo
     assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views  # given back
 
 
-def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):  # noqa: F811
+def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):
     made, room = device
     room["free"] = 4096 * 4 * device_ahead.ROOM_FACTOR - 1
     root = sealed()
@@ -80,7 +83,7 @@ def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):  # noqa: F81
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
-def test_without_the_flag_nothing_is_copied_ahead(device, sealed):  # noqa: F811
+def test_without_the_flag_nothing_is_copied_ahead(device, sealed):
     made, _ = device
     root = sealed()
     with Checkpointer(CkptOptions(**_OPTIONS)) as ck:  # the default: off
@@ -91,7 +94,7 @@ def test_without_the_flag_nothing_is_copied_ahead(device, sealed):  # noqa: F811
 
 
 @pytest.mark.parametrize("how", ["other_iteration", "never_loaded"])
-def test_a_block_no_load_takes_is_given_back(device, sealed, how):  # noqa: F811
+def test_a_block_no_load_takes_is_given_back(device, sealed, how):
     """The snapshot holds iteration 2: a load of 1 reads storage; or the run closes without a
     load. Either way the device block goes back (on a GPU it would hold the snapshot's bytes)."""
     made, _ = device
@@ -110,7 +113,7 @@ def test_a_block_no_load_takes_is_given_back(device, sealed, how):  # noqa: F811
     assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views
 
 
-def test_a_flipped_byte_is_caught_by_the_copy_ahead_and_the_load_reads_storage(device, sealed):  # noqa: F811
+def test_a_flipped_byte_is_caught_by_the_copy_ahead_and_the_load_reads_storage(device, sealed):
     """The copy ahead sums every chunk against the seal: a byte flipped in /dev/shm after the
     seal is not taken from the device block, the load sums it again, refuses the snapshot and
     reads storage; the block goes back."""
@@ -138,7 +141,7 @@ def test_a_flipped_byte_is_caught_by_the_copy_ahead_and_the_load_reads_storage(d
 
 
 def test_a_failed_copy_ahead_gives_the_block_back_and_the_load_copies_from_host(
-        device, sealed, monkeypatch, caplog):  # noqa: F811
+        device, sealed, monkeypatch, caplog):
     """The copy ahead is optional: where it fails (a device error) the block goes back, a
     warning says so, and the prepared restore sums on the host as without it."""
     made, _ = device
