@@ -38,8 +38,7 @@ class DeviceAhead:
                  offsets: dict[int, int]) -> None:
         self._buffers, self._device, self.block, self._offsets = buffers, device, block, offsets
         self.views: dict[int, torch.Tensor] = {}  # the buffers copied and matching their seal
-        self.nbytes = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # how long fill() took (the load report's device_ahead_fill_s)
 
     @classmethod
     def start(cls, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any, *,
@@ -79,7 +78,6 @@ class DeviceAhead:
         copying.finish()
         bad = {order[k] for k in copying.bad}
         self.views = {i: jobs[k][2] for k, i in enumerate(order) if i not in bad}
-        self.nbytes = sum(v.numel() for v in self.views.values())
         self.seconds = round(time.perf_counter() - t0, 6)
         return set(self.views)
 
