@@ -15,10 +15,7 @@ from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.load import device_ahead, prepared
 from megatron_ckpt_ext.staging import sealing
 
-from tests.unit import test_warm_bounce as _wb
-from tests.unit.test_warm_bounce import OPTIONS as _OPTIONS, _like, _loaded_w, _memory_detail
-
-pool, sealed = _wb.pool, _wb.sealed  # the snapshot fixtures of the warm-bounce tests
+from tests._support.prepared_restore import OPTIONS as _OPTIONS, _like, _loaded_w, _memory_detail
 
 
 OPTIONS = dict(_OPTIONS, ckpt_restore_prefetch=True)

@@ -6,49 +6,16 @@ the pool is a stand-in that counts its builds and releases (the real one pins wi
 from __future__ import annotations
 
 import os
-import threading
 import time
-from pathlib import Path
 
-import pytest
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.staging import restore_copy, retained
 from megatron_ckpt_ext.staging.retained import discard, read_seal
 
-from tests._support.seals import save_and_wait_for_the_seal
-
-
-class _Pool:
-    built: list["_Pool"] = []
-
-    def __init__(self, threads: int, chunk: int) -> None:
-        self.sizes, self.thread = (threads, chunk), threading.current_thread().name
-        self.closed = False
-        _Pool.built.append(self)
-
-    def close(self, *, synced: bool) -> None:
-        self.closed, self.closed_by = True, threading.current_thread().name
-
-
-def _join_release() -> None:
-    """The load unpins an unused pool on a thread of its own: wait for it."""
-    for thread in threading.enumerate():
-        if thread.name == "mcx-warm-bounce-release":
-            thread.join(10)
-
-
-@pytest.fixture
-def pool(monkeypatch):
-    """restore_copy's pool replaced by the stand-in, a CUDA device reported to it; no pool left
-    after."""
-    _Pool.built = []
-    monkeypatch.setattr(restore_copy, "_Bounce", _Pool)
-    monkeypatch.setattr(restore_copy, "cuda_device", lambda: 0)
-    monkeypatch.setattr(restore_copy, "use_device", lambda device: None)
-    yield _Pool
-    restore_copy.drop_warm_bounce()
+from tests._support.prepared_restore import (OPTIONS, _join_release, _like, _loaded_w,
+                                             _memory_detail)
 
 
 def test_a_warm_pool_is_built_in_the_background_and_taken_once(pool):
@@ -65,32 +32,6 @@ def test_a_warm_pool_of_other_sizes_or_left_unused_is_released(pool):
     assert restore_copy.warm_bounce(chunk=8, threads=2)
     assert restore_copy.drop_warm_bounce() and pool.built[1].closed
     assert not restore_copy.drop_warm_bounce()
-
-
-OPTIONS = dict(async_save=True, async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True)
-
-
-@pytest.fixture
-def sealed(one_rank_group, tmp_path):
-    """``sealed(iterations)``: a directory whose last of ``iterations`` (saved in order) stays
-    sealed in this node's memory, as after a job that went down; the seal is removed after."""
-    seals: list[str] = []
-
-    def make(iterations: tuple[int, ...] = (1,)) -> Path:
-        root = tmp_path / "ckpt"
-        with Checkpointer(CkptOptions(**OPTIONS), save_dir=str(root)) as ck:
-            for it in iterations[:-1]:
-                ck.save(_like(), root, iteration=it)
-                ck.maybe_finalize(blocking=True)
-            seals.append(save_and_wait_for_the_seal(ck, root, iteration=iterations[-1]))
-            ck.close(after_error=True)  # the job went down: its snapshot stays
-        return root
-
-    yield make
-    for path in seals:
-        found = read_seal(path)
-        if found is not None:
-            discard(found, is_mapped=lambda p: False)
 
 
 def test_prepare_restore_warms_only_for_a_sealed_snapshot_of_that_directory(pool, sealed,
@@ -125,25 +66,6 @@ def test_close_releases_a_pool_no_load_took(pool, sealed):
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         assert ck.prepare_restore(root)
     assert pool.built[0].closed
-
-
-def _like() -> dict:
-    from megatron_ckpt_ext import backend
-
-    st = backend.sharded_tensor_cls()
-    return {"w": st.from_rank_offsets("w", torch.zeros(4096), replica_id=0)}
-
-
-# -- the snapshot mapped and summed ahead (load/prepared.py) ------------------------------------
-
-def _memory_detail(ck) -> dict:
-    report = ck.load_reports[-1]
-    return dict(report["memory_detail"], tier=report["tier"])
-
-
-def _loaded_w(state: dict) -> torch.Tensor:
-    w = state["w"]
-    return getattr(w, "data", w)
 
 
 def test_a_restore_prepared_ahead_only_copies_what_was_summed(sealed):
