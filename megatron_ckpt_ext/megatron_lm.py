@@ -233,15 +233,14 @@ def _trace_window(folder: str, start: float, ahead_s: float) -> None:
     """``MCX_WRITER_TRACE``: Megatron's whole ``save_checkpoint`` as one event, with the time
     staging ahead took on entry and what a device synchronize right after it waits (Megatron's
     timer synchronizes there too, so this adds no wait of its own)."""
-    returned = time.time()
-    sync = time.time()
     import torch
 
+    returned = time.time()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     trace_event(folder, "save_checkpoint", rank=rank(), start=start,
                 ahead_s=round(ahead_s, 4), body_s=round(returned - start, 4),
-                sync_after_s=round(time.time() - sync, 4))
+                sync_after_s=round(time.time() - returned, 4))
 
 
 def _apply_patches(modules: dict[str, Any]) -> None:

@@ -24,8 +24,9 @@
 # resume from that iteration (--ckpt-step) to ITERS, so its losses compare with train's (bit-
 # identical expected); OTHER_PAR_ARGS="--tensor-model-parallel-size 1" OTHER_LAYOUT=dp2 adds a
 # resume of each source's train into that layout (resume_other, losses compared).
-# OURS_ARGS="--ckpt-restore-prefetch" adds flags to our runs only. Diagnostics pass through to our runs: MCX_SYNC_POINTS=$OUT/logs/sync (docs/DEBUGGING.md) lists
-# where each save waited for the device, and lands in logs.tgz.
+# OURS_ARGS="--ckpt-restore-prefetch" adds flags to our runs only. Diagnostics pass through to
+# our runs: MCX_SYNC_POINTS=$OUT/logs/sync (docs/DEBUGGING.md) lists where each save waited for
+# the device, and lands in logs.tgz.
 # Writes $OUT/real_client.json (benchmarks/real_client.py) and $OUT/logs.tgz (the runs' logs and
 # reports, runs.jsonl, floors, meta); prints the table.
 #   OUT=$OUT MODELS="134m" bash scripts/gpu_real_client.sh

@@ -112,8 +112,9 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
 def warm_restore(stager: Any, root: Path, *, to_device: bool = False) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
-    sums every buffer against the seal and pins buffers until the load comes, each copied to
-    the device as it is pinned where the device has room (``to_device``, :mod:`.prepared`),
+    sums every buffer against the seal and pins buffers until the load comes (``to_device``:
+    instead copies it to the device, summed on the way, where the device has room;
+    :mod:`.prepared`, :mod:`.device_ahead`),
     one builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.

@@ -41,7 +41,7 @@ class Prepared:
     pinned: set[int] = field(default_factory=set)  # registered with CUDA before the load came
     seconds: float = 0.0
     waited_s: float = 0.0
-    device: DeviceAhead | None = None  # copies of verified buffers on the device (device_ahead)
+    device: DeviceAhead | None = None  # the snapshot copied to the device (device_ahead)
 
     def release_device(self) -> None:
         """The device block given back (the load's copies landed, or no load took it)."""
@@ -56,9 +56,10 @@ _pending: list[dict] = []  # at most one: {"stager", "stop", "thread", "prepared
 
 def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = False) -> bool:
     """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
-    CUDA ``device``) pin its buffers until the load comes, each copied to the device as it is
-    pinned where the device has room (``to_device``, :mod:`.device_ahead`); whether it started
-    (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
+    CUDA ``device``) pin its buffers until the load comes; with ``to_device``, instead copy it
+    to the device through the bounce pool, summed on the way, where the device has room
+    (:mod:`.device_ahead`; pinned after the load). Whether it started (a seal of ``root`` for
+    this rank, no snapshot of this run's own, none pending)."""
     if not hasattr(stager, "adopt") or stager.sealed_root() is not None:
         return False
     seal = read_seal(seal_path(stager.shm_dir, root, rank()))
