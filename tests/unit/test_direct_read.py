@@ -123,3 +123,27 @@ def test_the_gaps_between_the_items_a_load_reads():
     assert _gaps([(0, 20)], 20) == []
     assert _gaps([(0, 10), (5, 10)], 20) is None
     assert _gaps([(0, 30)], 20) is None
+
+
+def test_the_host_chunks_are_made_as_asked_and_never_more_than_the_count():
+    """A load's host chunks are made when a thread asks and none is free (not all up front,
+    where every reading thread waited for the pinning of all of them), at most ``count``; past
+    that a thread waits for one given back."""
+    import threading
+
+    pool = direct_read.PinnedChunks(3, 1 << 10, pin=False)
+    assert pool.made == 0
+    a = pool.take()
+    assert pool.made == 1 and a.numel() == 1 << 10
+    pool.give(a)
+    assert pool.take() is a and pool.made == 1  # a free one is lent again, none made
+    b, c = pool.take(), pool.take()
+    assert pool.made == 3 and len({id(a), id(b), id(c)}) == 3
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and pool.made == 3  # at the count: waits, makes none
+    pool.give(b)
+    waiter.join(5)
+    assert got == [b] and pool.made == 3
