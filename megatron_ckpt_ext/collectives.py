@@ -62,7 +62,7 @@ class Group:
         """Every rank's ``obj`` (small, picklable), in group rank order (collective: two
         all-gathers, its pickle's length then its bytes, as ``all_gather_object`` does, but each
         waited for like the others, so it is bounded too)."""
-        if not self.initialized():
+        if not self.initialized() or self.size() == 1:  # a group of one: nothing to exchange
             return [obj]
         group, device = self.control(), self._device()
         mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
@@ -87,7 +87,7 @@ class Group:
                                 else None)
 
     def barrier(self) -> None:
-        if self.initialized():
+        if self.initialized() and self.size() > 1:
             self.wait(torch.distributed.barrier(group=self.control(), async_op=True))
 
     def wait(self, work: Any) -> None:
@@ -124,7 +124,9 @@ class Group:
             f"on every rank alike ({error}).")
 
     def _all_reduce(self, values: list[float], op: Any) -> list[float]:
-        if op is None:
+        # a group of one reduces to its own values: no round trip through a backend (at one
+        # rank that is part of every save's blocking, and the wait gives the GIL away)
+        if op is None or self.size() == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._device())
         self.wait(torch.distributed.all_reduce(t, op=op, group=self.control(), async_op=True))

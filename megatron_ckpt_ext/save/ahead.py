@@ -82,9 +82,11 @@ class Ahead:
     @classmethod
     def issue(cls, stager: Any, tensors: list[torch.Tensor], keys: list[str],
               before: dict) -> Ahead:
+        batch = stager.stage(tensors, keys=keys, wait=False)
+        # what was copied, read once the copies are on their way (nothing ran on this thread
+        # in between that could change a tensor: the copies start a few ms sooner)
         signatures = [_signature(t) for t in tensors]
         versions = [t._version for t in tensors]
-        batch = stager.stage(tensors, keys=keys, wait=False)
         return cls(batch, keys, signatures, versions, before)
 
     def mismatch(self, tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> str:

@@ -104,11 +104,12 @@ class ShmStager(_Sealing, _CopyStreams):
             self.unseal()  # before any byte of the sealed set changes
         specs = _specs(tensors, keys)
         with self._lock:
-            if self.reuse:
-                self._check_key(tensors, specs)
             buffer_set = self._acquire(specs, avoid=keep)  # never the sealed set
         staged = [buffer_set.buffers[s].tensor for s in specs]
         pending = self._copy(staged, tensors)
+        if self.reuse:  # (a report of what changed: after the copies are on their way)
+            with self._lock:
+                self._check_key(tensors, specs)
         nbytes = sum(t.numel() * t.element_size() for t in staged)
         self.stats["bytes_staged"] += nbytes
         self.stats["stages"] += 1
