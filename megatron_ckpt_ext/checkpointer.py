@@ -134,6 +134,7 @@ class Checkpointer(_SaveSteps):
         tensors: list[Any] = []
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
+        self._ahead_of_prepared(tensors)
         self._planner.validate_ahead(sharded_state_dict)  # (C) megatron-core's own check, now
         state = copy_structure(sharded_state_dict)
         group = self._planner.ahead_group(self._group) if self._stager.owns_copies else None

@@ -60,6 +60,7 @@ class _SaveSteps:
     _ahead: Ahead | None = None  # copies stage_ahead() issued for the next save
     _ahead_sources: Sources | None = None  # what the last save staged (weakly referenced)
     _ahead_off = ""  # why staging ahead stopped for this run ('' while it goes on)
+    _ahead_prepared = False  # _ahead_sources came from prepare(), not from a save
 
     def _finish_previous(self, record: SaveRecord) -> None:
         self._publisher.before_save(record.iteration)
@@ -78,10 +79,12 @@ class _SaveSteps:
         stages into, while the caller builds that save's state (the launcher: on entry to
         Megatron-LM's ``save_checkpoint``). The save takes them only where its tensors are those
         very ones, unchanged (:mod:`.ahead`); :meth:`drop_ahead` gives back what no save took.
-        Only for an async shared-memory save with no save pending, the node admitted and every
-        tensor of the last save alive; ``MCX_STAGE_AHEAD=0`` never. Whether copies were issued."""
+        Only for an async shared-memory save with no save pending (the writer's warm-up may be),
+        the node admitted, and every tensor of the last save (or of :meth:`prepare`'s state,
+        before the first) alive; ``MCX_STAGE_AHEAD=0`` never. Whether copies were issued."""
         if (self._ahead is not None or self._ahead_off or self._ahead_sources is None
-                or not (self._async and self.admission is not None and self._writers.idle)
+                or not (self._async and self.admission is not None
+                        and not self._writers.saves_pending)
                 or not hasattr(self._stager, "idle_set_fits")
                 or env_switch("MCX_STAGE_AHEAD") == "0"):
             return False
@@ -94,6 +97,14 @@ class _SaveSteps:
             return False
         self._ahead = Ahead.issue(self._stager, tensors, keys, self.staging_stats())
         return True
+
+    def _ahead_of_prepared(self, tensors: list) -> None:
+        """prepare()'s state (ShardedTensors) as what the first save copies ahead, where no save
+        has recorded its own yet: the first save, and the first after a load, then stage ahead
+        like a steady one. A mismatch there only drops the copies (staging ahead stays on)."""
+        if self._ahead_sources is None and not self._ahead_off and self._stager.owns_copies:
+            self._ahead_sources = Sources.of([t.data for t in tensors], [t.key for t in tensors])
+            self._ahead_prepared = self._ahead_sources is not None
 
     def drop_ahead(self) -> None:
         """Copies :meth:`stage_ahead` issued that no save took: they land and their buffers go
@@ -127,9 +138,12 @@ class _SaveSteps:
                ahead: Ahead | None = None) -> None:
         self.drop_ahead()  # (any not taken by _stage_first)
         sources, keys, why = stage(state, record, self._stager, ahead=ahead)
-        if why:  # the copies ahead were not of this save's tensors: not tried again
+        if why and self._ahead_prepared:  # prepare()'s state was not the save's: this once
+            logger.debug("the copies ahead of prepare()'s state were not taken: %s", why)
+        elif why:  # the copies ahead were not of this save's tensors: not tried again
             self._ahead_off = why
             say_off(why)
+        self._ahead_prepared = False
         self._ahead_sources = Sources.of(sources, keys) if self._stager.owns_copies else None
         record.detail.update(_stager_delta(before, self.staging_stats()))
         pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)

@@ -109,6 +109,11 @@ class WriterPool:
         return not self.pending
 
     @property
+    def saves_pending(self) -> bool:
+        """A save (not only the worker's warm-up) is waiting to be finalized."""
+        return any(record is not None for record in self.pending.values())
+
+    @property
     def queue(self) -> Any:
         """The provider's async calls queue (None after an abandoned save, until the next)."""
         return self._queue

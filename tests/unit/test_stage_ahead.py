@@ -153,3 +153,41 @@ def test_copies_no_save_took_go_back_and_the_next_save_stages_into_them(tmp_path
         assert not ck.stage_ahead()
         monkeypatch.delenv("MCX_STAGE_AHEAD")
         assert ck.stage_ahead()  # and close() gives these back
+
+
+@pytest.mark.parametrize("sets", [1, 2])
+def test_after_prepare_the_first_save_takes_copies_issued_ahead(tmp_path, sets):
+    """prepare()'s state is what the first save copies ahead (the launcher prepares after the
+    first training step, and again after a load): the first save stages like a steady one."""
+    model, root = _Model(), tmp_path / "ckpt"
+    options = CkptOptions(**OPTIONS, use_persistent_ckpt_worker=True,
+                          ckpt_memory_snapshot_sets=sets)
+    with Checkpointer(options) as ck:
+        ck.prepare(model.state())
+        assert ck.wait_prepared(60)
+        issued = []
+        for it in (1, 2, 3):
+            model.step(float(it))
+            issued.append(ck.stage_ahead())
+            _save(ck, model, root, it)
+        for it in (1, 2, 3):
+            _check(ck, root, it, _expected(float(it)))
+    assert issued == [True] * 3 and _ahead_in(ck) == [True] * 3
+
+
+def test_a_prepared_state_that_is_not_the_first_save_only_drops_its_copies(tmp_path):
+    """prepare() given other tensors than the first save's (same keys): the first save writes its
+    own bytes, and staging ahead goes on from the save's tensors."""
+    model, other, root = _Model(), _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck.prepare(other.state())
+        assert ck.wait_prepared(60)
+        other.step(99.0)
+        issued = []
+        for it in (1, 2, 3):
+            model.step(float(it))
+            issued.append(ck.stage_ahead())
+            _save(ck, model, root, it)
+        for it in (1, 2, 3):
+            _check(ck, root, it, _expected(float(it)))
+    assert issued == [True, True, True] and _ahead_in(ck) == [False, True, True]
