@@ -101,8 +101,12 @@ class _SaveSteps:
     def _ahead_of_prepared(self, tensors: list) -> None:
         """prepare()'s state (ShardedTensors) as what the first save copies ahead, where no save
         has recorded its own yet: the first save, and the first after a load, then stage ahead
-        like a steady one. A mismatch there only drops the copies (staging ahead stays on)."""
-        if self._ahead_sources is None and not self._ahead_off and self._stager.owns_copies:
+        like a steady one. A later prepare() replaces an earlier one's (the load prepares from
+        the state it loaded into, whose optimizer tensors Megatron-LM frees after copying them;
+        the launcher prepares again after the first step). A mismatch there only drops the
+        copies (staging ahead stays on)."""
+        if ((self._ahead_sources is None or self._ahead_prepared) and not self._ahead_off
+                and self._stager.owns_copies):
             self._ahead_sources = Sources.of([t.data for t in tensors], [t.key for t in tensors])
             self._ahead_prepared = self._ahead_sources is not None
 

@@ -191,3 +191,26 @@ def test_a_prepared_state_that_is_not_the_first_save_only_drops_its_copies(tmp_p
         for it in (1, 2, 3):
             _check(ck, root, it, _expected(float(it)))
     assert issued == [True, True, True] and _ahead_in(ck) == [False, True, True]
+
+
+def test_after_a_load_the_prepare_of_the_live_state_is_what_the_first_save_copies(tmp_path):
+    """A load prepares the staging from the state it loaded into (Megatron-LM then copies the
+    optimizer's part elsewhere and frees it); the launcher prepares again from the live state
+    after the first step: that one is what the first save after the resume copies ahead."""
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        model.step(1.0)
+        _save(ck, model, root, 1)
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        loaded = ck.load(sharded(0, 1, {"w": torch.empty_like(model.w),
+                                        "b": torch.empty_like(model.b)}), root, iteration=1)
+        model.w.copy_(loaded["w"])
+        model.b.copy_(loaded["b"])
+        del loaded  # the tensors loaded into are gone
+        ck.prepare(model.state())
+        assert ck.wait_prepared(60)
+        model.step(2.0)
+        assert ck.stage_ahead()
+        _save(ck, model, root, 2)
+        _check(ck, root, 2, _expected(2.0))
+        assert _ahead_in(ck) == [True]
