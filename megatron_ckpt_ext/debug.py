@@ -69,6 +69,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_FREEZE_GC_AT_FORK", "1",
               "0: do not gc.freeze() the trainer's objects when the persistent writer is forked "
               "(its full collections then copy the pages the writer shares)"),
+    EnvSwitch("MCX_FORK_SKIPS_TENSORS", "1",
+              "0: the persistent writer forked for --async-ckpt-use-cpu-shm inherits the pages of "
+              "the trainer's CPU tensors (it then keeps a stale copy of each one the trainer "
+              "updates: save/fork_memory.py)"),
     EnvSwitch("MCX_PROFILE_SAVES", "",
               "<dir>: run every save() under cProfile and append its 40 costliest functions "
               "(cumulative) to <dir>/save_profile_rank<R>.txt; through the launcher, Megatron's "

@@ -31,6 +31,7 @@ from ..debug import env_switch
 from ..errors import CheckpointWriteError
 from ..options import CkptOptions
 from .agreed import SaveStepFailed, agreed_finalize, run_agreed  # also public from here
+from .fork_memory import kept_from_fork
 from .layout import tracker_text
 from .report import SaveRecord
 
@@ -148,9 +149,11 @@ class WriterPool:
         no_cuda = self.cpu_shm and self.caps.worker_cpu_shm_skips_cuda
         with backend.persistent_worker_forks(queue, cpu_shm_mode=no_cuda) as forks, \
                 backend.spawn_skips_main(), \
-                forks_die_with_this_process(self.fork_starts if forks else None):
+                forks_die_with_this_process(self.fork_starts if forks else None), \
+                kept_from_fork(forks and self.cpu_shm) as kept:  # (it reads staging by name)
             if forks:
                 self._freeze_gc()
+            self.startup["fork_skipped_tensor_bytes"] = kept["bytes"]
             if self.caps.warmup_persistent_caller:
                 backend.call_with_supported(queue.warmup_persistent_caller, rank(),
                                             is_daemon=True, cpu_shm_mode=self.cpu_shm)
