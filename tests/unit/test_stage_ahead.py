@@ -155,6 +155,19 @@ def test_copies_no_save_took_go_back_and_the_next_save_stages_into_them(tmp_path
         assert ck.stage_ahead()  # and close() gives these back
 
 
+def _three_saves(ck: Checkpointer, model: _Model, root) -> list[bool]:
+    """Saves 1-3, each after a step and a try at staging ahead (whether copies were issued),
+    each then checked."""
+    issued = []
+    for it in (1, 2, 3):
+        model.step(float(it))
+        issued.append(ck.stage_ahead())
+        _save(ck, model, root, it)
+    for it in (1, 2, 3):
+        _check(ck, root, it, _expected(float(it)))
+    return issued
+
+
 @pytest.mark.parametrize("sets", [1, 2])
 def test_after_prepare_the_first_save_takes_copies_issued_ahead(tmp_path, sets):
     """prepare()'s state is what the first save copies ahead (the launcher prepares after the
@@ -165,13 +178,7 @@ def test_after_prepare_the_first_save_takes_copies_issued_ahead(tmp_path, sets):
     with Checkpointer(options) as ck:
         ck.prepare(model.state())
         assert ck.wait_prepared(60)
-        issued = []
-        for it in (1, 2, 3):
-            model.step(float(it))
-            issued.append(ck.stage_ahead())
-            _save(ck, model, root, it)
-        for it in (1, 2, 3):
-            _check(ck, root, it, _expected(float(it)))
+        issued = _three_saves(ck, model, root)
     assert issued == [True] * 3 and _ahead_in(ck) == [True] * 3
 
 
@@ -183,13 +190,7 @@ def test_a_prepared_state_that_is_not_the_first_save_only_drops_its_copies(tmp_p
         ck.prepare(other.state())
         assert ck.wait_prepared(60)
         other.step(99.0)
-        issued = []
-        for it in (1, 2, 3):
-            model.step(float(it))
-            issued.append(ck.stage_ahead())
-            _save(ck, model, root, it)
-        for it in (1, 2, 3):
-            _check(ck, root, it, _expected(float(it)))
+        issued = _three_saves(ck, model, root)
     assert issued == [True, True, True] and _ahead_in(ck) == [False, True, True]
 
 

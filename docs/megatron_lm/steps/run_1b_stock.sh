@@ -5,11 +5,8 @@
 # KILL=0, RESUME_WARM=0. Results: docs/megatron_lm/real_client/<card>_1b_$LABEL.json (+ _logs.tgz).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target .site .whl/*.whl
-export PYTHONPATH=$PWD:$PWD/.site
+source docs/megatron_lm/steps/_prologue.sh
 LABEL=${LABEL:-1128c}
-CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
-python3 -m megatron_ckpt_ext doctor 2>&1 | grep -i crc
 MODELS=1b SOURCES="ours stock" KILL=0 RESUME_WARM=0 SAVE_EVERY_1B=200 ITERS_1B=600 RESUME_ITERS_1B=650 \
   RUN_TIMEOUT=240 OUT=/tmp/run_$LABEL WORK=/tmp/rcw_$LABEL timeout 570 bash scripts/gpu_real_client.sh 2>&1 \
   | grep '"save"\|"load"\|identical\|rc='
