@@ -5,8 +5,7 @@ the fork is copied, and the writer keeps the old one: a CPU tensor the trainer u
 (a model trained on the CPU, an optimizer state offloaded to the host, a CPU buffer) ends up held
 twice, once by the trainer and once, stale, by a writer that never reads it (with
 ``--async-ckpt-use-cpu-shm`` the writer takes every byte it writes from the staging segments, by
-name). Measured on the CPU: 0.54 GB of CPU state, the writer's own memory 0.69 GB after the first
-save, 0.02 GB with the state kept out (``tests/unit/test_fork_memory.py``).
+name). Figures: docs/notes/save_path.md.
 
 So, only for that fork, the pages inside the storages of the live CPU tensors of 1 MiB and more
 are marked ``MADV_DONTFORK``: the writer's address space has no pages there. The first and last

@@ -153,7 +153,8 @@ class WriterPool:
                 kept_from_fork(forks and self.cpu_shm) as kept:  # (it reads staging by name)
             if forks:
                 self._freeze_gc()
-            self.startup["fork_skipped_tensor_bytes"] = kept["bytes"]
+            self.startup.update(fork_skipped_tensor_bytes=kept["bytes"],
+                                fork_mark_s=kept["mark_s"])  # (its scan of the live objects)
             if self.caps.warmup_persistent_caller:
                 backend.call_with_supported(queue.warmup_persistent_caller, rank(),
                                             is_daemon=True, cpu_shm_mode=self.cpu_shm)
