@@ -135,7 +135,7 @@ class Checkpointer(_SaveSteps):
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
         self._ahead_of_prepared(tensors)
-        self._planner.validate_ahead(sharded_state_dict)  # (C) megatron-core's own check, now
+        self._planner.validate_ahead(sharded_state_dict, self._group)  # (C) megatron-core's, now
         state = copy_structure(sharded_state_dict)
         group = self._planner.ahead_group(self._group) if self._stager.owns_copies else None
 
@@ -362,8 +362,9 @@ class Checkpointer(_SaveSteps):
         # same tensors), so the caller's state and the prepare() below see them as given
         work = copy_leaves(sharded_state_dict)
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
-            state = restore_from_memory(self._stager, work, path, record,
-                                        self._group, load_strategy=load_strategy)
+            state = restore_from_memory(self._stager, work, path, record, self._group,
+                                        load_strategy=load_strategy,
+                                        proven=self._planner.validated_by_seal)
             release_warm_restore(background=True)  # taken by the restore, or unused: it goes
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)

@@ -253,15 +253,20 @@ def version_checks_cached() -> Iterator[None]:
 
 
 def load_with_tensors_from(sharded_state_dict: Any, checkpoint_dir: str, strategy: Any,
-                          fill: Callable[[Any], Any]) -> dict:
+                          fill: Callable[[Any], Any], *, validate: bool = True) -> dict:
     """megatron-core's load of everything in ``sharded_state_dict`` but its ShardedTensors (the
     common state, ShardedObjects, factories), then each ShardedTensor's value from ``fill``,
-    merged into the result as megatron-core merges what it loads (lists compacted alike)."""
+    merged into the result as megatron-core merges what it loads (lists compacted alike).
+    ``validate`` False: without megatron-core's sharding validation, where its load takes
+    ``validate_access_integrity``."""
     dict_utils = _import(f"{MCORE_DC}.dict_utils")
     cls = sharded_tensor_cls()
     tensors, rest = dict_utils.extract_matching_values(sharded_state_dict,
                                                        lambda v: isinstance(v, cls))
-    state = dist_checkpointing().load(rest, checkpoint_dir, strategy)
+    load = dist_checkpointing().load
+    kwargs = ({} if validate or not _takes(load, "validate_access_integrity")
+              else {"validate_access_integrity": False})
+    state = load(rest, checkpoint_dir, strategy, **kwargs)
     dict_utils.dict_list_map_inplace(lambda v: fill(v) if isinstance(v, cls) else v, tensors)
     dict_utils.merge(state, tensors)
     return state

@@ -24,7 +24,7 @@ from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
-from ..save.planner import copy_structure
+from ..save.planner import copy_structure, structure_digest, structure_key
 from ..staging import restore_copy
 from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
 from ..staging.retained import Seal, read_seal, seal_path
@@ -52,9 +52,14 @@ def tensor_layout(sharded_state_dict: Any) -> list[tuple[str, list[int], list[in
 
 
 def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record: LoadRecord,
-                        group: Group, *, load_strategy: Callable[[], Any]) -> dict | None:
+                        group: Group, *, load_strategy: Callable[[], Any],
+                        proven: Callable[[tuple], None] | None = None) -> dict | None:
     """Collective: the loaded state restored from this node's sealed snapshots on every rank,
-    or None on every rank (storage is read then; rank 0 has said why)."""
+    or None on every rank (storage is read then; rank 0 has said why). Where every rank's
+    whole structure is the one its seal names (``Seal.structure``: validated by megatron-core
+    in the run that saved it), megatron-core does not validate the sharding again: neither the
+    load of the rest nor (``proven``, called with the structure key) the next prepare() and
+    save."""
     t = t0 = time.perf_counter()
     iteration = parse_iteration(path.name)
     if iteration is None:  # not a committed iteration's name: storage decides what it is
@@ -81,16 +86,22 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         stager.drop_adopted(unlink=False)  # unsealed (to be staged into) or replaced meanwhile
         why = "the snapshot was unsealed or replaced while it was copied"
     t = _step(steps, "seal_recheck_s", t)
+    key = structure_key(sharded_state_dict) if not why and seal.structure else None
+    same = key is not None and seal.structure == structure_digest(key)
     try:
-        views = group.all_gather((socket.gethostname(), why))
+        views = group.all_gather((socket.gethostname(), why, same))
         t = _step(steps, "agree_s", t)
         record.memory_steps = steps
-        if any(w for _, w in views):
+        if any(w for _, w, _ in views):
             _say(views, iteration, used=False)
             record.phase("memory_s", t0)
             return None
-        state = _load_rest_and_fill(sharded_state_dict, path, load_strategy)  # while the
-        t = _step(steps, "rest_from_storage_s", t)  # copies land
+        same = record.memory_detail["structure_proven"] = all(s for *_, s in views)
+        state = _load_rest_and_fill(sharded_state_dict, path, load_strategy,  # while the
+                                    validate=not same)  # copies land
+        t = _step(steps, "rest_from_storage_s", t)
+        if same and proven is not None:
+            proven(key)
     finally:
         if copying is not None:
             copying.finish()
@@ -221,9 +232,10 @@ def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration:
 
 
 def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
-                        load_strategy: Callable[[], Any]) -> dict:
-    """megatron-core's load of everything but the tensors (its files checked first), the
-    tensors copied from the snapshot into their targets."""
+                        load_strategy: Callable[[], Any], *, validate: bool = True) -> dict:
+    """megatron-core's load of everything but the tensors (its files checked first, its
+    sharding validated unless ``validate`` is False), the tensors copied from the snapshot
+    into their targets."""
     manifest = read_manifest(path) or {"files": {}}
     small = [n for n in manifest["files"] if n in _SMALL_FILES or n.endswith(_SMALL_FILES)]
     problems = verify_files(path, manifest, small, workers=2)
@@ -234,19 +246,20 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
             "another checkpoint (point --load at a directory whose tracker names it).")
     state = copy_structure(sharded_state_dict)  # its tensors' data: the filled targets
     with backend.metadata_read_once():  # (0.19 loads the common state apart: one unpickle)
-        return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data)
+        return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data,
+                                              validate=validate)
 
 
 def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:
     if rank() != 0:
         return
     if used:
-        hosts = sorted({h for h, _ in views})
+        hosts = sorted({h for h, *_ in views})
         logger.info("checkpoint iteration %d restored from memory on %d node(s) (%s)", iteration,
                     len(hosts), ", ".join(hosts[:4]))
         return
     by_host: dict[str, str] = {}
-    for r, (host, why) in sorted(enumerate(views), key=lambda v: not v[1][1]):  # failures first
+    for r, (host, why, _) in sorted(enumerate(views), key=lambda v: not v[1][1]):  # failures 1st
         by_host.setdefault(host, f"rank {r}: {why}" if why else "memory ready")
     logger.info("checkpoint iteration %d is read from storage, not from memory: %s", iteration,
                 "; ".join(f"{h}: {w}" for h, w in sorted(by_host.items())))

@@ -4,6 +4,7 @@ structure holds (``--ckpt-assume-constant-structure``: megatron-core's cached pl
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import tempfile
 import threading
@@ -17,7 +18,8 @@ from ..debug import env_switch
 from ..options import CkptOptions
 
 
-__all__ = ["SavePlanner", "copy_leaves", "copy_structure", "state_bytes", "structure_key"]
+__all__ = ["SavePlanner", "copy_leaves", "copy_structure", "state_bytes", "structure_digest",
+           "structure_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class SavePlanner:
         # the request megatron-core planned for this structure, replayed by steady saves
         self.replay = backend.SaveReplay() if self.constant else None
         self._validated: tuple | None = None  # the structure prepare() validated
+        self._digest: tuple[Any, str] | None = None  # (structure, its digest) for the seal
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
         # the caller's preprocessing of the common state before megatron-core compares it across
         # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
@@ -81,14 +84,18 @@ class SavePlanner:
             return self._strategy
         return strategy.save_strategy(self.options, dp_group=self.dp_group)
 
-    def validate_ahead(self, state: Any) -> bool:
+    def validate_ahead(self, state: Any, group: Group) -> bool:
         """Collective (``prepare()``, every rank): megatron-core's sharding validation of
         ``state`` now, so the first save of the same structure need not run it (the save still
-        does where any rank's structure is not the validated one). Whether it validated; a
-        failure is left for the save to raise."""
+        does where any rank's structure is not the validated one); not again where every rank's
+        structure is the one validated already (a second ``prepare()``, or after
+        :meth:`validated_by_seal`). Whether it is validated; a failure is left for the save to
+        raise."""
         if not self.constant:
             return False
         key = structure_key(state)
+        if _all_true(key == self._validated, group):
+            return True
         try:
             ok = backend.validate_sharding(copy_structure(state), self.preprocess_common)
         except Exception as e:  # noqa: BLE001 - the first save validates again and raises it
@@ -96,6 +103,21 @@ class SavePlanner:
             ok = False
         self._validated = key if ok else None
         return ok
+
+    def validated_by_seal(self, key: tuple) -> None:
+        """After a restore from memory in which every rank's state had the structure (``key``)
+        its sealed snapshot was saved with (``Seal.structure``, checked on every rank and
+        agreed): that structure passed megatron-core's validation in the run that saved it, at
+        this world size, so ``prepare()`` and the first save do not validate it again."""
+        if self.constant:
+            self._validated = key
+
+    def digest(self) -> str:
+        """:func:`structure_digest` of the structure the kept strategy is for (after
+        :meth:`use`): a save's seal names it, for a restart to match."""
+        if self._digest is None or self._digest[0] != self._structure:  # (equal: cheap)
+            self._digest = (self._structure, structure_digest(self._structure))
+        return self._digest[1]
 
     def validated(self, key: tuple | None) -> bool:
         """Whether prepare() validated this rank's structure ``key`` already."""
@@ -261,6 +283,12 @@ def structure_key(state: Any) -> tuple:
 
     walk(state)
     return tuple(sorted(items))
+
+
+def structure_digest(key: tuple | None) -> str:
+    """A stable digest of a :func:`structure_key` (the same in every process), or '' for
+    None (no constant structure: nothing is kept, nothing proven)."""
+    return "" if key is None else hashlib.sha1(repr(key).encode()).hexdigest()
 
 
 def describe_change(old: tuple | None, new: tuple) -> str:

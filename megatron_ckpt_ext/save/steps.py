@@ -177,6 +177,9 @@ class _SaveSteps:
                 record.release()
             raise
         self._planner.use(structure, record)
+        record.extra["structure"] = self._planner.digest()  # what its seal will name
+        if record.new_structure:  # whether megatron-core validates this structure's sharding now
+            record.detail["validated_sharding"] = record.validate
         ahead, self._planner.planned_ahead_s = self._planner.planned_ahead_s, None
         if ahead is not None and not record.new_structure:  # its plan made by prepare()
             record.detail["planned_ahead_s"] = ahead
@@ -304,7 +307,8 @@ class _SaveSteps:
             return
         self._stager.seal(record.held.batch, root=str(record.root), iteration=record.iteration,
                           world=self._group.size(), layout=record.extra.get("layout", []),
-                          manifest_crc32=(manifest or {}).get("manifest_crc32"))
+                          manifest_crc32=(manifest or {}).get("manifest_crc32"),
+                          structure=record.extra.get("structure", ""))
 
     def _failed(self, error: CheckpointWriteError) -> None:
         """A save failed on every rank (the writers already abandoned it): raise, or under

@@ -65,6 +65,9 @@ class Seal:
     iteration: int
     manifest_crc32: str | None  # the committed checkpoint's manifest CRC (None: no manifest)
     entries: list[SealEntry]
+    # the digest of the save's whole structure (save/planner.structure_digest), which
+    # megatron-core validated in the run that saved it; '' where not kept (no constant structure)
+    structure: str = ""
     generation: str = ""
     created: float = 0.0  # time.time()
     host: str = ""

@@ -42,8 +42,9 @@ class _Sealing:
         stats: dict
 
     def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
-             layout: Sequence[tuple], manifest_crc32: str | None) -> None:
-        """After ``batch``'s save committed: keep its buffers as the snapshot of that checkpoint.
+             layout: Sequence[tuple], manifest_crc32: str | None, structure: str = "") -> None:
+        """After ``batch``'s save committed: keep its buffers as the snapshot of that checkpoint
+        (``structure``: the digest of the save's validated structure, :meth:`SavePlanner.digest`).
         The buffers' CRC-32s are computed on a background thread; the seal is written when they
         are, unless the next stage() unsealed first."""
         buffer_set = batch._set
@@ -57,7 +58,8 @@ class _Sealing:
                              nbytes=t.numel() * t.element_size())
                    for (k, o, sh, dt), t in zip(layout, batch.tensors)]
         seal = Seal(root=os.path.realpath(root), rank=self.rank, world=world,
-                    iteration=iteration, manifest_crc32=manifest_crc32, entries=entries)
+                    iteration=iteration, manifest_crc32=manifest_crc32, entries=entries,
+                    structure=structure)
         self._sealed = (buffer_set, seal.root)
         self._seal_cancel = threading.Event()
         self._seal_thread = threading.Thread(

@@ -119,7 +119,7 @@ def test_a_restore_from_memory_reads_the_rest_with_one_metadata_read(tmp_path, m
     monkeypatch.setattr(serialization, "_get_filesystem_reader",
                         torch_strategy._get_filesystem_reader, raising=False)
 
-    def as_megatron_core_0_19(state, checkpoint_dir, strategy, fill):  # two readers, one load
+    def as_megatron_core_0_19(state, checkpoint_dir, strategy, fill, **_):  # two readers
         serialization._get_filesystem_reader(checkpoint_dir).read_metadata()
         torch_strategy._get_filesystem_reader(checkpoint_dir).read_metadata()
         return {}

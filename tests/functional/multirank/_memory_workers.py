@@ -102,3 +102,31 @@ def restore_prepared(rank: int, world: int, root: str, options: dict, want_step:
                        for b in s.buffers.values() if b.path)
         with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
             json.dump({"report": report}, fh)
+
+
+def restore_and_count_validations(rank: int, world: int, root: str, options: dict,
+                                  out: str) -> None:
+    """As a restarted Megatron-LM job through the launcher: load, prepare() again with the
+    state of the first step, then the first save; how many times megatron-core's sharding
+    validation ran in prepare() (``backend.validate_sharding``) and whether the first save
+    validated (its report's ``validated_sharding``), written for the test."""
+    from megatron_ckpt_ext import backend
+
+    calls = []
+    original = backend.validate_sharding
+    backend.validate_sharding = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with Checkpointer(CkptOptions(**options)) as ck:
+            got = load_back(ck, rank, world, root, None)
+            assert_equal(got, step_state(2, rank), "restored iteration 2")
+            live = {k: v.clone() for k, v in step_state(9, rank).items()}
+            ck.prepare(sharded(rank, world, live))
+            ck.save(sharded(rank, world, live), root, iteration=9)
+            ck.maybe_finalize(blocking=True)
+            report = ck.load_reports[-1]
+            first_save = ck.reports[-1]["stage_detail"]
+    finally:
+        backend.validate_sharding = original
+    with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
+        json.dump({"report": report, "prepare_validations": len(calls),
+                   "first_save_validated": first_save.get("validated_sharding")}, fh)

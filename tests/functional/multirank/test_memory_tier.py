@@ -100,6 +100,31 @@ def test_a_job_killed_in_the_middle_of_a_save_restores_memory_only_with_two_sets
         assert rep["report"]["tier"] == tier and rep["report"]["iteration"] == 2
 
 
+@pytest.mark.parametrize("one_seal_names_another_structure", [False, True])
+def test_a_restore_from_memory_does_not_validate_the_sharding_again(
+        root, tmp_path, one_seal_names_another_structure):
+    """The seal names the structure megatron-core validated in the run that saved it: a
+    restore whose every rank has that structure runs no sharding validation, neither in the
+    prepare() after the load, nor in one the launcher makes after the first step, nor in the
+    first save. Where one rank's seal names another structure, every rank validates (once)."""
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent-constant"], 2))
+    if one_seal_names_another_structure:
+        path = seal_path("/dev/shm", root, world() - 1)
+        data = json.loads(Path(path).read_text())
+        assert data["structure"]  # the save named its structure
+        data["structure"] = "0" * 40
+        Path(path).write_text(json.dumps(data))
+    run_ranks(w.restore_and_count_validations,
+              args=(str(root), MODES["persistent-constant"], str(tmp_path)))
+    for rep in _reports(tmp_path):
+        assert rep["report"]["tier"] == "memory"
+        proven = not one_seal_names_another_structure
+        assert rep["report"]["memory_detail"]["structure_proven"] is proven
+        assert rep["prepare_validations"] == (0 if proven else 1)
+        # validated by the seal or by prepare() (None: planned ahead, not a new structure)
+        assert rep["first_save_validated"] is not True
+
+
 def test_a_flipped_byte_in_a_snapshot_reads_storage(root, tmp_path, caplog):
     run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
     seal = read_seal(seal_path("/dev/shm", root, world() - 1))
