@@ -77,6 +77,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "<dir>: run every save() under cProfile and append its 40 costliest functions "
               "(cumulative) to <dir>/save_profile_rank<R>.txt; through the launcher, Megatron's "
               "whole save_checkpoint instead"),
+    EnvSwitch("MCX_PROFILE_LOADS", "",
+              "<dir>: through the launcher, run Megatron's load_checkpoint under cProfile and "
+              "append its 80 costliest functions (cumulative) to <dir>/load_profile_rank<R>.txt"),
     EnvSwitch("MCX_SYNC_POINTS", "",
               "<dir>: run every save() under torch's CUDA sync debug mode and append where it "
               "waited for the device (each synchronizing call's stack, with the phase it fell "
@@ -199,9 +202,10 @@ def _thread_usage() -> dict[str, float]:
 _profiling = threading.local()
 
 
-def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` under cProfile; its 40 costliest functions (cumulative) appended
-    to ``<folder>/save_profile_rank<rank>.txt`` under ``label``. Inside another profiled call
+def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, stem: str = "save_profile",
+             lines: int = 40, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under cProfile; its ``lines`` costliest functions (cumulative)
+    appended to ``<folder>/<stem>_rank<rank>.txt`` under ``label``. Inside another profiled call
     (the launcher profiles Megatron's whole ``save_checkpoint``, which calls our save) ``fn``
     just runs: the outer profile covers it, and Python allows one profiler at a time."""
     import cProfile
@@ -217,7 +221,7 @@ def profiled(folder: str, label: str, rank: int, fn: Any, *args: Any, **kwargs: 
     finally:
         _profiling.on = False
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
         Path(folder).mkdir(parents=True, exist_ok=True)
-        with open(Path(folder) / f"save_profile_rank{rank}.txt", "a", encoding="utf-8") as fh:
+        with open(Path(folder) / f"{stem}_rank{rank}.txt", "a", encoding="utf-8") as fh:
             fh.write(f"==== {label}\n{out.getvalue()}\n")

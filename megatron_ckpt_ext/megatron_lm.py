@@ -199,6 +199,17 @@ def _profiled_save_checkpoint(folder: str, original: Callable[..., Any]) -> Call
     return save_checkpoint
 
 
+def _profiled_load_checkpoint(folder: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``MCX_PROFILE_LOADS``: Megatron's ``load_checkpoint`` (as training.py calls it) under
+    cProfile, appended to ``load_profile_rank<R>.txt`` (docs/DEBUGGING.md)."""
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        return profiled(folder, "megatron load_checkpoint", rank(), original, *args,
+                        stem="load_profile", lines=80, **kwargs)
+
+    return load_checkpoint
+
+
 def _around_save_checkpoint(original: Callable[..., Any], *,
                             pause_gc: bool) -> Callable[..., Any]:
     """Megatron's ``save_checkpoint`` with, on entry, the copies of the last save's tensors
@@ -266,6 +277,11 @@ def _apply_patches(modules: dict[str, Any]) -> None:
     if wrapped is not original:
         replacements["save_checkpoint"] = wrapped
         present.append(("training", "save_checkpoint"))
+    load = getattr(modules.get("training"), "load_checkpoint", None)
+    if env_switch("MCX_PROFILE_LOADS") and callable(load):
+        replacements["load_checkpoint"] = _profiled_load_checkpoint(
+            env_switch("MCX_PROFILE_LOADS"), load)
+        present.append(("training", "load_checkpoint"))
     for short, name in (*_PATCHES, *present):
         _state.originals[(short, name)] = getattr(modules[short], name)
         setattr(modules[short], name, replacements[name])

@@ -517,6 +517,27 @@ def test_profile_saves_also_profiles_megatrons_whole_save_checkpoint(mlm, monkey
     assert training.save_checkpoint is save_checkpoint
 
 
+def test_profile_loads_profiles_megatrons_load_checkpoint(mlm, monkeypatch, tmp_path):
+    """MCX_PROFILE_LOADS: Megatron's load_checkpoint runs under cProfile, its result and
+    arguments passed through; uninstall puts Megatron's own back; unset: not wrapped."""
+    def load_checkpoint(model, optimizer, scheduler, **kwargs):
+        return (123, kwargs)
+
+    training = mlm.mods["training"]
+    training.load_checkpoint = load_checkpoint
+    monkeypatch.delenv("MCX_PROFILE_LOADS", raising=False)
+    _install(mlm, async_save=True)
+    assert training.load_checkpoint is load_checkpoint
+    megatron_lm.uninstall()
+    monkeypatch.setenv("MCX_PROFILE_LOADS", str(tmp_path))
+    _install(mlm, async_save=True)
+    assert training.load_checkpoint("m", "o", "s", strict=False) == (123, {"strict": False})
+    profile = (tmp_path / "load_profile_rank0.txt").read_text()
+    assert profile.count("==== megatron load_checkpoint") == 1, profile[:300]
+    megatron_lm.uninstall()
+    assert training.load_checkpoint is load_checkpoint
+
+
 @pytest.mark.parametrize("switch, inside", [(None, False), ("1", True)])
 def test_megatrons_whole_save_checkpoint_runs_with_the_collector_paused(mlm, monkeypatch, switch,
                                                                          inside):
