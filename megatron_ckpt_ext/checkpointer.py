@@ -135,9 +135,10 @@ class Checkpointer(_SaveSteps):
         backend.map_sharded_tensors(sharded_state_dict, lambda t: tensors.append(t) or t)
         self._admit(tensors)
         self._ahead_of_prepared(tensors)
-        self._planner.validate_ahead(sharded_state_dict, self._group)  # (C) megatron-core's, now
         state = copy_structure(sharded_state_dict)
         group = self._planner.ahead_group(self._group) if self._stager.owns_copies else None
+        if group is None:  # (C) megatron-core's own check now; else first in the thread below
+            self._planner.validate_ahead(sharded_state_dict, self._group)
 
         def ahead(staged: list) -> None:  # in the allocation's thread, once it is done
             backend.writer_clones_cpu_tensors()  # read from the writer's source once, now

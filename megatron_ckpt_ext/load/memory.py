@@ -24,7 +24,7 @@ from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
-from ..save.planner import copy_structure, structure_digest, structure_key
+from ..save.planner import copy_structure, structure_digest, structure_key, structure_objects
 from ..staging import restore_copy
 from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
 from ..staging.retained import Seal, read_seal, seal_path
@@ -88,6 +88,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     t = _step(steps, "seal_recheck_s", t)
     key = structure_key(sharded_state_dict) if not why and seal.structure else None
     same = key is not None and seal.structure == structure_digest(key)
+    if key is not None and not same:
+        record.memory_detail["structure_differs"] = _objects_differ(seal.objects, key)
     try:
         views = group.all_gather((socket.gethostname(), why, same))
         t = _step(steps, "agree_s", t)
@@ -248,6 +250,17 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
     with backend.metadata_read_once():  # (0.19 loads the common state apart: one unpickle)
         return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data,
                                               validate=validate)
+
+
+def _objects_differ(sealed: list, key: tuple) -> str:
+    """What differs between the structure a seal names and this state's ``key``, in words (the
+    tensors matched already): which items that are not tensors were added or removed."""
+    mine, theirs = structure_objects(key), sealed
+    added = [i for i in mine if i not in theirs]
+    removed = [i for i in theirs if i not in mine]
+    if not added and not removed:
+        return "the tensors' global shapes or types"
+    return f"added {added[:3]}, removed {removed[:3]}"
 
 
 def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 import tempfile
 import threading
@@ -19,7 +20,7 @@ from ..options import CkptOptions
 
 
 __all__ = ["SavePlanner", "copy_leaves", "copy_structure", "state_bytes", "structure_digest",
-           "structure_key"]
+           "structure_key", "structure_objects"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class SavePlanner:
         # the request megatron-core planned for this structure, replayed by steady saves
         self.replay = backend.SaveReplay() if self.constant else None
         self._validated: tuple | None = None  # the structure prepare() validated
-        self._digest: tuple[Any, str] | None = None  # (structure, its digest) for the seal
+        self._digest: tuple | None = None  # (structure, its digest, its objects) for the seal
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
         # the caller's preprocessing of the common state before megatron-core compares it across
         # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
@@ -112,12 +113,14 @@ class SavePlanner:
         if self.constant:
             self._validated = key
 
-    def digest(self) -> str:
+    def digest(self) -> tuple[str, list]:
         """:func:`structure_digest` of the structure the kept strategy is for (after
-        :meth:`use`): a save's seal names it, for a restart to match."""
+        :meth:`use`) and its items that are not ShardedTensors (:func:`structure_objects`): a
+        save's seal names them, for a restart to match (and to say what differs)."""
         if self._digest is None or self._digest[0] != self._structure:  # (equal: cheap)
-            self._digest = (self._structure, structure_digest(self._structure))
-        return self._digest[1]
+            self._digest = (self._structure, structure_digest(self._structure),
+                            structure_objects(self._structure))
+        return self._digest[1], self._digest[2]
 
     def validated(self, key: tuple | None) -> bool:
         """Whether prepare() validated this rank's structure ``key`` already."""
@@ -156,9 +159,14 @@ class SavePlanner:
         return world, also
 
     def ahead(self, state: Any, staged: list, group: Any) -> None:
-        """In ``prepare()``'s allocation thread: :meth:`convert_ahead`, then (``group`` given)
-        :meth:`plan_ahead`, reached by every rank whatever the conversions did."""
+        """In ``prepare()``'s allocation thread: (``group`` given) :meth:`validate_ahead` on
+        its host group, off the caller's critical path (a load's or a training step's); then
+        :meth:`convert_ahead`; then (``group`` given) :meth:`plan_ahead`, reached by every rank
+        whatever the conversions did. Without ``group`` prepare() validated already."""
         try:
+            if group is not None:
+                with backend.object_collectives_on(*group):
+                    self.validate_ahead(state, Group(group[0], self.options))
             self.convert_ahead(state, staged)
         finally:
             if group is not None:
@@ -289,6 +297,13 @@ def structure_digest(key: tuple | None) -> str:
     """A stable digest of a :func:`structure_key` (the same in every process), or '' for
     None (no constant structure: nothing is kept, nothing proven)."""
     return "" if key is None else hashlib.sha1(repr(key).encode()).hexdigest()
+
+
+def structure_objects(key: tuple | None) -> list[list]:
+    """The items of a :func:`structure_key` that are not ShardedTensors (ShardedObjects and the
+    like: few), as JSON gives them back (lists): a seal keeps them to say what differs."""
+    return [] if key is None else json.loads(json.dumps([i for i in key
+                                                          if i[0] != "ShardedTensor"]))
 
 
 def describe_change(old: tuple | None, new: tuple) -> str:

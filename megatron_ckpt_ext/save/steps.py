@@ -93,6 +93,7 @@ class _SaveSteps:
             self._ahead_sources = None
             return False
         keys = self._ahead_sources.keys
+        self._stager.wait_prepared()  # (the save waits for a prepare() in its thread anyway)
         if not self._stager.idle_set_fits(tensors, keys=keys):  # it would allocate: not ahead
             return False
         self._ahead = Ahead.issue(self._stager, tensors, keys, self.staging_stats())
@@ -308,7 +309,7 @@ class _SaveSteps:
         self._stager.seal(record.held.batch, root=str(record.root), iteration=record.iteration,
                           world=self._group.size(), layout=record.extra.get("layout", []),
                           manifest_crc32=(manifest or {}).get("manifest_crc32"),
-                          structure=record.extra.get("structure", ""))
+                          structure=record.extra.get("structure", ("", [])))
 
     def _failed(self, error: CheckpointWriteError) -> None:
         """A save failed on every rank (the writers already abandoned it): raise, or under

@@ -68,6 +68,7 @@ class Seal:
     # the digest of the save's whole structure (save/planner.structure_digest), which
     # megatron-core validated in the run that saved it; '' where not kept (no constant structure)
     structure: str = ""
+    objects: list = field(default_factory=list)  # its items that are not ShardedTensors
     generation: str = ""
     created: float = 0.0  # time.time()
     host: str = ""

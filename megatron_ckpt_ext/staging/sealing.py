@@ -42,9 +42,11 @@ class _Sealing:
         stats: dict
 
     def seal(self, batch: StagedBatch, *, root: str, iteration: int, world: int,
-             layout: Sequence[tuple], manifest_crc32: str | None, structure: str = "") -> None:
+             layout: Sequence[tuple], manifest_crc32: str | None,
+             structure: tuple[str, list] = ("", [])) -> None:
         """After ``batch``'s save committed: keep its buffers as the snapshot of that checkpoint
-        (``structure``: the digest of the save's validated structure, :meth:`SavePlanner.digest`).
+        (``structure``: the digest of the save's validated structure and its items that are not
+        tensors, :meth:`SavePlanner.digest`).
         The buffers' CRC-32s are computed on a background thread; the seal is written when they
         are, unless the next stage() unsealed first."""
         buffer_set = batch._set
@@ -59,7 +61,7 @@ class _Sealing:
                    for (k, o, sh, dt), t in zip(layout, batch.tensors)]
         seal = Seal(root=os.path.realpath(root), rank=self.rank, world=world,
                     iteration=iteration, manifest_crc32=manifest_crc32, entries=entries,
-                    structure=structure)
+                    structure=structure[0], objects=structure[1])
         self._sealed = (buffer_set, seal.root)
         self._seal_cancel = threading.Event()
         self._seal_thread = threading.Thread(

@@ -97,6 +97,44 @@ def test_prepare_validates_and_converts_so_the_first_save_does_neither(one_rank_
         assert cache.misses == 0  # converted ahead, reused
 
 
+@pytest.mark.parametrize("plan_ahead", ["1", "0"])
+def test_prepare_validates_on_its_thread_without_holding_up_the_caller(one_rank_group, tmp_path,
+                                                                      monkeypatch, plan_ahead):
+    """megatron-core's validation runs first on prepare()'s own thread (with its host group):
+    prepare() returns while it runs (a load, a training step go on); the first save waits for it
+    and does not validate again. Without planning ahead (MCX_PLAN_AHEAD=0) prepare() validates
+    before it returns, on the caller's thread."""
+    import threading
+
+    monkeypatch.setenv("MCX_PLAN_AHEAD", plan_ahead)
+    release, threads = threading.Event(), []
+    real = backend.validate_sharding
+
+    def slow(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        release.wait(None if plan_ahead == "0" else 30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "validate_sharding", slow)
+    if plan_ahead == "0":
+        release.set()
+    layers = {"w": [torch.randn(4, 6) for _ in range(3)]}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.prepare(_stacked_state(layers))
+        if plan_ahead == "1":
+            assert not ck.wait_prepared(timeout_s=0.5)  # validating, held by the test
+            assert threads == ["mcx-staging-prepare"]
+            release.set()
+        else:
+            assert threads == [threading.current_thread().name]
+        ck.save(_stacked_state(layers), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        assert len(threads) == 1 and ck.reports[-1]["stage_detail"].get(
+            "validated_sharding") is not True
+
+
 def test_a_first_save_of_another_structure_than_prepared_validates(one_rank_group, tmp_path,
                                                                   validations):
     options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,

@@ -113,10 +113,15 @@ def test_a_restore_from_memory_does_not_validate_the_sharding_again(
         data = json.loads(Path(path).read_text())
         assert data["structure"]  # the save named its structure
         data["structure"] = "0" * 40
+        data["objects"].append(["ShardedObject", "gone", [1], [0], "", []])
         Path(path).write_text(json.dumps(data))
     run_ranks(w.restore_and_count_validations,
               args=(str(root), MODES["persistent-constant"], str(tmp_path)))
-    for rep in _reports(tmp_path):
+    reports = _reports(tmp_path)
+    if one_seal_names_another_structure:  # that rank's report says what differs
+        assert "removed [['ShardedObject', 'gone'" in reports[-1]["report"]["memory_detail"][
+            "structure_differs"]
+    for rep in reports:
         assert rep["report"]["tier"] == "memory"
         proven = not one_seal_names_another_structure
         assert rep["report"]["memory_detail"]["structure_proven"] is proven
