@@ -363,9 +363,8 @@ class Checkpointer(_SaveSteps):
         # same tensors), so the caller's state and the prepare() below see them as given
         work = copy_leaves(sharded_state_dict)
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
-            state = restore_from_memory(self._stager, work, path, record, self._group,
-                                        load_strategy=load_strategy,
-                                        proven=self._planner.validated_by_seal)
+            state = restore_from_memory(self._stager, work, path, record, self._group, load_strategy=
+                                        load_strategy, proven=self._planner.validated_by_seal)
             release_warm_restore(background=True)  # taken by the restore, or unused: it goes
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)
