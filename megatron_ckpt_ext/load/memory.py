@@ -100,7 +100,7 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
             return None
         same = record.memory_detail["structure_proven"] = all(s for *_, s in views)
         state = _load_rest_and_fill(sharded_state_dict, path, load_strategy,  # while the
-                                    validate=not same)  # copies land
+                                    validate=not same, detail=record.memory_detail)  # copies land
         t = _step(steps, "rest_from_storage_s", t)
         if same and proven is not None:
             proven(key)
@@ -234,10 +234,12 @@ def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration:
 
 
 def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
-                        load_strategy: Callable[[], Any], *, validate: bool = True) -> dict:
+                        load_strategy: Callable[[], Any], *, validate: bool = True,
+                        detail: dict | None = None) -> dict:
     """megatron-core's load of everything but the tensors (its files checked first, its
     sharding validated unless ``validate`` is False), the tensors copied from the snapshot
-    into their targets."""
+    into their targets. ``detail`` gets the check's time (``rest_check_s``)."""
+    t = time.perf_counter()
     manifest = read_manifest(path) or {"files": {}}
     small = [n for n in manifest["files"] if n in _SMALL_FILES or n.endswith(_SMALL_FILES)]
     problems = verify_files(path, manifest, small, workers=2)
@@ -246,6 +248,8 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
             f"checkpoint iteration {path.name} ({path}) does not match its integrity manifest: "
             f"{'; '.join(str(p) for p in problems)}. Fix: restore those files, or resume from "
             "another checkpoint (point --load at a directory whose tracker names it).")
+    if detail is not None:
+        detail["rest_check_s"] = round(time.perf_counter() - t, 6)
     state = copy_structure(sharded_state_dict)  # its tensors' data: the filled targets
     with backend.metadata_read_once():  # (0.19 loads the common state apart: one unpickle)
         return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data,
