@@ -4,19 +4,30 @@
 # every process, relaunch: the restore from memory; then the warm storage load of a copy of the
 # same checkpoint), with MCX_PROFILE_LOADS: Megatron's load_checkpoint under cProfile in each run
 # (in order: the kill run's, which finds no checkpoint; the restart's; the storage load's).
-# cProfile slows Python-heavy code: the times here split a load, they do not time it.
+# cProfile slows Python-heavy code: the times here split a load, they do not time it; and on
+# Python 3.12 it follows every thread. REST_PROBE=1 instead (no cProfile): rest_probe/'s timers
+# of megatron-core's steps inside the restore's load of the rest, on the loading thread
+# ($OUT/<card>_134m_${LABEL}_rest_probe.jsonl).
 # Results: $OUT/<card>_134m_$LABEL.json (+ _logs.tgz), $OUT/<card>_134m_${LABEL}_load_profile.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/megatron_lm/steps/_prologue.sh
 LABEL=${LABEL:-1129a}
-rm -rf /tmp/prof_$LABEL
-MCX_PROFILE_LOADS=/tmp/prof_$LABEL MODELS=134m SOURCES=none KILL=1 RESUME_COLD=0 RESUME_WARM=0 \
+rm -rf /tmp/prof_$LABEL; mkdir -p /tmp/prof_$LABEL
+if [ "${REST_PROBE:-0}" = 1 ]; then
+  export MCX_REST_PROBE=/tmp/prof_$LABEL/rest_probe.jsonl
+  export PYTHONPATH=$PWD/docs/megatron_lm/steps/rest_probe:$PYTHONPATH
+else
+  export MCX_PROFILE_LOADS=/tmp/prof_$LABEL
+fi
+MODELS=134m SOURCES=none KILL=1 RESUME_COLD=0 RESUME_WARM=0 \
   OUT=/tmp/run_$LABEL WORK=/tmp/rcw_$LABEL timeout ${RUN_TIMEOUT:-300} bash scripts/gpu_real_client.sh 2>&1 \
   | grep '"load"\|identical\|rc='
 cp /tmp/run_$LABEL/real_client.json "$OUT/${CARD}_134m_$LABEL.json"
 cp /tmp/run_$LABEL/logs.tgz "$OUT/${CARD}_134m_${LABEL}_logs.tgz"
-cp /tmp/prof_$LABEL/load_profile_rank0.txt "$OUT/${CARD}_134m_${LABEL}_load_profile.txt"
+cp /tmp/prof_$LABEL/load_profile_rank0.txt "$OUT/${CARD}_134m_${LABEL}_load_profile.txt" 2>/dev/null
+cp /tmp/prof_$LABEL/rest_probe.jsonl "$OUT/${CARD}_134m_${LABEL}_rest_probe.jsonl" 2>/dev/null
+cat /tmp/prof_$LABEL/rest_probe.jsonl 2>/dev/null
 mkdir -p /tmp/x_$LABEL && tar xzf /tmp/run_$LABEL/logs.tgz -C /tmp/x_$LABEL
 grep -h "checkpoint load report" /tmp/x_$LABEL/logs/*restart*.log | cut -c1-1500
 grep -h "load-checkpoint \|after model, optimizer" /tmp/x_$LABEL/logs/*restart*.log
