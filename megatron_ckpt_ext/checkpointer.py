@@ -295,7 +295,7 @@ class Checkpointer(_SaveSteps):
             self._admit(tensors)
             record.mode = self._mode  # sync after a node-memory fallback
             record.detail["admit_s"] = time.perf_counter() - t
-        self._stage(state, record, before)
+        self._stage_agreed(state, record, before)  # (C) every rank raises where one failed
         return record.phase("stage_s", t)
 
     def wait_for_snapshot(self, *, blocking: bool = False) -> None:

@@ -172,22 +172,29 @@ def warn_incomplete(root: Path) -> None:
 
 
 def open_workdir(record: Any, group: Group, *, new_structure: bool, validate: bool | None = None,
-                 plain: list[tuple[str, Any]] = ()) -> Path:
+                 plain: list[tuple[str, Any]] = (),
+                 staging_error: BaseException | None = None) -> Path:
     """Collective: rank 0 creates ``record``'s ``iter_N.incomplete``; one small all-reduce (in
     place of a barrier) tells every rank whether it could, whether any rank's structure is new
     (sets ``record.new_structure``: validating and re-planning are collectives, so all ranks must
     decide alike), whether any rank must validate its sharding (``validate``, default
-    ``new_structure``; sets ``record.validate``) and whether any rank holds a plain tensor
-    (``plain``): each fails the save on every rank before anything is staged."""
+    ``new_structure``; sets ``record.validate``), whether any rank holds a plain tensor
+    (``plain``) and whether any rank could not stage (``staging_error``: its staging buffers
+    could not be allocated): each fails the save on every rank before anything is staged."""
     workdir = incomplete_name(record.root, record.iteration)
     plain_large = [(k, t) for k, t in plain if t.numel() > 1]
     error = _make_workdir(record, workdir) if rank() == 0 and not plain_large else None
-    failed, changed, check, bad_rank = group.all_max(
+    failed, changed, check, bad_rank, unstaged = group.all_max(
         [1.0 if error is not None else 0.0, float(new_structure),
          float(new_structure if validate is None else validate),
-         float(rank()) if plain_large else -1.0])
+         float(rank()) if plain_large else -1.0,
+         float(rank()) if staging_error is not None else -1.0])
     record.new_structure = bool(changed)
     record.validate = bool(check)
+    if unstaged >= 0:
+        if rank() == 0 and workdir.exists() and error is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise staging_failed(record.iteration, int(unstaged), staging_error)
     if bad_rank >= 0:
         if rank() == 0 and workdir.exists() and error is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -199,6 +206,20 @@ def open_workdir(record: Any, group: Group, *, new_structure: bool, validate: bo
             f"{cause}. Nothing was written. Fix: point the checkpoint directory (--save) at a "
             "writable directory.") from error
     return workdir
+
+
+def staging_failed(iteration: int, bad_rank: int,
+                   error: BaseException | None) -> CheckpointWriteError:
+    """The error every rank raises when staging failed on ``bad_rank`` (``error``: this rank's
+    own, chained; None on the others)."""
+    cause = f"{type(error).__name__}: {error}" if error is not None else "see that rank's log"
+    failure = CheckpointWriteError(
+        f"checkpoint iteration {iteration}: staging failed on rank {bad_rank} ({cause}). Nothing "
+        "was written; every rank stops this save. Fix: free host or shared memory on that "
+        "rank's node (python -m megatron_ckpt_ext shm list; df /dev/shm), or stage less per "
+        "rank (a smaller model shard, or --ckpt-node-memory-fallback sync).")
+    failure.__cause__ = error
+    return failure
 
 
 def is_committed(root: Path, iteration: int) -> bool:

@@ -162,12 +162,15 @@ class SavePlanner:
         """In ``prepare()``'s allocation thread: (``group`` given) :meth:`validate_ahead` on
         its host group, off the caller's critical path (a load's or a training step's); then
         :meth:`convert_ahead`; then (``group`` given) :meth:`plan_ahead`, reached by every rank
-        whatever the conversions did. Without ``group`` prepare() validated already."""
+        whatever the conversions did. Without ``group`` prepare() validated already.
+        ``staged`` None: the allocation failed on this rank; the collectives still run (every
+        rank must reach them), nothing is converted or planned."""
         try:
             if group is not None:
                 with backend.object_collectives_on(*group):
                     self.validate_ahead(state, Group(group[0], self.options))
-            self.convert_ahead(state, staged)
+            if staged is not None:
+                self.convert_ahead(state, staged)
         finally:
             if group is not None:
                 self.plan_ahead(state, staged, group)
@@ -189,8 +192,8 @@ class SavePlanner:
         group, also = groups
         key, planned = self._validated, None
         ok = False
-        if self.constant and key is not None and (self._strategy is None
-                                                  or self._structure != key):
+        if self.constant and key is not None and staged is not None and (
+                self._strategy is None or self._structure != key):
             planned = strategy.save_strategy(self.options, dp_group=self.dp_group)
             ok = also is None or also[1] is not None  # the exchange's stand-in was made
             if self.replay is not None:  # the second plan below records for the first save

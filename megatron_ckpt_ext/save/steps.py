@@ -14,7 +14,7 @@ from .._runtime import rank
 from ..debug import env_switch
 from ..errors import CheckpointWriteError
 from ..manifest import read_manifest
-from .layout import checkpoint_name, commit_on_disk, open_workdir
+from .layout import checkpoint_name, commit_on_disk, open_workdir, staging_failed
 from .planner import copy_structure
 from .ahead import Ahead, Sources, say_off
 from .stage import stage
@@ -131,8 +131,8 @@ class _SaveSteps:
         if self._planner.constant:  # what prepare() planned ahead is in place before the check
             self._stager.wait_prepared()
         structure = self._planner.key(sharded_state_dict)
-        if self._planner.is_new(structure):
-            self.drop_ahead()
+        if self._planner.is_new(structure) or self._stager.prepare_failure() is not None:
+            self.drop_ahead()  # (a failed prepare(): the open agrees on it, every rank raises)
             return None
         state = copy_structure(sharded_state_dict)
         ahead, self._ahead = self._ahead, None
@@ -156,22 +156,48 @@ class _SaveSteps:
             record.detail["pin_adopted_s"] = pinned
         self._hooks.at("staged", record)
 
+    def _stage_agreed(self, state: Any, record: SaveRecord, before: dict) -> None:
+        """:meth:`_stage` once the directory is open. Where every rank re-plans (an agreed new
+        structure, the first save included: other ranks may have staged before the open), a
+        failure is kept for :meth:`_agree_staged`, so that no rank goes on into planning,
+        whose collectives this rank would never join; otherwise it is raised here."""
+        try:
+            self._stage(state, record, before)
+        except Exception as e:  # noqa: BLE001 - raised by _agree_staged, on every rank alike
+            if not record.new_structure:
+                raise
+            record.extra["staging_error"] = e
+
+    def _agree_staged(self, record: SaveRecord) -> None:
+        """(C, where the structure is new on some rank: every rank re-plans) one all-max:
+        whether any rank could not stage; if so every rank raises, naming it."""
+        error = record.extra.pop("staging_error", None)
+        bad = self._group.all_max([float(rank()) if error is not None else -1.0])[0]
+        if bad < 0:
+            return
+        if error is None:  # this rank's copies land and its buffers go back first
+            self._publisher.wait_staged(record)
+            record.release()
+        raise staging_failed(record.iteration, int(bad), error)
+
     def _open(self, sharded_state_dict: Any, record: SaveRecord, *,
               staged: tuple[Any, tuple | None] | None = None) -> tuple[Any, Path]:
         """(C) Open the save's directory (:func:`open_workdir`); returns the state to save (the
         ``staged`` one when :meth:`_stage_first` staged it) and the directory. Where the open
         fails after staging, the copies land and their buffers go back before it raises."""
+        unstaged = None
         if staged is not None:
             structure = staged[1]
         else:
-            if self._planner.constant:  # what prepare() planned ahead is in place first
-                self._stager.wait_prepared()
+            self._stager.wait_prepared()  # what prepare() planned ahead is in place first
             structure = self._planner.key(sharded_state_dict)
+            unstaged = self._stager.prepare_failure(take=True)  # agreed below: all raise
         new = self._planner.is_new(structure)
         try:
             workdir = open_workdir(record, self._group, new_structure=new,
                                    validate=new and not self._planner.validated(structure),
-                                   plain=backend.plain_tensors(sharded_state_dict))
+                                   plain=backend.plain_tensors(sharded_state_dict),
+                                   staging_error=unstaged)
         except BaseException:
             if staged is not None:
                 self._publisher.wait_staged(record)
@@ -194,6 +220,8 @@ class _SaveSteps:
         runs while their copies are in flight, and the writer need not clone this save's copies
         again; where it does clone (``MCX_KEEP_WRITER_CLONES=1``) the copies land first. Its
         collectives run on the host (:func:`run_agreed`), so none waits behind those copies."""
+        if record.new_structure:
+            self._agree_staged(record)
         snapshots = record.held.snapshots
         strategy = self._planner.strategy()
         replay = None if record.new_structure else self._planner.replay

@@ -43,10 +43,15 @@ class Stager(Protocol):
                 then: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         """Allocate buffers for ``tensors`` ahead of the first save; then call ``then`` with
         them, in the order of ``tensors`` (in the background thread with ``background``), where
-        the stager has buffers. An error of ``then`` is logged, never raised."""
+        the stager has buffers, or with None where the allocation failed (``then`` may run
+        collectives: every rank reaches it). An error of ``then`` is logged, never raised."""
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Until a background :meth:`prepare` is done (at most ``timeout_s``); whether it is."""
+
+    def prepare_failure(self, *, take: bool = False) -> BaseException | None:
+        """The error of a background :meth:`prepare` that the next :meth:`stage` would raise
+        (``take``: cleared, so that stage allocates again), or None."""
 
     def stage(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
               wait: bool = True) -> StagedBatch:

@@ -26,6 +26,9 @@ class InPlaceStager:
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         return True
 
+    def prepare_failure(self, *, take: bool = False) -> BaseException | None:
+        return None
+
     def stage(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[str] | None = None,
               wait: bool = True) -> StagedBatch:
         return StagedBatch(list(tensors), _nbytes(tensors), 0.0)

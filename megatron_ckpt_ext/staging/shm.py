@@ -246,21 +246,23 @@ class ShmStager(_Sealing, _CopyStreams):
                 self._prepare_locked(specs)
         except BaseException as e:  # re-raised by the next stage()/prepare()
             self._prepare_error = e
-            return
         finally:
             self.stats["prepare_s"] += time.perf_counter() - t0
-        self._then(specs, then)
+        self._then(specs, then, failed=self._prepare_error is not None)
 
-    def _then(self, specs: list[_Spec], then: Callable[[list[torch.Tensor]], None] | None) -> None:
+    def _then(self, specs: list[_Spec], then: Callable[[list[torch.Tensor]], None] | None, *,
+              failed: bool = False) -> None:
         """``then`` with the prepared set's tensors (before any save can take the set: a
-        stage() waits for the background prepare, this included)."""
+        stage() waits for the background prepare, this included), or with None where the
+        allocation ``failed`` or no set fits: ``then`` runs collectives, which every rank must
+        reach, whatever its allocation did."""
         if then is None:
             return
-        with self._lock:
-            chosen = next((s for s in self._sets if not s.in_flight and s.fits(specs)), None)
-            buffers = [chosen.buffers[s].tensor for s in specs] if chosen is not None else None
-        if buffers is None:
-            return
+        buffers = None
+        if not failed:
+            with self._lock:
+                chosen = next((s for s in self._sets if not s.in_flight and s.fits(specs)), None)
+                buffers = [chosen.buffers[s].tensor for s in specs] if chosen is not None else None
         try:
             then(buffers)
         except Exception as e:  # noqa: BLE001 - an optimisation of the first save, never fatal
@@ -278,6 +280,12 @@ class ShmStager(_Sealing, _CopyStreams):
                 return False
             self._prepare_thread = None
         return True
+
+    def prepare_failure(self, *, take: bool = False) -> BaseException | None:
+        error = self._prepare_error
+        if take:
+            self._prepare_error = None
+        return error
 
     def _join_prepare(self) -> None:
         self.wait_prepared()

@@ -58,3 +58,38 @@ def dead_worker_under_warn(rank: int, world: int, root: str) -> None:
         like = {k: torch.zeros_like(v) for k, v in _state(rank, 0).items()}
         got = ck.load(sharded(rank, world, like), rootp, iteration=2)
     assert torch.equal(got["w"], _state(rank, 2)["w"]), rank
+
+
+def staging_fails_on_the_last_rank(rank: int, world: int, root: str, where: str) -> None:
+    """The staging buffers cannot be allocated on the last rank only (as /dev/shm full on one
+    node), in prepare()'s background thread (``where`` "prepare") or in the first save's own
+    staging ("stage"): no rank may hang; every rank's first save raises CheckpointWriteError
+    naming that rank, and nothing is committed."""
+    from megatron_ckpt_ext.errors import CheckpointWriteError
+    from megatron_ckpt_ext.staging.shm import ShmStager
+
+    options = {**WARN_PERSISTENT, "ckpt_failure_policy": "raise"}
+    name = "_prepare_locked" if where == "prepare" else "_acquire"
+    real = getattr(ShmStager, name)
+    if rank == world - 1:
+        def full(self, specs, **kwargs):
+            raise OSError(28, "No space left on device (test: /dev/shm full on this node)")
+
+        setattr(ShmStager, name, full)
+    rootp = Path(root)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        if where == "prepare":
+            ck.prepare(sharded(rank, world, _state(rank, 1)))
+        try:
+            ck.save(sharded(rank, world, _state(rank, 1)), rootp, iteration=1)
+            ck.maybe_finalize(blocking=True)
+        except CheckpointWriteError as e:
+            assert f"staging failed on rank {world - 1}" in str(e), str(e)
+        else:
+            raise AssertionError(f"rank {rank}: the save went on")
+        finally:
+            setattr(ShmStager, name, real)
+        assert read_tracker(rootp) is None
+        ck.save(sharded(rank, world, _state(rank, 2)), rootp, iteration=2)  # room again
+        ck.maybe_finalize(blocking=True)
+        assert read_tracker(rootp) == 2

@@ -84,3 +84,14 @@ def test_a_dead_persistent_writer_is_replaced_under_warn_and_the_next_save_commi
     save is served by a new writer and commits on every rank (not a hang, not an error)."""
     run_ranks(gw.dead_worker_under_warn, world_size=world(), timeout=75, args=(str(tmp_path),))
     assert (tmp_path / "iter_0000002").is_dir()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["prepare", "stage"])
+def test_a_staging_allocation_that_fails_on_one_rank_hangs_no_rank(tmp_path, where):
+    """The staging allocation fails on the last rank only, in prepare()'s background thread or
+    in the first save's staging: the other ranks' collectives do not wait for it (prepare()'s
+    validation and planning ahead, the save's planning), the save fails on every rank naming
+    that rank, within the test's limit instead of a timeout, and the next save commits."""
+    run_ranks(gw.staging_fails_on_the_last_rank, args=(str(tmp_path / "ckpt"), where),
+              timeout=120)
