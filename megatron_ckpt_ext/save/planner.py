@@ -40,7 +40,7 @@ class SavePlanner:
         # the request megatron-core planned for this structure, replayed by steady saves
         self.replay = backend.SaveReplay() if self.constant else None
         self._validated: tuple | None = None  # the structure prepare() validated
-        self._digest: tuple | None = None  # (structure, its digest, its objects) for the seal
+        self._digest: tuple | None = None  # (digest, objects) of _structure, for the seal
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
         # the caller's preprocessing of the common state before megatron-core compares it across
         # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
@@ -77,6 +77,7 @@ class SavePlanner:
             self._strategy = strategy.save_strategy(self.options, dp_group=self.dp_group)
             record.new_structure = True  # (the conversions' own keys hold their inputs)
             self.replay.clear()  # recorded with the old strategy
+            self._digest = None  # (digest(): made again once, for the new structure)
         self._structure = key
 
     def strategy(self) -> Any:
@@ -117,10 +118,9 @@ class SavePlanner:
         """:func:`structure_digest` of the structure the kept strategy is for (after
         :meth:`use`) and its items that are not ShardedTensors (:func:`structure_objects`): a
         save's seal names them, for a restart to match (and to say what differs)."""
-        if self._digest is None or self._digest[0] != self._structure:  # (equal: cheap)
-            self._digest = (self._structure, structure_digest(self._structure),
-                            structure_objects(self._structure))
-        return self._digest[1], self._digest[2]
+        if self._digest is None:  # (a steady save reuses it: no walk of its structure)
+            self._digest = (structure_digest(self._structure), structure_objects(self._structure))
+        return self._digest
 
     def validated(self, key: tuple | None) -> bool:
         """Whether prepare() validated this rank's structure ``key`` already."""
@@ -214,7 +214,7 @@ class SavePlanner:
                             "every rank (each rank's reason at DEBUG); it plans itself")
             self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
         if ok:
-            self._strategy, self._structure = planned, key
+            self._strategy, self._structure, self._digest = planned, key, None
         elif planned is not None and self.replay is not None:
             self.replay.clear()  # (what it recorded, if anything, is of a strategy not kept)
         return ok
@@ -239,7 +239,7 @@ class SavePlanner:
                         validate_access_integrity=False)
 
     def reset(self) -> None:
-        self._strategy = self._structure = self._validated = None
+        self._strategy = self._structure = self._validated = self._digest = None
         if self.conversions is not None:
             self.conversions.clear()
         if self.replay is not None:

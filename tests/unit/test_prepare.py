@@ -274,3 +274,19 @@ def test_a_save_right_after_prepare_waits_for_the_plan_made_ahead(one_rank_group
         detail = ck.reports[0]["stage_detail"]
     assert ahead > 0 and "planned_ahead_s" in detail, detail
     assert detail["prepare_wait_s"] >= 0.3, detail
+
+
+def test_the_seal_names_the_structure_of_the_latest_save(one_rank_group):
+    """SavePlanner.digest(), which a save's seal names (a restore that matches it skips the
+    sharding validation), follows the structure: made again when a save's structure is new,
+    kept while it holds."""
+    from types import SimpleNamespace
+
+    from megatron_ckpt_ext.save.planner import SavePlanner, structure_digest
+
+    planner = SavePlanner(CkptOptions(ckpt_assume_constant_structure=True))
+    one = planner.key(_stacked_state({"w": [torch.randn(4, 6) for _ in range(3)]}))
+    two = planner.key(_stacked_state({"w": [torch.randn(4, 7) for _ in range(3)]}))
+    for key, new in ((one, True), (one, False), (two, True), (two, False)):
+        planner.use(key, SimpleNamespace(new_structure=new))
+        assert planner.digest()[0] == structure_digest(key)
