@@ -1,6 +1,10 @@
 """A probe, not part of the package: with MCX_REST_PROBE=<file> on PYTHONPATH (profile_restart.sh
 REST_PROBE=1), times megatron-core's steps inside a restore from memory's load of the rest
-(load/memory.py: _load_rest_and_fill) and appends one JSON line per restore to <file>.
+(load/memory.py: _load_rest_and_fill) and appends one JSON line per restore to <file>; and
+times the steps of Megatron-LM's whole load_checkpoint (what its load-checkpoint timer holds:
+the first look at the common state, the state dict built for the load, our load, the model's
+and the optimizer's load_state_dict, the RNG, the barrier) on the calling thread, one JSON line
+per load_checkpoint ({"megatron_load_checkpoint_s": ..., "steps": [[name, depth, s], ...]}).
 Python 3.12's cProfile follows every thread, so its profile of a restart mixes in the background
 threads' work; these wall-clock timers are taken on the loading thread only."""
 
@@ -96,5 +100,120 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+# Megatron-LM's load_checkpoint: (module, attribute) pairs timed while it runs, nested with depth
+_MLM_TARGETS = [
+    ("megatron.training.checkpointing", "_load_base_checkpoint"),
+    ("megatron.training.checkpointing", "generate_state_dict"),
+    ("megatron.training.checkpointing", "_build_sharded_state_dict_metadata"),
+    ("megatron.training.checkpointing", "checkpoint_exists"),
+    ("megatron.training.checkpointing", "read_metadata"),
+    ("megatron.training.checkpointing", "print_rank_0"),
+    ("megatron.training.checkpointing", "get_rerun_state_machine"),
+    ("megatron.core.dist_checkpointing", "load_content_metadata"),
+    ("megatron.core.dist_checkpointing", "load_common_state_dict"),
+    ("megatron.core.dist_checkpointing", "load"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.load_state_dict"),
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.load_state_dict"),
+    ("megatron.core.optimizer.optimizer", "ChainedOptimizer.load_state_dict"),
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer._restore_common_per_param_step"),
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer._filter_and_reorder_param_groups"),
+    ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.sharded_state_dict"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.sharded_state_dict"),
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.sharded_state_dict"),
+    ("megatron.core.optimizer.optimizer", "ChainedOptimizer.sharded_state_dict"),
+    ("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.load_state_dict"),
+    ("megatron.core.models.gpt.gpt_model", "GPTModel.sharded_state_dict"),
+    ("torch.optim.optimizer", "Optimizer.load_state_dict"),
+    ("torch.nn.modules.module", "Module.load_state_dict"),
+    ("torch.cuda", "set_rng_state"),
+    ("torch.distributed", "barrier"),
+    ("copy", "deepcopy"),
+]
+_mlm = threading.local()
+
+
+def _mlm_timed(name, fn):
+    def wrapper(*args, **kwargs):
+        steps = getattr(_mlm, "steps", None)
+        if steps is None or getattr(_mlm, "in_deepcopy", False):
+            return fn(*args, **kwargs)
+        depth = _mlm.depth
+        _mlm.depth += 1
+        deep = name == "deepcopy"
+        if deep:  # deepcopy recurses: count the outermost call only
+            _mlm.in_deepcopy = True
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _mlm.depth -= 1
+            if deep:
+                _mlm.in_deepcopy = False
+            steps.append((name, depth, round(time.perf_counter() - t, 6)))
+    wrapper._mlm_probe = True
+    return wrapper
+
+
+def _mlm_install():
+    import importlib as il
+    for mod, attr in _MLM_TARGETS:
+        try:
+            m = il.import_module(mod)
+        except Exception:  # noqa: BLE001
+            continue
+        owner, name = m, attr
+        if "." in attr:
+            cls, name = attr.split(".")
+            owner = getattr(m, cls, None)
+        raw = None if owner is None else owner.__dict__.get(name) if isinstance(owner, type) \
+            else getattr(owner, name, None)
+        if raw is None or getattr(getattr(raw, "__func__", raw), "_mlm_probe", False):
+            continue
+        if isinstance(raw, staticmethod):
+            setattr(owner, name, staticmethod(_mlm_timed(attr, raw.__func__)))
+        elif callable(raw):
+            setattr(owner, name, _mlm_timed(attr, raw))
+
+
+def _mlm_patch(training):
+    import megatron.training.checkpointing as ckpt
+    original = ckpt.load_checkpoint
+
+    def load_checkpoint(*args, **kwargs):
+        _mlm_install()
+        _mlm.steps, _mlm.depth, _mlm.in_deepcopy = [], 0, False
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            total = round(time.perf_counter() - t, 6)
+            steps, _mlm.steps = _mlm.steps, None
+            with open(_OUT, "a") as fh:
+                fh.write(json.dumps({"megatron_load_checkpoint_s": total,
+                                     "steps": [s for s in steps if s[2] >= 0.0002 or s[1] == 0]})
+                         + "\n")
+
+    ckpt.load_checkpoint = load_checkpoint
+    if getattr(training, "load_checkpoint", None) is original:
+        training.load_checkpoint = load_checkpoint
+
+
+class _MlmFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "megatron.training.training":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _mlm_patch(module)
+        loader.exec_module = exec_module
+        return spec
+
+
 if _OUT:
     sys.meta_path.insert(0, _Finder())
+    sys.meta_path.insert(0, _MlmFinder())
