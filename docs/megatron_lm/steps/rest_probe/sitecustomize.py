@@ -130,6 +130,47 @@ _MLM_TARGETS = [
     ("copy", "deepcopy"),
 ]
 _mlm = threading.local()
+_STACK: list = []  # the loading thread's open steps, read by the sampler
+_SAMPLE_S = 0.002
+
+
+def _sampler(stop, counts, main_ident):
+    """Every _SAMPLE_S while a load_checkpoint runs: what each other thread is in (its innermost
+    frame), keyed by the loading thread's innermost open step: which background work overlaps
+    which of Megatron's steps."""
+    import os.path
+    while not stop.wait(_SAMPLE_S):
+        step = _STACK[-1] if _STACK else "(none)"
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident in (main_ident, threading.get_ident()):
+                continue
+            code = frame.f_code
+            key = f"{step} | {names.get(ident, ident)} | {code.co_name} " \
+                  f"({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+            counts[key] = counts.get(key, 0) + 1
+
+
+def _gc_totals(gcs):
+    """[step, generation, collections, seconds] per step and generation."""
+    out = {}
+    for step, generation, seconds in gcs:
+        n, total = out.get((step, generation), (0, 0.0))
+        out[(step, generation)] = (n + 1, total + seconds)
+    return [[k[0], k[1], n, round(total, 6)] for k, (n, total) in out.items()]
+
+
+def _gc_callback(gcs):
+    def callback(phase, info):
+        if getattr(_mlm, "steps", None) is None:
+            return
+        if phase == "start":
+            _mlm.gc_t = time.perf_counter()
+        elif getattr(_mlm, "gc_t", None) is not None:
+            step = _STACK[-1] if _STACK else "(none)"
+            gcs.append((step, info.get("generation"), round(time.perf_counter() - _mlm.gc_t, 6)))
+            _mlm.gc_t = None
+    return callback
 
 
 def _mlm_timed(name, fn):
@@ -142,10 +183,12 @@ def _mlm_timed(name, fn):
         deep = name == "deepcopy"
         if deep:  # deepcopy recurses: count the outermost call only
             _mlm.in_deepcopy = True
+        _STACK.append(name)
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            _STACK.pop()
             _mlm.depth -= 1
             if deep:
                 _mlm.in_deepcopy = False
@@ -180,18 +223,30 @@ def _mlm_patch(training):
     original = ckpt.load_checkpoint
 
     def load_checkpoint(*args, **kwargs):
+        import gc
         _mlm_install()
         _mlm.steps, _mlm.depth, _mlm.in_deepcopy = [], 0, False
+        counts, gcs, stop = {}, [], threading.Event()
+        callback = _gc_callback(gcs)
+        gc.callbacks.append(callback)
+        sampler = threading.Thread(target=_sampler, args=(stop, counts, threading.get_ident()),
+                                   name="probe-sampler", daemon=True)
+        sampler.start()
         t = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             total = round(time.perf_counter() - t, 6)
+            stop.set()
+            sampler.join()
+            gc.callbacks.remove(callback)
             steps, _mlm.steps = _mlm.steps, None
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:40]
             with open(_OUT, "a") as fh:
                 fh.write(json.dumps({"megatron_load_checkpoint_s": total,
-                                     "steps": [s for s in steps if s[2] >= 0.0002 or s[1] == 0]})
-                         + "\n")
+                                     "steps": [s for s in steps if s[2] >= 0.0002 or s[1] == 0],
+                                     "gc": _gc_totals(gcs), "sample_s": _SAMPLE_S,
+                                     "other_threads": top}) + "\n")
 
     ckpt.load_checkpoint = load_checkpoint
     if getattr(training, "load_checkpoint", None) is original:
