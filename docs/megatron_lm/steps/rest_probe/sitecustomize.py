@@ -174,6 +174,9 @@ def _gc_callback(gcs):
 
 
 def _mlm_timed(name, fn):
+    import functools
+
+    @functools.wraps(fn)  # inspect.signature sees fn's: the launcher feature-detects with it
     def wrapper(*args, **kwargs):
         steps = getattr(_mlm, "steps", None)
         if steps is None or getattr(_mlm, "in_deepcopy", False):
