@@ -7,11 +7,13 @@
 * the planner (``save/planner.py``) keeps megatron-core's save strategy while the structure holds;
 * the write path (``save/write_path.py``) changes megatron-core's request in one ordered list;
 * the writer pool (``save/writers.py``) runs it and agrees over ranks on the writers' state;
-* the layout (``save/layout.py``) writes under ``iter_N.incomplete`` and commits (rank 0 renames
-  it ``iter_N``, then rewrites the tracker: a crash before leaves the previous one the latest);
+* the layout (``save/layout.py``) writes under ``iter_N.incomplete`` and commits: rank 0 renames
+  it to ``iter_N`` and rewrites the tracker atomically; a crash before that leaves the previous
+  checkpoint the latest;
 * the report (``save/report.py``) and the load path (``load/``).
 
-The steps of :meth:`save` after staging and the failure policy live in ``save/steps.py``.
+The steps of :meth:`Checkpointer.save` after staging (plan, hand over, commit) and the failure
+policy are methods of the class, kept in ``save/steps.py``.
 
 Tests and harnesses act on a save through :class:`~megatron_ckpt_ext.hooks.SaveHooks`.
 """
@@ -31,7 +33,6 @@ from .debug import env_switch, profiled
 from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
-from .load.after import after_load
 from .load.loader import Loader
 from .load.memory import (discard_snapshot, release_warm_restore, restore_from_memory,
                           tensor_layout, warm_restore)
@@ -201,7 +202,8 @@ class Checkpointer(_SaveSteps):
         return self._stager.wait_prepared(timeout_s)
 
     def staging_stats(self) -> dict:
-        """A copy of the stager's counters (``stages``, ``allocations``, ...; may be empty)."""
+        """A copy of the stager's counters (``stages``, ``allocations``, ``bytes_allocated``,
+        ...; empty where saves stage nothing)."""
         return dict(getattr(self._stager, "stats", None) or {})
 
     @property
@@ -341,8 +343,9 @@ class Checkpointer(_SaveSteps):
         with an integrity manifest is verified while it loads (``--no-ckpt-verify-load`` skips
         it): a mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors
         may hold the bad values then), or with ``--ckpt-load-fallback`` loads the newest older
-        checkpoint that verifies. With cpu-shm staging, the first save's buffers are then
-        prepared in the background (:meth:`prepare`; after the caller's load: load/after.py)."""
+        checkpoint that verifies. With cpu-shm staging, the buffers for the loaded structure are
+        then allocated in the background (:meth:`prepare`), so the first save after a resume
+        stages like a steady one."""
         self._check_open()
         record = LoadRecord(root=Path(checkpoint_dir))
         read: dict = {}  # the .metadata locate() unpickled, for the load: read once per rank
@@ -362,7 +365,7 @@ class Checkpointer(_SaveSteps):
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, work, path, record, self._group, load_strategy=
                                         load_strategy, proven=self._planner.validated_by_seal)
-            after_load(lambda: release_warm_restore(background=True), always=True)  # taken or not
+            release_warm_restore(background=True)  # taken by the restore, or unused: it goes
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)
         elif self._cpu_shm:  # a snapshot an earlier run left will not be adopted: free it
@@ -371,19 +374,16 @@ class Checkpointer(_SaveSteps):
             loader = Loader(self.options, self._group, load_strategy=load_strategy)
             state = loader.load(work, path, record, explicit=iteration is not None,
                                 metadata=read.get(str(path)))
+        # The first save after a resume stages into buffers allocated meanwhile, as a steady one
+        # does (a no-op where they exist, such as an adopted snapshot). Every rank calls it: its
+        # first call is the collective node admission, whatever this rank holds.
+        self.prepare(sharded_state_dict)
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)
-        after_load(lambda: self._after_load(sharded_state_dict))  # now, or after the caller's load
+        if hasattr(self._stager, "pin_adopted"):  # an adopted snapshot, staged into by the next
+            self._stager.pin_adopted()  # save: pinned in the background, after the load
         return state
-
-    def _after_load(self, sharded_state_dict: Any) -> None:
-        """The first save after a resume stages into buffers allocated meanwhile (an adopted
-        snapshot's: pinned meanwhile). Every rank calls it: first, the node admission."""
-        if not self._closed:
-            self.prepare(sharded_state_dict)
-            if hasattr(self._stager, "pin_adopted"):
-                self._stager.pin_adopted()
 
     def close(self, *, after_error: bool = False) -> None:
         """Drain pending saves, stop the worker, free staging buffers. Idempotent.

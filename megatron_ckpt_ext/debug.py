@@ -55,10 +55,6 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_GC_IN_SAVE", "0",
               "1: Python's cyclic collector may run inside a save (by default it is paused "
               "while save() blocks and catches up after)"),
-    EnvSwitch("MCX_BACKGROUND_IN_LOAD", "0",
-              "1: the background work a load leaves (the first save's staging and planning, "
-              "pinning an adopted snapshot) starts inside Megatron-LM's load_checkpoint, not "
-              "after it (load/after.py)"),
     EnvSwitch("MCX_STAGE_AHEAD", "1",
               "0: the launcher issues no copies on entry to Megatron-LM's save_checkpoint; each "
               "save stages once its state dict is built (save/ahead.py)"),

@@ -45,7 +45,6 @@ from ._runtime import rank
 from .arguments import add_arguments
 from .debug import env_switch, profiled, trace_event, trace_gc
 from .errors import BackendUnavailable, MegatronAdapterError
-from .load.after import deferred
 from .options import CkptOptions
 from .save.report import gc_pauses
 
@@ -211,18 +210,6 @@ def _profiled_load_checkpoint(folder: str, original: Callable[..., Any]) -> Call
     return load_checkpoint
 
 
-def _deferring_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron's ``load_checkpoint`` with the background work our load leaves (the first
-    save's staging and planning, pinning an adopted snapshot) started when it returns: the
-    model's and optimizer's ``load_state_dict`` after our load run without it (load/after.py)."""
-    @functools.wraps(original)
-    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        with deferred():
-            return original(*args, **kwargs)
-
-    return load_checkpoint
-
-
 def _around_save_checkpoint(original: Callable[..., Any], *,
                             pause_gc: bool) -> Callable[..., Any]:
     """Megatron's ``save_checkpoint`` with, on entry, the copies of the last save's tensors
@@ -291,11 +278,9 @@ def _apply_patches(modules: dict[str, Any]) -> None:
         replacements["save_checkpoint"] = wrapped
         present.append(("training", "save_checkpoint"))
     load = getattr(modules.get("training"), "load_checkpoint", None)
-    if callable(load):  # the load's background work starts once Megatron's whole load is done
-        replacements["load_checkpoint"] = _deferring_load_checkpoint(load)
-        if env_switch("MCX_PROFILE_LOADS"):
-            replacements["load_checkpoint"] = _profiled_load_checkpoint(
-                env_switch("MCX_PROFILE_LOADS"), replacements["load_checkpoint"])
+    if env_switch("MCX_PROFILE_LOADS") and callable(load):
+        replacements["load_checkpoint"] = _profiled_load_checkpoint(
+            env_switch("MCX_PROFILE_LOADS"), load)
         present.append(("training", "load_checkpoint"))
     for short, name in (*_PATCHES, *present):
         _state.originals[(short, name)] = getattr(modules[short], name)

@@ -519,7 +519,7 @@ def test_profile_saves_also_profiles_megatrons_whole_save_checkpoint(mlm, monkey
 
 def test_profile_loads_profiles_megatrons_load_checkpoint(mlm, monkeypatch, tmp_path):
     """MCX_PROFILE_LOADS: Megatron's load_checkpoint runs under cProfile, its result and
-    arguments passed through; uninstall puts Megatron's own back; unset: not profiled."""
+    arguments passed through; uninstall puts Megatron's own back; unset: not wrapped."""
     def load_checkpoint(model, optimizer, scheduler, **kwargs):
         return (123, kwargs)
 
@@ -527,10 +527,8 @@ def test_profile_loads_profiles_megatrons_load_checkpoint(mlm, monkeypatch, tmp_
     training.load_checkpoint = load_checkpoint
     monkeypatch.delenv("MCX_PROFILE_LOADS", raising=False)
     _install(mlm, async_save=True)
-    assert training.load_checkpoint("m", "o", "s") == (123, {})
-    assert not (tmp_path / "load_profile_rank0.txt").exists()
-    megatron_lm.uninstall()
     assert training.load_checkpoint is load_checkpoint
+    megatron_lm.uninstall()
     monkeypatch.setenv("MCX_PROFILE_LOADS", str(tmp_path))
     _install(mlm, async_save=True)
     assert training.load_checkpoint("m", "o", "s", strict=False) == (123, {"strict": False})
@@ -639,28 +637,3 @@ def test_writer_trace_times_megatrons_whole_save_checkpoint_and_the_collectors_p
     assert {"ahead_s", "sync_after_s", "s"} <= set(windows[0])
     passes = [e for e in events if e["what"] == "gc"]
     assert passes and passes[-1]["generation"] == 2, passes
-
-
-def test_the_loads_background_work_starts_after_megatrons_whole_load_checkpoint(mlm, monkeypatch):
-    """What our load leaves to background threads (the first save's prepare, pinning) waits
-    until Megatron's load_checkpoint, its model and optimizer load_state_dict included, has
-    returned (MCX_BACKGROUND_IN_LOAD=1: started inside it)."""
-    from megatron_ckpt_ext.load.after import after_load
-
-    seen: list = []
-
-    def load_checkpoint(model, optimizer, scheduler, **kwargs):
-        after_load(lambda: seen.append("prepare"))  # as Checkpointer.load() leaves it
-        seen.append("load_state_dict")  # Megatron's own steps after our load
-        return (5, 0)
-
-    training = mlm.mods["training"]
-    training.load_checkpoint = load_checkpoint
-    for switch, order in (("0", ["load_state_dict", "prepare"]),
-                          ("1", ["prepare", "load_state_dict"])):
-        monkeypatch.setenv("MCX_BACKGROUND_IN_LOAD", switch)
-        _install(mlm, async_save=True)
-        seen.clear()
-        assert training.load_checkpoint("m", "o", "s") == (5, 0)
-        assert seen == order, (switch, seen)
-        megatron_lm.uninstall()
