@@ -267,7 +267,8 @@ def _sys_used() -> int:
 @dataclass
 class Peak:
     """Peaks over baseline: ``proc`` = ``tree`` (this process tree's Pss_Anon) + ``shm``
-    (/dev/shm, the host's: ranks of one host each see all of it); ``sys`` the host's."""
+    (/dev/shm, the host's: ranks of one host each see all of it), ``tree`` and ``shm`` its split
+    at the sample where that sum peaked; ``sys`` the host's."""
 
     proc: int = 0
     sys: int = 0
@@ -313,8 +314,9 @@ class HostMemSampler:
         tree, shm, sys_ = self.current()
         with self._lock:
             peak = self._peak
-            peak.proc, peak.sys = max(peak.proc, tree + shm), max(peak.sys, sys_)
-            peak.tree, peak.shm = max(peak.tree, tree), max(peak.shm, shm)
+            if tree + shm >= peak.proc:  # the split of the peak, from one sample
+                peak.proc, peak.tree, peak.shm = tree + shm, tree, shm
+            peak.sys = max(peak.sys, sys_)
 
     def take_peak(self) -> Peak:
         self.sample()

@@ -296,8 +296,12 @@ class ModeRun:
 
 def per_rank_figures(ranks: list[tuple]) -> dict:
     """One save's figures of every rank ((blocking, staged, durable, Peak, host) each): each
-    rank's times, the slowest over the median, and the extra host memory of the fullest node
-    (its ranks' process trees, plus /dev/shm once: every rank of a node sees all of it)."""
+    rank's times, the slowest over the median, and the extra host memory of the fullest node:
+    its ranks' process trees, plus /dev/shm once (every rank of a node sees all of it), each
+    rank's split taken at its own peak. (Adding up each rank's tree peak and /dev/shm's peak
+    taken apart mixed moments: at 8 ranks a tree peaked around the worker's start, before the
+    staging filled /dev/shm, and the first save read up to 1.085x where no sample of any rank,
+    nor the host's own count, held more than at the steady saves.)"""
     nodes: dict[str, list] = {}
     for r in ranks:
         nodes.setdefault(r[4], []).append(r[3])
@@ -307,7 +311,10 @@ def per_rank_figures(ranks: list[tuple]) -> dict:
     return {"per_rank": {"blocking_s": blocking["per_rank"],
                          "staging_done_s": [round(r[1], 6) for r in ranks],
                          "durable_s": [round(r[2], 6) for r in ranks],
-                         "host_extra_bytes": [r[3].proc for r in ranks]},
+                         "host_extra_bytes": [r[3].proc for r in ranks],
+                         # its split at that peak: the rank's process tree (Pss_Anon), /dev/shm
+                         "host_extra_tree_bytes": [r[3].tree for r in ranks],
+                         "host_extra_shm_bytes": [r[3].shm for r in ranks]},
             "blocking_max_over_median": blocking["max_over_median"],
             "host_extra_node_bytes": node_bytes, "node_ranks": node_ranks}
 

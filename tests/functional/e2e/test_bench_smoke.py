@@ -173,6 +173,20 @@ def test_node_memory_counts_dev_shm_once_and_every_ranks_process():
     assert got["blocking_max_over_median"] == round(0.4 / 0.15, 3)
 
 
+def test_a_ranks_memory_split_is_taken_from_the_sample_where_its_total_peaked(monkeypatch):
+    """A tree that peaks before /dev/shm fills (a rank's start-up, then its staging) must not
+    be added to /dev/shm's later peak: the node figure takes each rank's tree and /dev/shm from
+    the one sample where their sum peaked."""
+    samples = iter([(0, 0, 0), (500, 100, 0), (40, 1000, 0), (30, 1000, 0), (30, 1000, 0)])
+    monkeypatch.setattr(bm.HostMemSampler, "current", lambda self: next(samples))
+    monkeypatch.setattr(bm.HostMemSampler, "_loop", lambda self: None)
+    sampler = bm.HostMemSampler(3600)  # the first sample: its baseline
+    for _ in range(3):
+        sampler.sample()
+    peak = sampler.take_peak()  # one more sample, then the peak
+    assert (peak.proc, peak.tree, peak.shm) == (1040, 40, 1000)
+
+
 def test_node_memory_target_compares_the_node_with_its_ranks_staging():
     """8 ranks on a node: each rank's own figure counts all of /dev/shm, so the memory target is
     the node's extra bytes against 8 ranks' staging (1.02x), not one rank's figure against one
