@@ -47,9 +47,31 @@ def _parent_init_owner(owner: type) -> type | None:
     return None
 
 
-@functools.lru_cache(maxsize=256)
 def _accepted_names(fn: Callable[..., Any]) -> frozenset[str] | None:
-    """Keyword names ``fn`` accepts; None when it truly accepts any keyword.
+    """Keyword names ``fn`` accepts; None when it truly accepts any keyword. A bound method is
+    read through its function (minus the parameter its instance fills): the cache below must
+    not be keyed by bound methods, which are made anew at each attribute access and hold their
+    instance (a replayed save's writer with its write buckets, one per save, was kept alive by
+    it: 256 saves' worth in the trainer and in the persistent writer)."""
+    func = getattr(fn, "__func__", None)
+    if inspect.ismethod(fn) and func is not None:
+        names = _accepted_names_cached(func)
+        first = next(iter(_parameter_names(func)), None)
+        return names if names is None or first is None else names - {first}
+    return _accepted_names_cached(fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+@functools.lru_cache(maxsize=256)
+def _accepted_names_cached(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """:func:`_accepted_names` of a function or class (what the cache may hold).
 
     A ``**kwargs`` callee accepts anything only when it does not forward them: an ``__init__``
     that passes ``**kwargs`` to ``super().__init__`` accepts its own names, the names it pops from

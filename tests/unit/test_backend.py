@@ -78,6 +78,42 @@ def test_init_function_resolves_to_its_class():
     assert accepted == {"thread_count": 3}
 
 
+class _Writer:
+    """A per-save object whose bound methods the backend probes (a replayed save's writer)."""
+
+    def __init__(self, payload):
+        self.payload = payload
+
+    def set_up(this, is_coordinator):  # noqa: N805  (the first parameter need not be "self")
+        return is_coordinator
+
+    def set_up_any(self, *args, **kwargs):
+        return kwargs
+
+
+def test_probing_a_bound_method_keeps_no_instance_alive():
+    """A bound method is made anew at each attribute access and holds its instance: probing
+    one must not keep it (the probe's cache once held 256 saves' writers, write buckets and
+    all, in the trainer and in the persistent writer)."""
+    import gc
+    import weakref
+
+    from megatron_ckpt_ext.backend.introspect import _takes
+
+    alive = []
+    for _ in range(5):
+        writer = _Writer(payload=list(range(1000)))
+        alive.append(weakref.ref(writer))
+        assert _takes(writer.set_up, "is_coordinator")
+        assert not _takes(writer.set_up, "this")  # the instance fills it: not a keyword
+        assert backend.accepted_kwargs(writer.set_up, {"is_coordinator": 1, "x": 2}) == (
+            {"is_coordinator": 1}, {"x": 2})
+        assert _takes(writer.set_up_any, "anything")  # **kwargs kept as before
+        del writer
+    gc.collect()
+    assert [r() for r in alive] == [None] * 5
+
+
 # -- warn_once / rank -----------------------------------------------------------------------------
 def test_warn_once_logs_once_per_key(caplog):
     caplog.set_level(logging.WARNING, logger="megatron_ckpt_ext._runtime")
