@@ -240,3 +240,38 @@ def test_the_providers_preload_runs_in_the_writer_when_the_save_owns_its_copies(
                                                       is_async=False)) is request
     monkeypatch.setenv("MCX_KEEP_PRELOAD", "1")
     assert write_path.preload_in_writer(request, _ctx(CkptOptions(), stager=_OwnCopies())) is request
+
+
+def test_a_persistent_writers_write_collects_the_garbage_it_left(monkeypatch):
+    """The persistent worker's loop keeps Python's collector off for its whole life (nvrx 0.4
+    never collects): its write is followed by a collection there, once the write returned; not
+    where the collector runs (the trainer), nor for a writer that exits after one save."""
+    import gc
+
+    R = collections.namedtuple("R", "async_fn async_fn_args preload_fn")
+    collected: list = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append("collect") or 0)
+    request = R(async_fn=lambda x: collected.append(("write", x)), async_fn_args=[1],
+                preload_fn=None)
+    wrapped = write_path.collected_in_worker(request, _ctx(CkptOptions(), persistent=True))
+    was = gc.isenabled()
+    gc.disable()  # as in the worker's loop
+    try:
+        wrapped.async_fn(7)
+    finally:
+        if was:
+            gc.enable()
+    assert collected == [("write", 7), "collect"]
+    collected.clear()
+    gc.enable()
+    try:
+        wrapped.async_fn(8)  # the collector runs here: nothing to add
+    finally:
+        if not was:
+            gc.disable()
+    assert collected == [("write", 8)]
+    for ctx in (_ctx(CkptOptions()), _ctx(CkptOptions(), is_async=False, persistent=True)):
+        assert write_path.collected_in_worker(request, ctx) is request
+    steps = write_path.TRANSFORMS  # outermost but the provider's shape: after the whole write
+    assert steps.index(write_path.gated) < steps.index(write_path.collected_in_worker) \
+        < steps.index(write_path.provider_shaped)
