@@ -66,6 +66,18 @@ def trial_state(iteration: int, rank: int) -> dict[str, torch.Tensor]:
     return {k: v.to(device()) for k, v in state.items()}
 
 
+SOAK_PARAMS = 400  # the soak's state: as many small tensors as a 134M GPT's (growth per tensor)
+
+
+def soak_state(iteration: int, rank: int) -> dict[str, torch.Tensor]:
+    """:func:`trial_state` plus ``SOAK_PARAMS`` small tensors (256 B each): what leaks per tensor
+    and save (a writer's uncollected garbage, ~5.6 KB a tensor, once) shows within a short soak."""
+    state = trial_state(iteration, rank)
+    g = torch.Generator().manual_seed(7 * iteration + rank)
+    many = torch.randn(SOAK_PARAMS, 64, generator=g).to(device())
+    return {**state, **{f"p{i:03d}": many[i].clone() for i in range(SOAK_PARAMS)}}
+
+
 def options_for(mode: str, **extra: Any) -> CkptOptions:
     return CkptOptions(**{**MODES[mode], **extra})
 
@@ -269,16 +281,17 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
 
 def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: range, now: dict,
               *, hold_before_save: bool = False, kill_iter: int = -1, marker_dir: str = "",
-              step_s: float = 0.0, progress: Callable[[str, int], None] | None = None) -> None:
+              step_s: float = 0.0, progress: Callable[[str, int], None] | None = None,
+              state_fn: Callable[[int, int], dict] = trial_state) -> None:
     """One save per iteration; with ``step_s`` a training step of that long after each (half
     before a commit check, half after: the committed save is sealed meanwhile), so that kills
     also land between saves, where a sealed memory snapshot exists. ``progress(where, it)`` is
     told each step of the loop."""
     say = progress or (lambda where, it: None)
-    live = trial_state(0, rank)
+    live = state_fn(0, rank)
     for it in iterations:
         now["it"] = it
-        for k, v in trial_state(it, rank).items():
+        for k, v in state_fn(it, rank).items():
             live[k].copy_(v)  # same storage every step (constant structure)
         if hold_before_save and it == kill_iter:
             _hold(marker_dir, "before_save", rank)
@@ -444,9 +457,10 @@ def _inject(ck: Checkpointer, harness: Harness, how: str, marker: Path) -> None:
 # -- soak -----------------------------------------------------------------------------------------
 def soak(rank: int, world: int, root: str, mode: str, saves: int, out: str,
          sample_every: int = 10, verify_every: int = 20) -> None:
-    """``saves`` async saves of a constant structure; every ``sample_every`` saves (after a
-    blocking finalize) sample RSS, our /dev/shm bytes, open fds and child processes; every
-    ``verify_every`` saves load that checkpoint back bit-exact; older checkpoints are deleted."""
+    """``saves`` async saves of a constant structure (:func:`soak_state`: 400 small tensors
+    besides the trial state); every ``sample_every`` saves (after a blocking finalize) sample
+    RSS, our /dev/shm bytes, open fds and child processes; every ``verify_every`` saves then load
+    that checkpoint back bit-exact; older checkpoints are deleted."""
     import psutil
 
     rootp, me = Path(root), psutil.Process()
@@ -454,23 +468,23 @@ def soak(rank: int, world: int, root: str, mode: str, saves: int, out: str,
     samples, verified, mismatched = [], [], []
     now = {"it": 0}
     with Checkpointer(options_for(mode), job_id=job) as ck:
-        live = trial_state(0, rank)
+        live = soak_state(0, rank)
         ck.prepare(sharded(rank, world, live))
         for it in range(1, saves + 1):
-            run_saves(ck, rank, world, rootp, range(it, it + 1), now)
+            run_saves(ck, rank, world, rootp, range(it, it + 1), now, state_fn=soak_state)
             if it % sample_every and it % verify_every:
                 continue
             ck.maybe_finalize(blocking=True)
+            if it % sample_every == 0:  # before a load: its files and threads may still close
+                samples.append(_sample(me, job, rank, it))
             if it % verify_every == 0:
-                like = {k: torch.zeros_like(v) for k, v in trial_state(0, rank).items()}
+                like = {k: torch.zeros_like(v) for k, v in soak_state(0, rank).items()}
                 got = ck.load(sharded(rank, world, like), rootp, iteration=it)
-                same = all(torch.equal(got[k], v) for k, v in trial_state(it, rank).items())
+                same = all(torch.equal(got[k], v) for k, v in soak_state(it, rank).items())
                 (verified if same else mismatched).append(it)
             torch.distributed.barrier()
             if rank == 0:
                 prune(rootp, it)
-            if it % sample_every == 0:
-                samples.append(_sample(me, job, rank, it))
     _write_json(Path(out, f"soak_r{rank}.json"), {"samples": samples, "verified": verified,
                                                    "mismatched": mismatched})
 
