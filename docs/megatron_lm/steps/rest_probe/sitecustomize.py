@@ -51,9 +51,10 @@ def _timed(name, fn):
     return wrapper
 
 
-def _install():
+def _owners(targets):
+    """(owner, attribute name, "module attribute" label) of each importable target."""
     import importlib as il
-    for mod, attr in _TARGETS:
+    for mod, attr in targets:
         try:
             m = il.import_module(mod)
         except Exception:  # noqa: BLE001
@@ -62,7 +63,13 @@ def _install():
         if "." in attr:
             cls, name = attr.split(".")
             owner = getattr(m, cls, None)
-        if owner is not None and callable(getattr(owner, name, None)):
+        if owner is not None:
+            yield owner, name, attr
+
+
+def _install():
+    for owner, name, attr in _owners(_TARGETS):
+        if callable(getattr(owner, name, None)):
             setattr(owner, name, _timed(attr, getattr(owner, name)))
 
 
@@ -85,17 +92,22 @@ def _patch(memory):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` once the module named ``target`` has been executed."""
+
+    def __init__(self, target, patch):
+        self.target, self.patch = target, patch
+
     def find_spec(self, name, path, target=None):
-        if name != "megatron_ckpt_ext.load.memory":
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         loader = spec.loader
-        run = loader.exec_module
+        run, patch = loader.exec_module, self.patch
 
         def exec_module(module):
             run(module)
-            _patch(module)
+            patch(module)
         loader.exec_module = exec_module
         return spec
 
@@ -201,18 +213,8 @@ def _mlm_timed(name, fn):
 
 
 def _mlm_install():
-    import importlib as il
-    for mod, attr in _MLM_TARGETS:
-        try:
-            m = il.import_module(mod)
-        except Exception:  # noqa: BLE001
-            continue
-        owner, name = m, attr
-        if "." in attr:
-            cls, name = attr.split(".")
-            owner = getattr(m, cls, None)
-        raw = None if owner is None else owner.__dict__.get(name) if isinstance(owner, type) \
-            else getattr(owner, name, None)
+    for owner, name, attr in _owners(_MLM_TARGETS):
+        raw = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if raw is None or getattr(getattr(raw, "__func__", raw), "_mlm_probe", False):
             continue
         if isinstance(raw, staticmethod):
@@ -256,22 +258,6 @@ def _mlm_patch(training):
         training.load_checkpoint = load_checkpoint
 
 
-class _MlmFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "megatron.training.training":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        loader = spec.loader
-        run = loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _mlm_patch(module)
-        loader.exec_module = exec_module
-        return spec
-
-
 if _OUT:
-    sys.meta_path.insert(0, _Finder())
-    sys.meta_path.insert(0, _MlmFinder())
+    sys.meta_path.insert(0, _Finder("megatron_ckpt_ext.load.memory", _patch))
+    sys.meta_path.insert(0, _Finder("megatron.training.training", _mlm_patch))
