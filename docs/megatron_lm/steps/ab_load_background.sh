@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A/B on one GPU (carry .whl .mlm), in one call (ran at 57ce629; the deferral and its switch were
-# taken out after it, docs/notes/megatron_lm.md twelfth session): the restart from memory of MODEL (134m or 1b;
+# A/B on one GPU (carry .whl .mlm), in one call. Ran at 57ce629 only: the deferral and its switch
+# MCX_BACKGROUND_IN_LOAD were taken out after it (docs/notes/megatron_lm.md, twelfth session), so
+# at any later commit both variants run the same code: the restart from memory of MODEL (134m or 1b;
 # scripts/gpu_real_client.sh's kill run, ours only: kill -9 after the committed save at
 # 2*SAVE_EVERY, relaunch, then the warm storage load of a copy of the same checkpoint) with the
 # background work our load leaves started inside Megatron-LM's load_checkpoint
