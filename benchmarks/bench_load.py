@@ -196,6 +196,24 @@ def _sync(state: dict) -> None:
 SOURCES = ("ours", "ours_no_verify", "megatron", "torch_dcp")
 
 
+def device_crc_ready(device: torch.device, since: float, timeout: float = 120.0) -> dict:
+    """Waits (at most ``timeout``) until the device CRC a verifying load sums with is ready
+    (the Checkpointer started building it): the loads then all sum there, as a trainer's do
+    once it is built. Seconds from ``since`` (the first Checkpointer) to ready; ready False
+    where it never is (no CUDA, no Triton, MCX_DEVICE_CRC_TRITON=0: the loads sum on the host)."""
+    from megatron_ckpt_ext import _crc_device
+
+    if device.type != "cuda":
+        return {"ready": False, "why": "no CUDA"}
+    deadline = time.monotonic() + timeout
+    while not _crc_device.warm_up(device):
+        if time.monotonic() > deadline or _crc_device._kernel() is None:
+            return {"ready": False, "why": "no kernel" if _crc_device._kernel() is None
+                    else f"not ready in {timeout} s"}
+        time.sleep(0.02)
+    return {"ready": True, "since_first_checkpointer_s": round(time.perf_counter() - since, 3)}
+
+
 def targets(runs: list[dict], floors: dict) -> dict:
     """Issue 22's ratios from this run: the median over repeats of each (variant, cache); with
     several ranks, the slowest rank against the median one."""
@@ -270,8 +288,10 @@ class LoadBench:
         if rank == 0:
             shutil.rmtree(self.root, ignore_errors=True)
         self.ctl.barrier()
-        with Checkpointer(CkptOptions()) as ck:
+        t = time.perf_counter()
+        with Checkpointer(CkptOptions()) as ck:  # (CUDA) starts building the device CRC
             ck.save(_shards(self.state), self.root, iteration=1)
+        self.device_crc = device_crc_ready(self.device, t)
         self.checkpoint = self.root / "iter_0000001"
         self.on_disk = sum(f.stat().st_size for f in _files(self.checkpoint))
 
@@ -312,6 +332,7 @@ class LoadBench:
             entry["phases"] = out[2]["phases"]  # rank 0's
             entry["direct_items"] = sum(r[2]["direct_items"] for r in ranks)
             entry["stock_items"] = sum(r[2]["stock_items"] for r in ranks)
+            entry["device_summed_bytes"] = sum(r[2].get("device_summed_bytes", 0) for r in ranks)
         if dist.get_rank() == 0:
             print(f"[bench_load] {source:15s} {cache}: {entry['load_s']:.3f} s "
                   f"({self.on_disk / entry['load_s'] / 1e9:.2f} GB/s, slowest rank "
@@ -347,6 +368,7 @@ class LoadBench:
             "floors": {k: max(m[k] for m in measured) if measured[0][k] is not None else None
                        for k in ("h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps")},
             "floor_samples": measured, "runs": runs,
+            "device_crc": self.device_crc,
         }
         out["targets"] = targets(runs, out["floors"])
         return out

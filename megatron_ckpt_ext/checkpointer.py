@@ -13,9 +13,8 @@
 * the report (``save/report.py``) and the load path (``load/``).
 
 The steps of :meth:`Checkpointer.save` after staging (plan, hand over, commit) and the failure
-policy are methods of the class, kept in ``save/steps.py``.
-
-Tests and harnesses act on a save through :class:`~megatron_ckpt_ext.hooks.SaveHooks`.
+policy are methods of the class, kept in ``save/steps.py``; tests and harnesses act on a save
+through :class:`~megatron_ckpt_ext.hooks.SaveHooks`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _cpu_shim, backend, preflight, strategy
+from . import _cpu_shim, _crc_device, backend, preflight, strategy
 from ._runtime import rank
 from .collectives import Group
 from .debug import env_switch, profiled
@@ -105,6 +104,7 @@ class Checkpointer(_SaveSteps):
         self._hooks = chain(hooks or SaveHooks(), writer_trace(rank()))
         self._planner = SavePlanner(options, dp_group=dp_group)
         self._cpu_shim = _cpu_shim.install()
+        _crc_device.warm_up_current(options)  # a verifying load sums on the device: build it now
         self._cpu_shm = cpu_shm
         self.admission: dict | None = None  # the first staging's node admission (preflight)
         self._writers = WriterPool(options, self.caps, self._group, cpu_shm=cpu_shm,

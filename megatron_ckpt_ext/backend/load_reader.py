@@ -38,7 +38,9 @@ class ReadSettings:
     ``direct_read.DEFAULT_CHUNK`` as the load starts); with ``checksums`` the files this rank
     reads whole are summed as the bytes pass, on ``checksum_threads`` (None: as many as reading
     ones, at most this rank's share of the cores), and ``on_planned`` is told those files' names
-    as soon as the reads are planned (before the bytes are read). ``metadata``: {checkpoint
+    as soon as the reads are planned (before the bytes are read); with ``device_checksums`` the
+    bytes copied to a device whose CRC kernel is ready (:mod:`.._crc_device`) are summed there
+    instead, off the host's cores. ``metadata``: {checkpoint
     directory: its DCP ``Metadata``} that the caller has unpickled already (the load's readers
     then do not read that ``.metadata`` again)."""
 
@@ -48,6 +50,7 @@ class ReadSettings:
     checksum_threads: int | None = None
     on_planned: Callable[[set[str]], None] | None = None
     metadata: Mapping[str, Any] | None = None
+    device_checksums: bool = False
 
 
 @dataclass
@@ -57,7 +60,7 @@ class ReadResult:
     (where each item's bytes are) and of the read step, split into file reads and host-to-device
     copies; how many items (and bytes) were read directly, how many the stock way (``why_stock``:
     the first reason); ``file_crcs`` {file: (bytes, crc32)} of the ``planned_files`` summed as
-    read."""
+    read, ``device_summed_bytes`` of them on the device."""
 
     why_not: str | None = None
     metadata_s: float = 0.0
@@ -69,6 +72,7 @@ class ReadResult:
     why_stock: str = ""
     file_crcs: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     planned_files: set[str] = field(default_factory=set)
+    device_summed_bytes: int = 0
 
 
 @contextlib.contextmanager
@@ -138,7 +142,8 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
     settings, result, busy = self._mcx_settings, self._mcx_result, _Busy()
     # as many summing threads as reading ones, at most this rank's share of the cores (more did
     # not help on the H100 host: docs/notes/benchmarks.md, the load's summing threads)
-    sums = _Sums(settings.checksums, settings.checksum_threads, executor=ThreadPoolExecutor)
+    sums = _Sums(settings.checksums, settings.checksum_threads, executor=ThreadPoolExecutor,
+                 on_device=settings.device_checksums)
     tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
     t = time.perf_counter()
     _read_byte_items(self, planner, [r for r in plan.items if r.type == LoadItemType.BYTE_IO],
@@ -184,6 +189,7 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
             raise failed[0]
         _split_read(result, busy, time.perf_counter() - t)
         result.file_crcs.update(sums.file_crcs(files, covered))
+        result.device_summed_bytes += sums.device_bytes
     _commit_direct(planner, plans, direct, result)
     fut: Future = Future()
     fut.set_result(None)
@@ -322,7 +328,13 @@ def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _
         stream = _thread_stream(target.device)
         with torch.cuda.stream(stream):
             flat[a:b].copy_(buf[:n], non_blocking=True)
-        if plan.summed:
+        if sums.on_device(plan, target.device):  # summed where it landed, by the device
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            sums.device_chunk(plan, offset, flat[a:b], copied)
+            stream.synchronize()
+            busy.add("h2d", t)
+        elif plan.summed:
             copied = torch.cuda.Event()
             copied.record(stream)
             sums.chunk(plan, offset, view,

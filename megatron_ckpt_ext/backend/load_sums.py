@@ -7,6 +7,7 @@ below are load_reader's item plan and open files."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -22,10 +23,13 @@ class _Sums:
     headers summed as read, each chunk of a record summed on a summing thread once read."""
 
     def __init__(self, enabled: bool, threads: int, *,
-                 executor: Callable[..., ThreadPoolExecutor] = ThreadPoolExecutor) -> None:
+                 executor: Callable[..., ThreadPoolExecutor] = ThreadPoolExecutor,
+                 on_device: bool = False) -> None:
         self.enabled, self._threads, self._executor = enabled, threads, executor
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list = []
+        self._device = _DeviceSums() if enabled and on_device else None
+        self.device_bytes = 0  # summed on the device
         self._items: dict[str, list[tuple[int, int]]] = {}  # planned whole items per file
         self._pieces: dict[str, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
@@ -69,6 +73,18 @@ class _Sums:
         # if this raises, ``then`` has not run: the caller still holds (and lends back) the chunk
         self._jobs.append(self._pool.submit(self._sum, plan.what, offset, view, then))
 
+    def on_device(self, plan: Any, device: Any) -> bool:
+        """Whether ``plan``'s chunks copied to ``device`` are summed there (:meth:`device_chunk`)
+        rather than on the host: the device CRC is ready on it (``_crc_device.ready``)."""
+        return plan.summed and self._device is not None and self._device.ready(device)
+
+    def device_chunk(self, plan: Any, offset: int, landed: Any, copied: Any) -> None:
+        """Sum ``landed`` (a device tensor's bytes, at ``offset`` of the plan's file) on the
+        device once the event ``copied`` has passed; :meth:`wait` collects the sums."""
+        self._device.put(plan.what, offset, landed, copied)
+        with self._lock:
+            self.device_bytes += landed.numel()
+
     def _sum(self, name: str, offset: int, view: memoryview,
              then: Callable[[], None] | None) -> None:
         try:
@@ -82,7 +98,12 @@ class _Sums:
         try:
             for job in self._jobs:
                 job.result()
+            if self._device is not None:
+                for name, offset, length, crc in self._device.collect():
+                    self._add(name, offset, length, crc)
         finally:
+            if self._device is not None:
+                self._device.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
@@ -128,3 +149,82 @@ def _gaps(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]] | No
     if at > size:
         return None
     return gaps + ([(at, size - at)] if at < size else [])
+
+
+class _DeviceSums:
+    """CRC-32s taken on the device (:mod:`.._crc_device`) by one thread of its own, in the order
+    the chunks landed: the reading threads only record an event and hand the chunk over (kernel
+    launches from many threads would take turns on the GIL)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._ready: dict[str, bool] = {}
+        self._done: list = []  # (name, offset, length, linear crc on the device)
+        self._error: BaseException | None = None
+        self._start_lock = threading.Lock()
+
+    def ready(self, device: Any) -> bool:
+        key = str(device)
+        if key not in self._ready:  # asked once per load: a kernel still compiling is not used
+            from .._crc_device import warm_up
+
+            self._ready[key] = warm_up(device)
+        return self._ready[key]
+
+    def put(self, name: str, offset: int, landed: Any, copied: Any) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, args=(landed.device,),
+                                                daemon=True, name="mcx-sum-device")
+                self._thread.start()
+        self._queue.put((name, offset, landed, copied))
+
+    def _run(self, device: Any) -> None:
+        import torch
+
+        from .._crc_device import DeviceCrc
+
+        stream = None
+        while (job := self._queue.get()) is not None:  # always drained up to its end
+            if self._error is not None:
+                continue
+            try:
+                if stream is None:
+                    crc, stream = DeviceCrc.on(device), torch.cuda.Stream(device=device)
+                name, offset, landed, copied = job
+                stream.wait_event(copied)
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    self._done.append((name, offset, landed.numel(), crc.linear(landed)))
+            except BaseException as e:  # noqa: BLE001 - raised by collect()
+                self._error = e
+        try:
+            if stream is not None:
+                stream.synchronize()
+        except BaseException as e:  # noqa: BLE001
+            self._error = self._error or e
+
+    def collect(self) -> list[tuple[str, int, int, int]]:
+        """Every chunk's (file, offset, bytes, CRC-32), once all are summed (one transfer)."""
+        import torch
+
+        from .._crc_device import finish
+
+        if self._thread is None:
+            return []
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        if not self._done:
+            return []
+        raws = torch.cat([r for *_, r in self._done]).cpu().tolist()
+        return [(name, offset, n, finish(raw & 0xFFFFFFFF, n))
+                for (name, offset, n, _), raw in zip(self._done, raws)]
+
+    def close(self) -> None:
+        if self._thread is not None:  # collect() was not reached (a failed read): end it
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None

@@ -60,7 +60,7 @@ class Loader:
             threads.load_read, checksums=pending is not None and pending.checks,
             checksum_threads=threads.checksum,
             metadata={str(path): metadata} if metadata is not None else None,
-            on_planned=pending.skip if pending is not None else None)
+            on_planned=pending.skip if pending is not None else None, device_checksums=True)
         state, failure, reads = self._read(sharded_state_dict, path, settings, pending)
         if failure is None:
             _note_reads(record, reads)
@@ -162,7 +162,8 @@ def _no_gc_pause():
 def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
     """Split megatron-core's load into the reader's steps; say once why items went stock."""
     record.add_reads(reads.metadata_s, reads.read_s, reads.h2d_s,
-                     direct_items=reads.direct_items, stock_items=reads.stock_items)
+                     direct_items=reads.direct_items, stock_items=reads.stock_items,
+                     device_summed_bytes=reads.device_summed_bytes)
     if reads.stock_items and rank() == 0:
         logger.info("%d of %d checkpoint items were read the stock way (unpickled, then "
                     "copied): %s", reads.stock_items, reads.stock_items + reads.direct_items,

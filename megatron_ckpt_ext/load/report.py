@@ -39,6 +39,7 @@ class LoadRecord:
     phases: dict = field(default_factory=dict)
     direct_items: int = 0  # items read straight into their targets
     stock_items: int = 0  # items read the stock way (unpickled, then copied)
+    device_summed_bytes: int = 0  # verified by the device's CRC where they landed (not the host)
 
     def phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -46,7 +47,7 @@ class LoadRecord:
         return now
 
     def add_reads(self, metadata_s: float, read_s: float, h2d_s: float, *, direct_items: int,
-                  stock_items: int) -> None:
+                  stock_items: int, device_summed_bytes: int = 0) -> None:
         """The reader's steps of megatron-core's load, taken out of its ``other_s``, and how
         many items it read directly and the stock way."""
         for name, seconds in (("metadata_s", metadata_s), ("read_s", read_s), ("h2d_s", h2d_s)):
@@ -54,6 +55,7 @@ class LoadRecord:
             self.phases["other_s"] = self.phases.get("other_s", 0.0) - seconds
         self.direct_items += direct_items
         self.stock_items += stock_items
+        self.device_summed_bytes += device_summed_bytes
 
     def entry(self, group) -> dict:
         """Collective: the report with each figure the slowest rank's."""
@@ -69,6 +71,7 @@ class LoadRecord:
                 "memory_detail": self.memory_detail,
                 "world": group.size(), "direct_items": self.direct_items,
                 "stock_items": self.stock_items,
+                "device_summed_bytes": self.device_summed_bytes,
                 "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}
 
 

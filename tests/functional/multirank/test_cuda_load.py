@@ -59,3 +59,55 @@ def test_cuda_targets_load_bit_exact_in_chunks(tmp_path, monkeypatch, world_of_o
     assert report["phases"]["h2d_s"] > 0 and report["phases"]["read_s"] > 0, report
     for k, v in state.items():
         assert got[k].is_cuda and torch.equal(got[k], v), k
+
+
+def _device_sums_ready(timeout: float = 120.0) -> None:
+    import time
+
+    from megatron_ckpt_ext import _crc_device
+
+    deadline = time.monotonic() + timeout
+    while not _crc_device.warm_up(torch.cuda.current_device()):
+        assert time.monotonic() < deadline, "the device CRC never became ready (Triton?)"
+        time.sleep(0.1)
+
+
+def test_the_device_crc_kernel_gives_zlibs_values():
+    import zlib
+
+    from megatron_ckpt_ext import _crc_device
+
+    _device_sums_ready()
+    host = torch.randint(0, 256, ((9 << 20) + 77,), dtype=torch.uint8)
+    dev = host.cuda()
+    for a, n in ((0, 0), (3, 1), (1, 1023), (7, 1025), (11, 262_145), (5, (9 << 20) + 60)):
+        assert _crc_device.crc32_tensor(dev[a:a + n]) == zlib.crc32(host[a:a + n].numpy()), n
+
+
+def test_a_verifying_load_sums_on_the_device_and_catches_a_flipped_byte(tmp_path, monkeypatch,
+                                                                      world_of_one):
+    from megatron_ckpt_ext.errors import CheckpointIntegrityError
+
+    _device_sums_ready()
+    state = _state()
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, state), tmp_path / "ckpt", iteration=1)
+    monkeypatch.setattr(direct_read, "DEFAULT_CHUNK", 4 << 20)
+    like = {k: torch.empty_like(v) for k, v in state.items()}
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        got = ck.load(sharded(0, 1, like), tmp_path / "ckpt")
+        report = ck.load_reports[-1]
+    assert report["verified"] and report["device_summed_bytes"] > 20_000_000, report
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+    # one byte in the middle of the largest file (inside the 20 MB tensor's record), flipped
+    data = max((p for p in (tmp_path / "ckpt" / "iter_0000001").iterdir() if p.suffix == ".distcp"),
+               key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
+        with pytest.raises(CheckpointIntegrityError, match=data.name):
+            ck.load(sharded(0, 1, like), tmp_path / "ckpt")
