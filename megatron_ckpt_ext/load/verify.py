@@ -55,9 +55,11 @@ def check_manifest(path: Path) -> ManifestCheck:
 class Pending:
     """A check of this rank's share of a checkpoint's files, running on threads.
 
-    With ``defer`` the thread first waits for :meth:`skip` (the files the load's own reads will
-    checksum as they pass, so they are not read twice) or :meth:`release`; those files are then
-    judged by :meth:`check_inline` from the sums the reads made."""
+    With ``defer`` the thread first waits: where the load's own reads plan to checksum files as
+    they pass (:meth:`skip`), until :meth:`settle` has learnt which files every rank's reads
+    summed, so that no file one rank summed is read again by another rank's check (at 8 ranks
+    that second read was half of each rank's bytes); where they do not (:meth:`release`), it
+    checks its whole share at once. Summed files are judged by :meth:`check_inline`."""
 
     def __init__(self, path: Path, manifest: dict | None, names: list[str], workers: int,
                  problems: list[str] | None = None, *, defer: bool = False,
@@ -68,6 +70,7 @@ class Pending:
         self._extra = list(extra or [])  # found before the check (files it does not list)
         self._inline: list[str] = []
         self._skip: set[str] = set()
+        self._planned = False  # the load's reads said what they sum: wait for settle()
         self._go = threading.Event()
         if not defer:
             self._go.set()
@@ -93,11 +96,22 @@ class Pending:
             self._problems = [f"{self.path}: {type(e).__name__}: {e}"]
 
     def skip(self, names: set[str]) -> None:
-        """The load's reads checksum ``names`` themselves: the thread leaves them out."""
+        """The load's reads checksum ``names`` themselves: the thread leaves them out, and waits
+        for :meth:`settle` to leave out what the other ranks' reads summed too."""
         self._skip |= set(names)
-        self._go.set()
+        self._planned = True
 
     def release(self) -> None:
+        """Let the thread check its share now, unless the reads planned sums (it then waits for
+        :meth:`settle`, or :meth:`problems`)."""
+        if not self._planned:
+            self._go.set()
+
+    def settle(self, group: Group) -> None:
+        """Collective, once the load's reads are done: every rank's summed files are left out
+        of every rank's share (each was judged by a rank that summed it), then the thread runs."""
+        summed = group.all_gather(sorted(self._skip))
+        self._skip |= {name for names in summed for name in names}
         self._go.set()
 
     def check_inline(self, sums: dict[str, tuple[int, int | None]], planned: set[str]) -> None:
@@ -124,7 +138,7 @@ class Pending:
                 self._inline.append(f"{self.path}: {type(e).__name__}: {e}")
 
     def problems(self) -> list[str]:
-        self.release()
+        self._go.set()
         if self._thread is not None:
             self._thread.join()
         return self._extra + self._problems + self._inline
@@ -147,7 +161,9 @@ def start(path: Path, group: Group, *, rank: int, workers: int = 8,
 
 
 def agree(pending: Pending, group: Group) -> tuple[bool, list[str]]:
-    """Collective: (whether there is a manifest, every problem any rank found)."""
+    """Collective: (whether there is a manifest, every problem any rank found); first the
+    files no rank's reads summed are checked (:meth:`Pending.settle`)."""
+    pending.settle(group)
     problems = pending.problems()
     if group.all_max([float(len(problems))])[0] == 0:
         return pending.manifest is not None, []

@@ -47,3 +47,20 @@ def load_halves(rank: int, world: int, root: str) -> None:
     for k, v in expected.items():
         n = v.numel() // world
         assert torch.equal(got[k], v[rank * n:(rank + 1) * n]), k
+
+
+def load_reads_no_summed_file_twice(rank: int, world: int, root: str) -> None:
+    """A verifying load where each rank's reads sum its own data file: no rank's check reads a
+    data file again (each was judged by the rank that summed it), the load verifies."""
+    from megatron_ckpt_ext.load import verify
+
+    checked: list[str] = []
+    real = verify.verify_files
+    verify.verify_files = lambda path, m, names, **kw: (checked.extend(names),
+                                                        real(path, m, names, **kw))[1]
+    like = {"w": torch.zeros(1024)}
+    with Checkpointer(CkptOptions(ckpt_load_threads=2)) as ck:
+        got = ck.load(sharded(rank, world, like), root)
+        assert ck.load_reports[-1]["verified"] is True
+    assert torch.equal(got["w"], _state(rank)["w"])
+    assert not [n for n in checked if n.endswith(".distcp")], (rank, checked)

@@ -184,6 +184,15 @@ def test_two_ranks_split_the_verification_and_both_name_the_bad_file(tmp_path):
     run_ranks(iw.load_fails_naming, world_size=2, timeout=120, args=(str(tmp_path), bad.name))
 
 
+def test_no_rank_reads_again_a_file_another_ranks_load_summed(tmp_path):
+    """At 3 ranks, a rank's share of the check (every 3rd of 7 files) holds another rank's data
+    file, which that rank's reads summed as they passed: the check leaves it out (one all-gather
+    of what each rank summed), so no data file is read twice, and the load still verifies."""
+    run_ranks(iw.save_two_ranks, world_size=3, timeout=120, args=(str(tmp_path),))
+    run_ranks(iw.load_reads_no_summed_file_twice, world_size=3, timeout=120,
+              args=(str(tmp_path),))
+
+
 # -- parallel reads (--ckpt-load-threads) ----------------------------------------------------------
 def test_parallel_reads_load_bit_exact_and_reshard(tmp_path):
     """The items are read by the parallel reader (its class is built and used), the values are
