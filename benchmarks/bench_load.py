@@ -156,6 +156,7 @@ def load_ours(root: Path, state: dict, verify: bool, threads: int | None = None,
     if threads is not None:
         options = CkptOptions(ckpt_verify_load=verify, ckpt_load_threads=threads)
     with Checkpointer(options) as ck:
+        ck.prepare_restore(root)  # as the launcher does before a load (the device CRC, built)
         like = _like(state)
         ready()
         t0 = time.perf_counter()
@@ -196,22 +197,24 @@ def _sync(state: dict) -> None:
 SOURCES = ("ours", "ours_no_verify", "megatron", "torch_dcp")
 
 
-def device_crc_ready(device: torch.device, since: float, timeout: float = 120.0) -> dict:
-    """Waits (at most ``timeout``) until the device CRC a verifying load sums with is ready
-    (the Checkpointer started building it): the loads then all sum there, as a trainer's do
-    once it is built. Seconds from ``since`` (the first Checkpointer) to ready; ready False
-    where it never is (no CUDA, no Triton, MCX_DEVICE_CRC_TRITON=0: the loads sum on the host)."""
+def device_crc_ready(device: torch.device, timeout: float = 120.0) -> dict:
+    """Builds the device CRC a verifying load sums with and waits (at most ``timeout``) until it
+    is ready, so that every timed load sums there, as a resumed trainer's does when the
+    launcher's ``prepare_restore`` built it while the model was built. Seconds to ready (a first
+    compile, or Triton's cache); ready False where it never is (no CUDA, no Triton,
+    MCX_DEVICE_CRC_TRITON=0: the loads sum on the host)."""
     from megatron_ckpt_ext import _crc_device
 
     if device.type != "cuda":
         return {"ready": False, "why": "no CUDA"}
+    since = time.perf_counter()
     deadline = time.monotonic() + timeout
     while not _crc_device.warm_up(device):
         if time.monotonic() > deadline or _crc_device._kernel() is None:
             return {"ready": False, "why": "no kernel" if _crc_device._kernel() is None
                     else f"not ready in {timeout} s"}
         time.sleep(0.02)
-    return {"ready": True, "since_first_checkpointer_s": round(time.perf_counter() - since, 3)}
+    return {"ready": True, "ready_s": round(time.perf_counter() - since, 3)}
 
 
 def targets(runs: list[dict], floors: dict) -> dict:
@@ -288,10 +291,9 @@ class LoadBench:
         if rank == 0:
             shutil.rmtree(self.root, ignore_errors=True)
         self.ctl.barrier()
-        t = time.perf_counter()
-        with Checkpointer(CkptOptions()) as ck:  # (CUDA) starts building the device CRC
+        with Checkpointer(CkptOptions()) as ck:
             ck.save(_shards(self.state), self.root, iteration=1)
-        self.device_crc = device_crc_ready(self.device, t)
+        self.device_crc = device_crc_ready(self.device)
         self.checkpoint = self.root / "iter_0000001"
         self.on_disk = sum(f.stat().st_size for f in _files(self.checkpoint))
 

@@ -17,15 +17,18 @@ length is added on the host (:func:`finish`)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any
 
 import numpy as np
 
+from ._runtime import rank, warn_once
+
 __all__ = ["BLOCK", "DeviceCrc", "crc32_tensor", "finish", "ready", "warm_up", "warm_up_current"]
 
-logger = logging.getLogger("megatron_ckpt_ext.load")
+logger = logging.getLogger(__name__)
 
 BLOCK = 1024  # bytes per level-0 block: a 1 MiB table (1024 positions x 256 values x 4 bytes)
 FAN_IN = 256  # values combined per row at the levels above (4 x 256 byte positions: 1 MiB)
@@ -281,12 +284,22 @@ def _warm(device: Any, done: threading.Event) -> None:
             crc._table(BLOCK * FAN_IN)  # pieces up to 16 GiB need no more levels
             got = finish(int(crc.linear(probe).item()), probe.numel())
         if got != _host_crc(probe.cpu()):
-            logger.warning("the device CRC-32 disagrees with zlib's on %s: loads sum on the host",
-                           device)
+            warn_once(f"device-crc:{device}", f"the device CRC-32 disagrees with zlib's on "
+                      f"{device}: verifying loads sum on the host")
             return
+        _trim_heap()  # what the compiler freed goes back to the system
         done.set()
     except Exception as e:  # noqa: BLE001 - the host sums stay
-        logger.info("device CRC-32 not available on %s (%s): loads sum on the host", device, e)
+        if rank() == 0:
+            logger.info("device CRC-32 not available on %s (%s): loads sum on the host",
+                        device, e)
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _host_crc(data: Any) -> int:

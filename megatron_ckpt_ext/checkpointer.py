@@ -104,7 +104,6 @@ class Checkpointer(_SaveSteps):
         self._hooks = chain(hooks or SaveHooks(), writer_trace(rank()))
         self._planner = SavePlanner(options, dp_group=dp_group)
         self._cpu_shim = _cpu_shim.install()
-        _crc_device.warm_up_current(options)  # a verifying load sums on the device: build it now
         self._cpu_shm = cpu_shm
         self.admission: dict | None = None  # the first staging's node admission (preflight)
         self._writers = WriterPool(options, self.caps, self._group, cpu_shm=cpu_shm,
@@ -148,12 +147,13 @@ class Checkpointer(_SaveSteps):
                              background=True, then=ahead)
 
     def prepare_restore(self, checkpoint_dir: str | os.PathLike[str]) -> bool:
-        """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: where
-        this node holds this rank's sealed snapshot of it (the memory tier), background threads
-        map it, sum it against its seal and build the pinned pool the restore copies through,
-        instead of inside the load (docs/MEMORY.md). Whether anything started; the load takes
-        what is of the seal it finds, or releases it unused (as does :meth:`close`)."""
+        """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: the device
+        CRC a verifying load sums with is built (CUDA); where this node holds this rank's sealed
+        snapshot of it (the memory tier), threads map it, sum it against its seal and build the
+        pinned pool the restore copies through (docs/MEMORY.md). Whether that started; the load
+        takes what is of the seal it finds, or releases it unused (as does :meth:`close`)."""
         self._check_open()
+        _crc_device.warm_up_current(self.options)
         return bool(self._memory_tier and warm_restore(
             self._stager, Path(checkpoint_dir), to_device=self.options.ckpt_restore_prefetch))
 
