@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 BLOCK = 1024  # bytes per level-0 block: a 1 MiB table (1024 positions x 256 values x 4 bytes)
 FAN_IN = 256  # values combined per row at the levels above (4 x 256 byte positions: 1 MiB)
 _PIECE = 8 << 20  # level 0 works this many bytes at a time (its int32 temporaries: 8x that)
+_KERNEL_PIECE = 1 << 30  # bytes per kernel launch at level 0 (its offsets are int32)
 _POLY = 0xEDB88320
 
 
@@ -174,8 +175,8 @@ class DeviceCrc:
             row = torch.zeros(BLOCK, dtype=torch.uint8, device=self.device)
             row[BLOCK - head:] = data[:head]
             parts.append(self._reduce(row.view(1, BLOCK), self._t0, self._pos0))
-        # the kernel needs no temporaries: the whole body at once; torch operations in pieces
-        step = n if data.is_cuda and _kernel() is not None else _PIECE
+        # the kernel needs no temporaries: up to 1 GiB at once; torch operations in pieces
+        step = _KERNEL_PIECE if data.is_cuda and _kernel() is not None else _PIECE
         for a in range(head, n, max(step, 1)):
             b = min(n, a + step)
             parts.append(self._reduce(data[a:b].view(-1, BLOCK), self._t0, self._pos0))
