@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import backend
-from ._runtime import rank, warn_once
+from ._runtime import Recent, rank, warn_once
 from .errors import MegatronAdapterError
 from .options import CkptOptions
 from .save.layout import parse_iteration
@@ -59,14 +59,15 @@ class _State:
     factory: CheckpointerFactory | None = None
     checkpointer: Any = None
     scheduled: dict[int, _PendingSave] = field(default_factory=dict)
-    records: list[dict] = field(default_factory=list)
-    closed_reports: list[dict] = field(default_factory=list)  # closed Checkpointers', kept
+    records: list[dict] = field(default_factory=Recent)  # the last Recent.KEPT
+    closed_reports: list[dict] = field(default_factory=Recent)  # closed Checkpointers', kept
     stepped: bool = False  # train_step ran once in this process (staging prepared then)
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
               factory: CheckpointerFactory) -> None:
         self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
-        self.checkpointer, self.scheduled, self.records, self.closed_reports = None, {}, [], []
+        self.checkpointer, self.scheduled = None, {}
+        self.records, self.closed_reports = Recent(), Recent()
         self.stepped = False
 
     def get_checkpointer(self) -> Any:

@@ -13,9 +13,9 @@ import os
 import signal
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["ForkStarts", "die_with_parent", "forks_die_with_this_process", "ignore_job_signals",
+__all__ = ["Recent", "ForkStarts", "die_with_parent", "forks_die_with_this_process", "ignore_job_signals",
            "note_exit_signal", "pid_alive", "rank", "unheld", "warn_once"]
 
 logger = logging.getLogger(__name__)
@@ -307,3 +307,20 @@ def die_with_parent(trainer_pid: int) -> None:
     if os.getppid() != trainer_pid:  # the trainer died before the watchdog was armed
         os._exit(1)
 
+
+
+class Recent(list):
+    """A list that keeps its last ``KEPT`` entries: the per-save and per-load reports a long run
+    appends to (every save also goes to ``ckpt_report.jsonl``, which keeps them all)."""
+
+    KEPT = 1000
+
+    def append(self, entry: Any) -> None:
+        super().append(entry)
+        if len(self) > self.KEPT:
+            del self[: len(self) - self.KEPT]
+
+    def extend(self, entries: Any) -> None:
+        super().extend(entries)
+        if len(self) > self.KEPT:
+            del self[: len(self) - self.KEPT]

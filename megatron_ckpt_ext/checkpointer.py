@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _cpu_shim, _crc_device, backend, preflight, strategy
-from ._runtime import rank
+from ._runtime import Recent, rank
 from .collectives import Group
 from .debug import env_switch, profiled
 from .errors import CheckpointWriteError, InsufficientHostMemory
@@ -94,8 +94,8 @@ class Checkpointer(_SaveSteps):
         if save_dir is not None:  # fail now, not at the first save hours later
             preflight.check_writable(save_dir)
         self.process_group, self.dp_group = process_group, dp_group
-        self.reports: list[dict] = []
-        self.load_reports: list[dict] = []
+        self.reports: list[dict] = Recent()  # the last Recent.KEPT saves' (and loads')
+        self.load_reports: list[dict] = Recent()
         self._closed = False
         self._group = Group(process_group, options)
         self._joblock = JobLock(self._group)  # one job per save directory (save/joblock.py)
@@ -118,7 +118,7 @@ class Checkpointer(_SaveSteps):
         if save_dir is not None and self._retention.active and rank() == 0:
             finish_interrupted(Path(save_dir))  # deletions a crash interrupted
         self._layout: list | None = None  # the staged tensors' layout (memory tier), per structure
-        self.failed_saves: list[dict] = []  # --ckpt-failure-policy warn: what was abandoned
+        self.failed_saves: list[dict] = Recent()  # --ckpt-failure-policy warn: what was abandoned
         self._failures_in_a_row = 0
         self._preemption = Preemption(options) if options.exit_signal_handler else None
 
