@@ -166,10 +166,10 @@ class _DeviceSums:
 
     def ready(self, device: Any) -> bool:
         key = str(device)
-        if key not in self._ready:  # asked once per load: a kernel still compiling is not used
-            from .._crc_device import warm_up
+        if key not in self._ready:  # asked once per load: built by prepare_restore, or not used
+            from .._crc_device import ready
 
-            self._ready[key] = warm_up(device)
+            self._ready[key] = ready(device)
         return self._ready[key]
 
     def put(self, name: str, offset: int, landed: Any, copied: Any) -> None:
