@@ -187,11 +187,7 @@ def zero_copy(m: Mapped, work: list, threads: int, sums: str | None, dev: torch.
     rt = torch.cuda.cudart()
     total = sum(n for _, _, n in work)
     out = torch.empty(total, dtype=torch.uint8, device=dev)
-    offsets, at = [], 0
-    for _, _, n in work:
-        offsets.append(at)
-        at += n
-    lock, it = threading.Lock(), iter(list(zip(work, offsets)))
+    jobs, lock = _Jobs(work), threading.Lock()
     summer = ThreadPoolExecutor(threads) if sums == "host" else None
     dcrc, raws = DeviceCrc.on(dev), []
     futures, errors, registered = [], [], []
@@ -199,11 +195,7 @@ def zero_copy(m: Mapped, work: list, threads: int, sums: str | None, dev: torch.
 
     def run() -> None:
         stream = torch.cuda.Stream(device=dev)
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                break
+        while (job := jobs.next()) is not None:
             (i, a, n), o = job
             t = time.perf_counter()
             err = rt.cudaHostRegister(m.addr(i, a), n, flags)
@@ -227,6 +219,33 @@ def zero_copy(m: Mapped, work: list, threads: int, sums: str | None, dev: torch.
                 busy["issue"] += time.perf_counter() - t2
         stream.synchronize()
 
+    wall = _run_timed(run, threads, futures, summer)
+    t = time.perf_counter()
+    for addr in registered:
+        rt.cudaHostUnregister(addr)
+    unreg = time.perf_counter() - t
+    return {"threads": threads, "sums": sums, "seconds": wall, "gbs": total / wall / 1e9,
+            "unregister_s": unreg, "register_thread_s": busy["register"],
+            "issue_thread_s": busy["issue"], "errors": errors[:3]}
+
+
+class _Jobs:
+    """Chunks (file, offset, bytes) handed out to threads, each with its offset in the output."""
+
+    def __init__(self, work: list) -> None:
+        offsets, at = [], 0
+        for _, _, n in work:
+            offsets.append(at)
+            at += n
+        self._lock, self._it = threading.Lock(), iter(list(zip(work, offsets)))
+
+    def next(self):  # noqa: ANN201
+        with self._lock:
+            return next(self._it, None)
+
+
+def _run_timed(run, threads: int, futures: list, summer) -> float:  # noqa: ANN001
+    """Seconds for ``threads`` threads running ``run`` and every sum they handed over."""
     torch.cuda.synchronize()
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -237,13 +256,7 @@ def zero_copy(m: Mapped, work: list, threads: int, sums: str | None, dev: torch.
     wall = time.perf_counter() - t
     if summer is not None:
         summer.shutdown()
-    t = time.perf_counter()
-    for addr in registered:
-        rt.cudaHostUnregister(addr)
-    unreg = time.perf_counter() - t
-    return {"threads": threads, "sums": sums, "seconds": wall, "gbs": total / wall / 1e9,
-            "unregister_s": unreg, "register_thread_s": busy["register"],
-            "issue_thread_s": busy["issue"], "errors": errors[:3]}
+    return wall
 
 
 def bounce(paths: list[Path], threads: int, sums: str | None, dev: torch.device) -> dict:
@@ -260,11 +273,7 @@ def bounce(paths: list[Path], threads: int, sums: str | None, dev: torch.device)
     dcrc, raws = DeviceCrc.on(dev), []
     for _ in range(2 * threads + (threads if sums == "host" else 0)):
         free.put(torch.empty(chunk, dtype=torch.uint8, pin_memory=True))
-    offsets, at = [], 0
-    for _, _, n in work:
-        offsets.append(at)
-        at += n
-    lock, it = threading.Lock(), iter(list(zip(work, offsets)))
+    jobs, lock = _Jobs(work), threading.Lock()
     summer = ThreadPoolExecutor(threads) if sums == "host" else None
     futures = []
 
@@ -276,11 +285,7 @@ def bounce(paths: list[Path], threads: int, sums: str | None, dev: torch.device)
 
     def run() -> None:
         stream = torch.cuda.Stream(device=dev)
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                break
+        while (job := jobs.next()) is not None:
             (i, a, n), o = job
             buf = free.get()
             view = memoryview(buf.numpy())[:n]
@@ -299,16 +304,7 @@ def bounce(paths: list[Path], threads: int, sums: str | None, dev: torch.device)
                 give_back(ev, buf, None)
         stream.synchronize()
 
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda _: run(), range(threads)))
-    for f in futures:
-        f.result()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
-    if summer is not None:
-        summer.shutdown()
+    wall = _run_timed(run, threads, futures, summer)
     for fd in fds:
         os.close(fd)
     return {"threads": threads, "sums": sums, "seconds": wall, "gbs": total / wall / 1e9}
