@@ -165,12 +165,16 @@ class _DeviceSums:
         self._start_lock = threading.Lock()
 
     def ready(self, device: Any) -> bool:
+        """Whether chunks copied to ``device`` are summed here: its CRC is built, and it is the
+        first device this load sums on (one thread, one device; others sum on the host)."""
         key = str(device)
-        if key not in self._ready:  # asked once per load: built by prepare_restore, or not used
-            from .._crc_device import ready
+        with self._start_lock:
+            if key not in self._ready:  # once per load: built by prepare_restore, or not used
+                from .._crc_device import ready
 
-            self._ready[key] = ready(device)
-        return self._ready[key]
+                first = not any(self._ready.values())
+                self._ready[key] = first and ready(device)
+            return self._ready[key]
 
     def put(self, name: str, offset: int, landed: Any, copied: Any) -> None:
         with self._start_lock:

@@ -71,3 +71,14 @@ def test_nothing_handed_over_collects_nothing():
     sums = load_sums._DeviceSums()
     assert sums.collect() == []
     sums.close()
+
+
+def test_one_load_sums_on_one_device_only(monkeypatch):
+    """Targets on a second device (one process, two GPUs) sum on the host: the device thread
+    serves the first device it was asked for."""
+    from megatron_ckpt_ext import _crc_device
+
+    monkeypatch.setattr(_crc_device, "ready", lambda device: True)
+    sums = load_sums._DeviceSums()
+    assert sums.ready("cuda:1") and sums.ready("cuda:1")
+    assert not sums.ready("cuda:0")
