@@ -302,9 +302,10 @@ def _read_stripe(stripe: list, settings: ReadSettings, busy: _Busy, sums: "_Sums
 def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _Busy,
                 sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
-    a device target (copied on this thread's stream). A chunk to be summed goes to the summing
-    threads, which lend the host chunk again once both its sum and its copy are done; this
-    thread reads on meanwhile."""
+    a device target (copied on this thread's stream). A chunk to be summed is summed on that
+    device where its CRC is ready (the device-sum thread, after the copy's event; the host chunk
+    goes back once copied), else it goes to the summing threads, which lend the host chunk again
+    once both its sum and its copy are done; this thread reads on meanwhile."""
     import torch
 
     target = plan.target
