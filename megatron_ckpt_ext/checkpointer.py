@@ -390,9 +390,8 @@ class Checkpointer(_SaveSteps):
 
         The sealed snapshot of the last committed save (the memory tier) is freed at a clean
         close, unless ``--ckpt-keep-memory-snapshot``; it is kept when the close follows an
-        error (``after_error``: a ``with`` block left on an exception) or the drain failed:
-        the job is going down, and its restart on this node should find it. Any seal still
-        present names the last committed save (staging a new one unseals first)."""
+        error (``after_error``: a ``with`` block left on an exception) or the drain failed: the
+        job is going down, and its restart on this node should find it (the last committed)."""
         if self._closed:
             return
         self._closed = True
@@ -404,7 +403,8 @@ class Checkpointer(_SaveSteps):
             drained = True
             if self._preemption is not None:
                 self._preemption.report_durable()
-        finally:
+        finally:  # prepare()'s planning ahead done first: it saves through the writers' queues
+            self._stager.wait_prepared()
             release_warm_restore()  # built for a load that never came
             self._writers.close(drained=drained)
             if self._memory_tier:

@@ -290,3 +290,42 @@ def test_the_seal_names_the_structure_of_the_latest_save(one_rank_group):
     for key, new in ((one, True), (one, False), (two, True), (two, False)):
         planner.use(key, SimpleNamespace(new_structure=new))
         assert planner.digest()[0] == structure_digest(key)
+
+
+def test_a_close_right_after_a_load_waits_for_the_planning_ahead_it_started(one_rank_group,
+                                                                           tmp_path, monkeypatch):
+    """A load prepares the next save in the background, planning included; a close that comes
+    first (a job ending right after its resume) waits for it before it shuts the writers'
+    queues: planned after them, megatron-core's writer started a spawned Manager server of its
+    own, which nothing stopped (one orphan process per such rank)."""
+    import multiprocessing.managers
+    import time
+
+    from megatron_ckpt_ext.save.planner import SavePlanner
+
+    started, planned = [], []
+    real_start, real_plan = multiprocessing.managers.BaseManager.start, SavePlanner.plan_ahead
+
+    def start(self, *a, **k):  # noqa: ANN001
+        started.append(self)
+        return real_start(self, *a, **k)
+
+    def late_plan(self, *a, **k):  # noqa: ANN001
+        time.sleep(0.5)  # the close comes first
+        planned.append(1)
+        return real_plan(self, *a, **k)
+
+    monkeypatch.setattr(multiprocessing.managers.BaseManager, "start", start)
+    monkeypatch.setattr(SavePlanner, "plan_ahead", late_plan)
+    tensors = {f"w{i}": torch.randn(256) for i in range(8)}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          use_persistent_ckpt_worker=True, ckpt_assume_constant_structure=True)
+    with Checkpointer(options) as ck:
+        ck.save(_state(tensors), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+    with Checkpointer(options) as ck:
+        ck.load(_state({k: torch.zeros_like(v) for k, v in tensors.items()}), tmp_path)
+    assert planned == [1], planned  # the load's prepare planned, before its close returned
+    for manager in started:
+        manager.shutdown()
+    assert not started, "a Manager server was started after the close"
