@@ -7,6 +7,7 @@ that item the stock way."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import os
@@ -17,7 +18,7 @@ import sys
 import threading
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["Files", "chunk_spans", "stripes", "ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
            "DEFAULT_CHUNK", "EDGE"]
@@ -169,8 +170,11 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
 
     try:
         window = _Window(fd, offset, length)
-        with zipfile.ZipFile(window) as archive:
-            infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
+        records = _central_directory(window, length)
+        with contextlib.nullcontext() if records is not None else zipfile.ZipFile(window) as zf:
+            if records is None:  # anything the short parser does not take: zipfile's own
+                records = zf.infolist()
+            infos = {i.filename.split("/", 1)[-1]: i for i in records}
             if "data.pkl" not in infos:
                 return None, "no data.pkl record"
             infos = {k: v for k, v in infos.items() if v.compress_type == zipfile.ZIP_STORED}
@@ -205,6 +209,47 @@ def item_layout(fd: int, offset: int, length: int) -> tuple[ItemLayout | None, s
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, KeyError,
             struct.error, AttributeError, TypeError) as e:
         return None, f"unreadable as a plain tensor ({type(e).__name__}: {e})"
+
+
+class _Entry(NamedTuple):
+    """What a load needs of one central-directory entry (the fields of ``zipfile.ZipInfo``)."""
+    filename: str
+    compress_type: int
+    header_offset: int
+    file_size: int
+
+
+_EOCD = struct.Struct("<IHHHHIIH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_ZIP64_TRAILER = 56 + 20  # zip64 end record + its locator, between the directory and the end
+
+
+def _central_directory(window: _Window, length: int) -> list[_Entry] | None:
+    """The entries of an item's zip as torch.save writes it (no comment, one disk, sizes and
+    offsets below 4 GiB, the directory right before the end records), parsed from the bytes the
+    window already holds; None for anything else (zipfile then reads it): this skips most of
+    zipfile's per-archive work, the largest part of a load's metadata step."""
+    if length < _EOCD.size:
+        return None
+    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = _EOCD.unpack(
+        window.pread(_EOCD.size, length - _EOCD.size))
+    if sig != 0x06054B50 or comment or disk or cd_disk or 0xFFFF in (count,) or \
+            0xFFFFFFFF in (cd_size, cd_offset):
+        return None
+    end = length - _EOCD.size
+    if cd_offset + cd_size not in (end, end - _ZIP64_TRAILER):
+        return None
+    directory, at, out = window.pread(cd_size, cd_offset), 0, []
+    for _ in range(count):
+        fields = _CENTRAL.unpack_from(directory, at)
+        if fields[0] != 0x02014B50 or 0xFFFFFFFF in (fields[8], fields[9], fields[16]):
+            return None
+        name_at = at + _CENTRAL.size
+        name = directory[name_at:name_at + fields[10]].decode("utf-8" if fields[3] & 0x800
+                                                              else "cp437")
+        out.append(_Entry(name, fields[4], fields[16], fields[9]))
+        at = name_at + fields[10] + fields[11] + fields[12]
+    return out if at == cd_size else None
 
 
 def _data_start(window: _Window, info: zipfile.ZipInfo) -> int:

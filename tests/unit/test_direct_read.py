@@ -147,3 +147,38 @@ def test_the_host_chunks_are_made_as_asked_and_never_more_than_the_count():
     pool.give(b)
     waiter.join(5)
     assert got == [b] and pool.made == 3
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(100), torch.arange(7), torch.zeros(0),
+                                    torch.randn(3, 5).to(torch.bfloat16), torch.randn(1 << 16),
+                                    torch.randn(6, 4).t()],
+                         ids=["f32", "i64", "empty", "bf16", "256KiB", "transposed"])
+def test_the_short_directory_parse_finds_what_zipfile_finds(tmp_path, monkeypatch, tensor):
+    """The item's zip directory parsed from its end records gives the same layout as zipfile's
+    reading of it (the fallback), for the archives torch.save writes."""
+    fd, pad, n = _item(tmp_path, tensor)
+    window = direct_read._Window(fd, pad, n)
+    assert direct_read._central_directory(window, n) is not None  # the short path is taken
+    short = direct_read.item_layout(fd, pad, n)
+    monkeypatch.setattr(direct_read, "_central_directory", lambda window, length: None)
+    assert direct_read.item_layout(fd, pad, n) == short
+
+
+def test_an_archive_the_short_parse_does_not_take_is_read_by_zipfile(tmp_path):
+    """A zip comment (not what torch.save writes) sends the item to zipfile, which reads it."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save(torch.arange(10, dtype=torch.float32), buf)
+    with zipfile.ZipFile(buf, "a") as z:
+        z.comment = b"added"
+    data = buf.getvalue()
+    path = tmp_path / "c.distcp"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    assert direct_read._central_directory(direct_read._Window(fd, 0, len(data)), len(data)) is None
+    layout, why = direct_read.item_layout(fd, 0, len(data))
+    assert layout is not None, why
+    got = torch.empty(10, dtype=torch.float32)
+    direct_read.pread_into(fd, direct_read.tensor_bytes(got.view(torch.uint8)), layout.start, "c")
+    assert torch.equal(got, torch.arange(10, dtype=torch.float32))
