@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["Recent", "ForkStarts", "die_with_parent", "forks_die_with_this_process", "ignore_job_signals",
-           "note_exit_signal", "pid_alive", "rank", "unheld", "warn_once"]
+__all__ = ["ForkStarts", "Recent", "die_with_parent", "forks_die_with_this_process",
+           "ignore_job_signals", "note_exit_signal", "pid_alive", "rank", "unheld", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +306,6 @@ def die_with_parent(trainer_pid: int) -> None:
         return
     if os.getppid() != trainer_pid:  # the trainer died before the watchdog was armed
         os._exit(1)
-
 
 
 class Recent(list):
