@@ -13,7 +13,14 @@ bytes (the first one padded at its front with zeros, which ``L`` ignores) and re
 to its ``L`` by one gather and a halving XOR; each next level treats ``FAN_IN`` consecutive values
 of the level below as ``4 * FAN_IN`` bytes and does the same with tables that move each value
 past the blocks after it. A few levels bring any length to one value; the constant for the
-length is added on the host (:func:`finish`)."""
+length is added on the host (:func:`finish`).
+
+A load sums many chunks. :class:`SlotSums` gives each chunk's aligned middle (:func:`device_span`:
+16-byte aligned, a multiple of ``ALIGN`` bytes) one level-0 launch into a row ("slot") of a
+block of ``SLOTS`` rows, right-aligned (the zeros before it add nothing), and folds a whole
+block's rows at once (two launches): every launch then has one shape, so the kernel compiled
+at warm-up serves every chunk, and the thread that launches holds the GIL briefly per chunk.
+The few bytes outside the middle are summed on the host."""
 
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import numpy as np
 
 from ._runtime import rank, warn_once
 
-__all__ = ["BLOCK", "DeviceCrc", "crc32_tensor", "finish", "ready", "warm_up", "warm_up_current"]
+__all__ = ["ALIGN", "BLOCK", "DeviceCrc", "SLOT_BYTES", "SlotSums", "crc32_tensor", "device_span",
+           "finish", "ready", "warm_up", "warm_up_current"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +43,10 @@ FAN_IN = 256  # values combined per row at the levels above (4 x 256 byte positi
 _PIECE = 8 << 20  # level 0 works this many bytes at a time (its int32 temporaries: 8x that)
 _KERNEL_PIECE = 1 << 30  # bytes per kernel launch at level 0 (its offsets are int32)
 _POLY = 0xEDB88320
+SLOT = FAN_IN * FAN_IN  # level-0 values per slot (two levels fold it to one value)
+SLOT_BYTES = SLOT * BLOCK  # 64 MiB: the most one slot sums
+ALIGN = 16 * BLOCK  # a slot's bytes are a multiple of this: its value count a multiple of 16
+SLOTS = 32  # slots per block (8 MiB of values on the device)
 
 
 def _byte_table() -> np.ndarray:
@@ -193,6 +205,85 @@ class DeviceCrc:
             sub *= FAN_IN
         return vals.reshape(1)
 
+    def level0_into(self, data: Any, out: Any) -> None:
+        """Level 0 of the 1-D uint8 ``data`` (a multiple of ``BLOCK`` bytes) written into the
+        int32 ``out`` (one value per block), enqueued on the current stream."""
+        blocks = data.view(-1, BLOCK)
+        if data.is_cuda and _kernel() is not None and out.is_contiguous():
+            m = blocks.shape[0]
+            if m:
+                _kernel()[(triton_cdiv(m, _ROWS),)](blocks, self._t0, out, m, W=BLOCK, ROWS=_ROWS)
+            return
+        step = _PIECE // BLOCK
+        for a in range(0, blocks.shape[0], step):
+            out[a:a + step] = self._reduce(blocks[a:a + step], self._t0, self._pos0)
+
+    def fold(self, block: Any) -> Any:
+        """(n, SLOT) int32 level-0 values, each row one piece's (right-aligned, zeros before)
+        -> (n,) linear CRCs of those pieces, enqueued on the current stream."""
+        import torch
+
+        vals, sub = block.reshape(-1), BLOCK
+        for _ in range(2):  # SLOT = FAN_IN ** 2 values: two levels
+            vals = self._reduce(vals.view(torch.uint8).view(-1, 4 * FAN_IN), self._table(sub),
+                                self._posk)
+            sub *= FAN_IN
+        return vals
+
+
+def device_span(address: int, nbytes: int) -> tuple[int, int]:
+    """(skip, length): the part of ``nbytes`` bytes at ``address`` that :class:`SlotSums` sums,
+    from its first 16-byte aligned address, a multiple of ``ALIGN`` bytes long (possibly 0);
+    the bytes before and after it are the caller's to sum."""
+    skip = min(-address % 16, nbytes)
+    return skip, (nbytes - skip) // ALIGN * ALIGN
+
+
+class SlotSums:
+    """Linear CRCs of many device pieces, one slot each (see the module's text): :meth:`add`
+    enqueues a piece's level 0 on the current stream and returns its index, :meth:`values`
+    returns every piece's raw linear CRC, in index order (one device-to-host transfer)."""
+
+    def __init__(self, crc: DeviceCrc) -> None:
+        self.crc = crc
+        self._block: Any = None
+        self._used = 0
+        self._folded: list = []  # (SLOTS,) values per block folded so far
+        self._count = 0
+
+    def add(self, data: Any) -> int:
+        """``data``: 1-D uint8 on the device, ``device_span``'s kind of piece, <= SLOT_BYTES."""
+        import torch
+
+        n = data.numel()
+        if n % ALIGN or n > SLOT_BYTES or data.data_ptr() % 16:
+            raise ValueError(f"SlotSums.add: a piece of {n} bytes at {data.data_ptr():#x}: "
+                             f"not a 16-byte aligned multiple of {ALIGN} up to {SLOT_BYTES}")
+        if self._block is None:
+            self._block = torch.zeros(SLOTS, SLOT, dtype=torch.int32, device=self.crc.device)
+            self._used = 0
+        m = n // BLOCK
+        self.crc.level0_into(data, self._block[self._used, SLOT - m:])
+        self._used += 1
+        self._count += 1
+        if self._used == SLOTS:
+            self._flush()
+        return self._count - 1
+
+    def _flush(self) -> None:
+        if self._block is not None:
+            self._folded.append(self.crc.fold(self._block))
+            self._block = None  # freed in stream order: this stream's next use comes after
+
+    def values(self) -> list[int]:
+        import torch
+
+        self._flush()
+        if not self._folded:
+            return []
+        got = torch.cat(self._folded).cpu().tolist()
+        return [v & 0xFFFFFFFF for v in got[:self._count]]
+
 
 _ROWS = 4  # rows per Triton program
 _KERNEL: list = []
@@ -284,7 +375,13 @@ def _warm(device: Any, done: threading.Event) -> None:
             probe = torch.arange(3 * BLOCK * FAN_IN + 5, device=crc.device).to(torch.uint8)
             crc._table(BLOCK * FAN_IN)  # pieces up to 16 GiB need no more levels
             got = finish(int(crc.linear(probe).item()), probe.numel())
-        if got != _host_crc(probe.cpu()):
+            # the slots' shapes, as a load's chunks give them (compiled here, not in a load)
+            slots, cuts = SlotSums(crc), (0, ALIGN, 4 * ALIGN)
+            index = [slots.add(probe[a:b]) for a, b in zip(cuts, cuts[1:])]
+            values = slots.values()
+        pieces_ok = all(finish(values[i], b - a) == _host_crc(probe[a:b].cpu())
+                        for i, a, b in zip(index, cuts, cuts[1:]))
+        if got != _host_crc(probe.cpu()) or not pieces_ok:
             warn_once(f"device-crc:{device}", f"the device CRC-32 disagrees with zlib's on "
                       f"{device}: verifying loads sum on the host")
             return

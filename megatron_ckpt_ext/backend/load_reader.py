@@ -332,7 +332,7 @@ def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _
         if sums.on_device(plan, target.device):  # summed where it landed, by the device
             copied = torch.cuda.Event()
             copied.record(stream)
-            sums.device_chunk(plan, offset, flat[a:b], copied)
+            sums.device_chunk(plan, offset, flat[a:b], copied, view)
             stream.synchronize()
             busy.add("h2d", t)
         elif plan.summed:

@@ -78,12 +78,22 @@ class _Sums:
         rather than on the host: the device CRC is ready on it (``_crc_device.ready``)."""
         return plan.summed and self._device is not None and self._device.ready(device)
 
-    def device_chunk(self, plan: Any, offset: int, landed: Any, copied: Any) -> None:
-        """Sum ``landed`` (a device tensor's bytes, at ``offset`` of the plan's file) on the
-        device once the event ``copied`` has passed; :meth:`wait` collects the sums."""
-        self._device.put(plan.what, offset, landed, copied)
-        with self._lock:
-            self.device_bytes += landed.numel()
+    def device_chunk(self, plan: Any, offset: int, landed: Any, copied: Any,
+                     view: memoryview) -> None:
+        """Sum ``landed`` (a device tensor's bytes, at ``offset`` of the plan's file; ``view``
+        the same bytes on the host, summed here now) on the device once the event ``copied``
+        has passed: its aligned middle (``_crc_device.device_span``) there, the few bytes
+        before and after it here; :meth:`wait` collects the sums."""
+        from .._crc_device import device_span
+
+        skip, length = device_span(landed.data_ptr(), landed.numel())
+        for a, b in ((0, skip), (skip + length, len(view))):
+            if b > a:
+                self._add(plan.what, offset + a, b - a, crc32(view[a:b]))
+        if length:
+            self._device.put(plan.what, offset + skip, landed[skip:skip + length], copied)
+            with self._lock:
+                self.device_bytes += length
 
     def _sum(self, name: str, offset: int, view: memoryview,
              then: Callable[[], None] | None) -> None:
@@ -160,7 +170,8 @@ class _DeviceSums:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._ready: dict[str, bool] = {}
-        self._done: list = []  # (name, offset, length, linear crc on the device)
+        self._done: list = []  # (name, offset, length, slot index or linear crc on the device)
+        self._slot_values: list[int] = []
         self._error: BaseException | None = None
         self._start_lock = threading.Lock()
 
@@ -187,29 +198,39 @@ class _DeviceSums:
     def _run(self, device: Any) -> None:
         import torch
 
-        from .._crc_device import DeviceCrc
+        from .._crc_device import ALIGN, SLOT_BYTES, DeviceCrc, SlotSums
 
-        stream = None
+        stream = slots = None
         while (job := self._queue.get()) is not None:  # always drained up to its end
             if self._error is not None:
                 continue
             try:
                 if stream is None:
                     crc, stream = DeviceCrc.on(device), torch.cuda.Stream(device=device)
+                    slots = SlotSums(crc)
                 name, offset, landed, copied = job
                 stream.wait_event(copied)
                 with torch.cuda.device(device), torch.cuda.stream(stream):
-                    self._done.append((name, offset, landed.numel(), crc.linear(landed)))
+                    n = landed.numel()
+                    if n % ALIGN == 0 and landed.data_ptr() % 16 == 0:  # one slot a 64 MiB
+                        for a in range(0, n, SLOT_BYTES):
+                            piece = landed[a:a + SLOT_BYTES]
+                            self._done.append((name, offset + a, piece.numel(),
+                                               slots.add(piece)))
+                    else:  # any other piece: its own launches
+                        self._done.append((name, offset, n, crc.linear(landed)))
             except BaseException as e:  # noqa: BLE001 - raised by collect()
                 self._error = e
         try:
             if stream is not None:
-                stream.synchronize()
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    self._slot_values = slots.values()  # the blocks folded, one transfer
         except BaseException as e:  # noqa: BLE001
             self._error = self._error or e
 
     def collect(self) -> list[tuple[str, int, int, int]]:
-        """Every chunk's (file, offset, bytes, CRC-32), once all are summed (one transfer)."""
+        """Every chunk's (file, offset, bytes, CRC-32), once all are summed (one transfer for
+        the slots' sums, one for the other pieces')."""
         import torch
 
         from .._crc_device import finish
@@ -223,9 +244,13 @@ class _DeviceSums:
             raise self._error
         if not self._done:
             return []
-        raws = torch.cat([r for *_, r in self._done]).cpu().tolist()
-        return [(name, offset, n, finish(raw & 0xFFFFFFFF, n))
-                for (name, offset, n, _), raw in zip(self._done, raws)]
+        own = [r for *_, r in self._done if not isinstance(r, int)]
+        own_raws = iter(torch.cat(own).cpu().tolist() if own else [])
+        out = []
+        for name, offset, n, r in self._done:
+            raw = self._slot_values[r] if isinstance(r, int) else next(own_raws)
+            out.append((name, offset, n, finish(raw & 0xFFFFFFFF, n)))
+        return out
 
     def close(self) -> None:
         if self._thread is not None:  # collect() was not reached (a failed read): end it

@@ -53,3 +53,32 @@ def test_without_the_kernel_a_cpu_process_never_marks_the_device_sums_ready(monk
         if t.name == "mcx-crc-warm-up":
             t.join(10)
     assert not _crc_device.ready("cpu")
+
+
+def test_slot_sums_give_each_pieces_zlib_value_across_blocks():
+    align = _crc_device.ALIGN
+    crc, data = _crc_device.DeviceCrc.on("cpu"), torch.from_numpy(_DATA.copy())
+    slots, expected = _crc_device.SlotSums(crc), []
+    for i in range(_crc_device.SLOTS + 5):  # one full block folded, then a partial one
+        a, n = (i * 4096) % (1 << 20), (1 + i % 4) * align
+        expected.append((slots.add(data[a:a + n]), n, zlib.crc32(_DATA[a:a + n].tobytes())))
+    values = slots.values()
+    assert len(values) == _crc_device.SLOTS + 5
+    for index, n, want in expected:
+        assert _crc_device.finish(values[index], n) == want
+
+
+def test_a_slot_takes_only_an_aligned_multiple_of_align():
+    slots = _crc_device.SlotSums(_crc_device.DeviceCrc.on("cpu"))
+    data = torch.from_numpy(_DATA.copy())
+    for piece in (data[1:1 + _crc_device.ALIGN], data[:_crc_device.ALIGN + 1024]):
+        with pytest.raises(ValueError, match="aligned multiple"):
+            slots.add(piece)
+
+
+@pytest.mark.parametrize("address,nbytes,expected", [
+    (0x1000, 10, (0, 0)), (0x1003, 5, (5, 0)), (0x1003, 100_000, (13, 6 * 16384)),
+    (0x1000, 16384, (0, 16384)), (0x100F, 16385, (1, 16384)),
+])
+def test_the_device_takes_the_aligned_middle_of_a_chunk(address, nbytes, expected):
+    assert _crc_device.device_span(address, nbytes) == expected

@@ -82,3 +82,52 @@ def test_one_load_sums_on_one_device_only(monkeypatch):
     sums = load_sums._DeviceSums()
     assert sums.ready("cuda:1") and sums.ready("cuda:1")
     assert not sums.ready("cuda:0")
+
+
+def test_aligned_chunks_are_summed_in_slots_across_blocks_beside_odd_ones(cpu_streams):
+    """More chunks than a block has slots, each a 16-byte aligned multiple of ALIGN (the slots'
+    path), among odd ones (their own launches): every chunk's CRC is zlib's."""
+    from megatron_ckpt_ext import _crc_device
+
+    align = _crc_device.ALIGN
+    data = torch.randint(0, 256, ((_crc_device.SLOTS + 9) * 3 * align + 777,), dtype=torch.uint8)
+    sums = load_sums._DeviceSums()
+    spans, a = [], 0
+    for i in range(_crc_device.SLOTS + 9):
+        n = (1 + i % 3) * align
+        spans.append((a, a + n))
+        a += n
+    spans.append((a, data.numel()))  # 777 bytes and change: not a slot's kind
+    for a, b in spans:
+        sums.put("f.distcp", a, data[a:b], copied=object())
+    pieces = sums.collect()
+    assert sorted((o, n) for _, o, n, _ in pieces) == [(a, b - a) for a, b in spans]
+    for _, offset, n, crc in pieces:
+        assert crc == zlib.crc32(data[offset:offset + n].numpy())
+
+
+def test_a_devices_chunk_sums_its_unaligned_ends_on_the_host(cpu_streams, monkeypatch):
+    """The part of a chunk the device sums starts 16-byte aligned and is a multiple of ALIGN
+    long; the bytes before and after it are summed from the host copy at once, and all the
+    pieces fold into the file's CRC."""
+    from types import SimpleNamespace
+
+    from megatron_ckpt_ext import _crc_device
+
+    monkeypatch.setattr(_crc_device, "ready", lambda device: True)
+    align = _crc_device.ALIGN
+    base = torch.randint(0, 256, (5 * align + 4096,), dtype=torch.uint8)
+    chunk = base[3:3 + 3 * align + 1000]  # starts 3 bytes past an aligned address
+    sums = load_sums._Sums(True, 1, on_device=True)
+    plan = SimpleNamespace(what="f.distcp", summed=True)
+    assert sums.on_device(plan, "cpu")
+    view = memoryview(chunk.numpy().tobytes())
+    sums.device_chunk(plan, 0, chunk, object(), view)
+    skip = -chunk.data_ptr() % 16
+    assert 0 < skip < 16
+    assert sums.device_bytes == (chunk.numel() - skip) // align * align == 3 * align
+    sums.wait()
+    pieces = sums._pieces["f.distcp"]
+    assert sorted((o, n) for o, n, _ in pieces) == [
+        (0, skip), (skip, 3 * align), (skip + 3 * align, chunk.numel() - skip - 3 * align)]
+    assert manifest.tiled_crc32(pieces, chunk.numel()) == zlib.crc32(view)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU: the GPU tests of the load (device CRC = zlib, a device-summed load bit-exact, a flipped
+# byte caught), then 8 GiB warm loads verifying on the device, old code (a copy of an earlier
+# commit's package and benchmarks in $OLD) and this tree alternated, each beside the same load
+# without verification.  From the repository root on the GPU machine:
+#   OLD=.ab_old OUT=$OUT bash docs/benchmarks/steps/slots_ab.sh
+set -uo pipefail
+source docs/megatron_lm/steps/_prologue.sh
+MCX_TEST_DEVICE=cuda MCX_TEST_WORLD=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+  tests/functional/multirank/test_cuda_load.py --junitxml "$OUT/junit_cuda_load.xml" 2>&1 | tail -3
+i=0
+for v in ${ORDER:-old new old new}; do
+  i=$((i + 1))
+  if [[ $v == old ]]; then root=$OLD; path=$PWD/$OLD:$PWD/.site; else root=.; path=$PWD:$PWD/.site; fi
+  PYTHONPATH=$path timeout -k 10 150 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    "$root/benchmarks/bench_load.py" --gib "${GIB:-8}" --repeats "${REPEATS:-2}" --sources ours ours_no_verify \
+    --caches warm --out /tmp/bl --json "$OUT/load8_${v}_$i.json" > "$OUT/load8_${v}_$i.log" 2>&1
+  echo "$v run=$i rc=$?"; grep "bench_load\]" "$OUT/load8_${v}_$i.log" | cut -c1-200
+  rm -rf /tmp/bl
+done
