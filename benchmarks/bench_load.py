@@ -151,12 +151,14 @@ def _shards(like: dict[str, torch.Tensor]) -> dict:
 
 
 def load_ours(root: Path, state: dict, verify: bool, threads: int | None = None,
-              ready: Callable[[], None] = lambda: None) -> tuple[float, bool, dict]:
+              ready: Callable[[], None] = lambda: None,
+              build_s: float = 0.0) -> tuple[float, bool, dict]:
     options = CkptOptions(ckpt_verify_load=verify)
     if threads is not None:
         options = CkptOptions(ckpt_verify_load=verify, ckpt_load_threads=threads)
     with Checkpointer(options) as ck:
         ck.prepare_restore(root)  # as the launcher does before a load (the device CRC, built)
+        time.sleep(build_s)  # the model build a resume runs between the two (--build-s)
         like = _like(state)
         ready()
         t0 = time.perf_counter()
@@ -261,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-threads", type=int, default=None,
                    help="--ckpt-load-threads for ours (default: the option's default)")
     node.add_ranks_per_device(p)
+    p.add_argument("--build-s", type=float, default=0.0,
+                   help="seconds between our prepare_restore() and the load (the model build a "
+                        "resume runs meanwhile; 0: none)")
     p.add_argument("--out", default="/tmp/bench_load")
     p.add_argument("--json", required=True)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
@@ -306,9 +311,10 @@ class LoadBench:
 
     def loaders(self) -> dict[str, Callable[[], tuple]]:
         a, ready, state = self.args, self.ctl.barrier, self.state
-        out = {"ours": lambda: load_ours(self.root, state, True, a.load_threads, ready),
+        out = {"ours": lambda: load_ours(self.root, state, True, a.load_threads, ready,
+                                         a.build_s),
                "ours_no_verify": lambda: load_ours(self.root, state, False, a.load_threads,
-                                                   ready),
+                                                   ready, a.build_s),
                "megatron": lambda: load_megatron(self.checkpoint, state, ready)}
         if dist.get_world_size() == 1:  # plain DCP loads whole tensors: sharded needs DTensors
             out["torch_dcp"] = lambda: load_dcp(self.checkpoint, state, ready)

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,28 @@ class MemBreakdown:
         self._thread.join(timeout=5)
 
 
+def _owners(growth: list[dict], least: int = 4 << 20) -> None:
+    """--tracemalloc with --mem-stages: the live CPU tensors (found through the collector) whose
+    memory lies in each new mapping of this process above ``least`` bytes, and what holds them."""
+    for m in growth:
+        if not m.get("new") or m["size"] < least:
+            continue
+        lo = int(m["addr"], 16)
+        hi = lo + m["size"]
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()  # the Checkpointer freezes the trainer's objects before its fork
+        try:
+            found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and
+                     o.device.type == "cpu" and lo <= o.untyped_storage().data_ptr() < hi]
+        finally:
+            if frozen:
+                gc.freeze()
+        print(f"    mapping {m['addr']} {m['size'] / 1e6:.1f} MB: {len(found)} CPU tensors "
+              + "; ".join(f"{tuple(t.shape)} {t.dtype} held by "
+                          + ",".join(sorted({type(r).__name__ for r in gc.get_referrers(t)}))
+                          for t in found[:4]), flush=True)
+
+
 def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finalize: str,
              cprofile_save: int = 0, cprofile_top: int = 30, mem: bool = False,
              keep_last: int = 0, mem_stages: bool = False, iteration_ms: float = 0.0) -> dict:
@@ -258,10 +281,22 @@ def run_mode(name: str, opts: dict, state: dict, root: Path, saves: int, finaliz
     mem_by_save: list[dict] = []
     stages: dict[str, dict] = {}
 
+    traced = tracemalloc.is_tracing()
+    if traced:
+        before = tracemalloc.take_snapshot()
+
     def stage(name: str) -> None:  # where the trainer's new mappings appear (--mem-stages)
         if sampler and mem_stages and _rank() == 0:
             stages[name] = sampler.by_mapping(top=4)
             _print_growth(f"[{name}]", stages[name])
+        if traced and sampler and mem_stages and _rank() == 0:
+            _owners(stages[name].get(str(os.getpid()), {}).get("growth", [])[1:])
+        if traced and _rank() == 0:  # --tracemalloc: what Python allocated since (live)
+            diff = tracemalloc.take_snapshot().compare_to(before, "traceback")
+            for d in diff[:4]:
+                print(f"  [{name}] python +{d.size_diff / 1e6:.1f} MB in {d.count_diff} blocks at "
+                      + " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
+                                    for f in list(d.traceback)[-1:-7:-1]), flush=True)
 
     t0 = time.perf_counter()
     ck = Checkpointer(CkptOptions(**opts))
@@ -337,6 +372,9 @@ def main() -> None:
     p.add_argument("--mem-breakdown", action="store_true", help="per-process host memory per save")
     p.add_argument("--mem-stages", action="store_true",
                    help="with --mem-breakdown: mapping growth after start-up, prepare and saves 1-2")
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="trace Python's allocations (FRAMES deep) and print, at each --mem-stages "
+                        "stage, the four sites that grew most since the mode's Checkpointer")
     p.add_argument("--iteration-ms", type=float, default=0.0,
                    help="CUDA: time each save inside a simulated training iteration of about "
                         "this many ms of GPU work (iteration-time increase at a save)")
@@ -354,6 +392,8 @@ def main() -> None:
     if probe and rank == 0:
         print("copy-overlap probe:", json.dumps(probe), flush=True)
     state = gpt_like_state(a.gib, "cuda" if cuda else "cpu", rank, world)
+    if a.tracemalloc:
+        tracemalloc.start(a.tracemalloc)
     results = []
     for name in a.modes:
         root = Path(a.root or tempfile.mkdtemp(prefix="mcx_prof_")) / name

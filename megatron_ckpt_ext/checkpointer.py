@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _cpu_shim, _crc_device, backend, preflight, strategy
+from . import _cpu_shim, backend, preflight, strategy
 from ._runtime import Recent, rank
 from .collectives import Group
 from .debug import env_switch, profiled
 from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
 from .load import locate
-from .load.loader import Loader
+from .load.loader import Loader, read_ahead
 from .load.memory import (discard_snapshot, release_warm_restore, restore_from_memory,
                           tensor_layout, warm_restore)
 from .load.report import LoadRecord, log_load
@@ -147,15 +147,15 @@ class Checkpointer(_SaveSteps):
                              background=True, then=ahead)
 
     def prepare_restore(self, checkpoint_dir: str | os.PathLike[str]) -> bool:
-        """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: the device
-        CRC a verifying load sums with is built (CUDA); where this node holds this rank's sealed
-        snapshot of it (the memory tier), threads map it, sum it against its seal and build the
-        pinned pool the restore copies through (docs/MEMORY.md). Whether that started; the load
-        takes what is of the seal it finds, or releases it unused (as does :meth:`close`)."""
+        """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: threads
+        map, sum and pin this rank's sealed snapshot of it where this node holds one (the memory
+        tier, docs/MEMORY.md; whether that started: returned), else pin the storage read's host
+        chunks (CUDA); the device CRC is built. The load takes what was made, or releases it."""
         self._check_open()
-        _crc_device.warm_up_current(self.options)
-        return bool(self._memory_tier and warm_restore(
+        memory = bool(self._memory_tier and warm_restore(
             self._stager, Path(checkpoint_dir), to_device=self.options.ckpt_restore_prefetch))
+        read_ahead(self.options, pin_chunks=not memory)
+        return memory
 
     def _admit(self, tensors: list[Any]) -> None:
         """Collective, once (the first save or :meth:`prepare`): node-level admission of what

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import logging
 import os
 import pickle
 import queue
@@ -22,6 +23,8 @@ from typing import Any, NamedTuple
 
 __all__ = ["Files", "chunk_spans", "stripes", "ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
            "DEFAULT_CHUNK", "EDGE"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 32 << 20
 EDGE = 4096  # bytes read at each end of an item for its zip headers
@@ -332,6 +335,26 @@ class PinnedChunks:
 
     def give(self, buf: Any) -> None:
         self._free.put(buf)
+
+    def make_ahead(self) -> None:
+        """Make every chunk not made yet and lend it free (a thread before the load: pinning
+        them took 0.35-0.47 s a rank on an H200 host, half of a process's first load); where
+        one cannot be made, the load makes it as it asks."""
+        import torch
+
+        while True:
+            with self._making:
+                if self.made >= self.count:
+                    return
+                self.made += 1
+            try:
+                buf = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self._pin)
+            except Exception as e:  # noqa: BLE001 - the load makes it as before
+                with self._making:
+                    self.made -= 1
+                logger.debug("host chunks not made ahead of the load: %s", e)
+                return
+            self._free.put(buf)
 
 
 # -- how a load's reading threads share the files (backend/load_reader.py) ---------------------

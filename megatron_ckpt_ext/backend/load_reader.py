@@ -25,7 +25,7 @@ from ._imports import MCORE_DC, MCORE_STRATEGIES
 from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
 from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
 
-__all__ = ["ReadResult", "ReadSettings", "parallel_reads"]
+__all__ = ["ReadResult", "ReadSettings", "parallel_reads", "pin_chunks_ahead"]
 
 logger = logging.getLogger("megatron_ckpt_ext.backend")
 
@@ -378,6 +378,16 @@ def _host_chunks(settings: ReadSettings) -> Any:
     # two per reading thread, one more per summing thread (in its hands)
     return direct_read.PinnedChunks.shared(2 * settings.threads + settings.checksum_threads,
                                            pin=True)
+
+
+def pin_chunks_ahead(threads: int, checksum_threads: int) -> threading.Thread:
+    """Before a load that reads storage with ``threads`` reading and ``checksum_threads``
+    summing threads onto a device: the pinned host chunks its reads will copy through are made
+    on a thread of their own (``mcx-pin-ahead``), so the load takes them made."""
+    pool = _host_chunks(ReadSettings(threads, checksum_threads=checksum_threads))
+    thread = threading.Thread(target=pool.make_ahead, daemon=True, name="mcx-pin-ahead")
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager

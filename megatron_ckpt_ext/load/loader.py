@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import backend
+from .. import _crc_device, backend
 from .._runtime import rank, warn_once
 from .._threads import thread_counts
 from ..collectives import Group
@@ -27,9 +27,22 @@ from .locate import another_iteration
 from .verify import committed_before, missing_manifest, verify_collectively
 from .verify import start as verify_start
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "read_ahead"]
 
 logger = logging.getLogger(__name__)
+
+
+def read_ahead(options: CkptOptions, *, pin_chunks: bool) -> None:
+    """Before a load, while the model is built (``Checkpointer.prepare_restore``): the device
+    CRC a verifying load sums with is built, and, with ``pin_chunks`` (the load will read
+    storage) in a process using CUDA, the pinned chunks the reads copy through are made, each
+    on a thread of its own (a process's first load paid both: docs/node/README.md)."""
+    import torch
+
+    _crc_device.warm_up_current(options)
+    if pin_chunks and torch.cuda.is_available() and torch.cuda.is_initialized():
+        threads = thread_counts(load_read=options.ckpt_load_threads)
+        backend.pin_chunks_ahead(threads.load_read, threads.checksum)
 
 
 class Loader:

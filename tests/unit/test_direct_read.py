@@ -182,3 +182,35 @@ def test_an_archive_the_short_parse_does_not_take_is_read_by_zipfile(tmp_path):
     got = torch.empty(10, dtype=torch.float32)
     direct_read.pread_into(fd, direct_read.tensor_bytes(got.view(torch.uint8)), layout.start, "c")
     assert torch.equal(got, torch.arange(10, dtype=torch.float32))
+
+
+def test_chunks_made_ahead_are_lent_made_and_never_more_than_the_count():
+    """``make_ahead`` (a thread before the load) makes every chunk not made yet; the load's
+    threads then take made ones, and a thread asking meanwhile never takes the count past it."""
+    pool = direct_read.PinnedChunks(4, 1 << 10, pin=False)
+    first = pool.take()  # a reading thread that came first
+    pool.make_ahead()
+    assert pool.made == 4
+    lent = [pool.take() for _ in range(3)]
+    assert pool.made == 4 and len({id(t) for t in [first, *lent]}) == 4
+    pool.give(first)
+    pool.make_ahead()  # all made: nothing more
+    assert pool.made == 4 and pool.take() is first
+
+
+def test_a_chunk_that_cannot_be_made_ahead_is_left_to_the_load(monkeypatch):
+    pool = direct_read.PinnedChunks(3, 1 << 10, pin=False)
+    real, calls = torch.empty, []
+
+    def failing(*a, **k):  # noqa: ANN002, ANN003
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("cudaHostAlloc failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", failing)
+    pool.make_ahead()  # one made, then the failure stops it without raising
+    assert pool.made == 1
+    monkeypatch.setattr(torch, "empty", real)
+    got = [pool.take(), pool.take(), pool.take()]  # the load makes the other two
+    assert pool.made == 3 and len({id(t) for t in got}) == 3

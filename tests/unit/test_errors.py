@@ -101,6 +101,7 @@ DOCUMENTED_BUILTINS = {
     ("launch.py", "SystemExit"): "protocol: a command line's exit status",
     ("spool.py", "queue.Empty"): "protocol: the queue the writers read",
     ("_threads.py", "ValueError"): "bad argument",
+    ("_crc_device.py", "ValueError"): "bad argument (a piece SlotSums does not take)",
     ("options.py", "ValueError"): "bad argument (extra= of from_config)",
     ("fsdp.py", "ValueError"): "bad argument (a model or optimizer it cannot shard)",
     ("fsdp.py", "KeyError"): "bad argument (a loaded mapping that lacks an entry)",

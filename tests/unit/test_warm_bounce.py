@@ -214,3 +214,26 @@ def test_waiting_for_the_preparation_leaves_the_load_nothing_to_wait_for(sealed,
         detail = _memory_detail(ck)
     assert detail["tier"] == "memory" and detail["summed_ahead"] == 1
     assert detail["prepare_wait_s"] < 0.1, detail
+
+
+def test_prepare_restore_pins_the_storage_reads_chunks_unless_memory_serves(pool, sealed,
+                                                                          tmp_path, monkeypatch):
+    """Where no snapshot of the directory is sealed, a CUDA process's prepare_restore makes the
+    storage read's host chunks ahead (one thread, the load's own counts); where the memory tier
+    will restore it, it does not."""
+    from megatron_ckpt_ext import backend
+    from megatron_ckpt_ext._threads import thread_counts
+
+    asked = []
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on a GPU
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(backend, "pin_chunks_ahead", lambda *counts: asked.append(counts))
+        monkeypatch.setattr("megatron_ckpt_ext._crc_device.warm_up_current", lambda o: None)
+        assert not ck.prepare_restore(tmp_path / "other")
+        counts = thread_counts(load_read=ck.options.ckpt_load_threads)
+        assert asked == [(counts.load_read, counts.checksum)]
+        assert ck.prepare_restore(root)  # the memory tier will restore it: nothing pinned
+        assert len(asked) == 1
+        restore_copy.drop_warm_bounce()
