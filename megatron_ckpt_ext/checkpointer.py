@@ -154,7 +154,7 @@ class Checkpointer(_SaveSteps):
         self._check_open()
         memory = bool(self._memory_tier and warm_restore(
             self._stager, Path(checkpoint_dir), to_device=self.options.ckpt_restore_prefetch))
-        read_ahead(self.options, pin_chunks=not memory)
+        read_ahead(self.options, Path(checkpoint_dir), pin_chunks=not memory)
         return memory
 
     def _admit(self, tensors: list[Any]) -> None:

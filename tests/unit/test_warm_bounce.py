@@ -218,9 +218,9 @@ def test_waiting_for_the_preparation_leaves_the_load_nothing_to_wait_for(sealed,
 
 def test_prepare_restore_pins_the_storage_reads_chunks_unless_memory_serves(pool, sealed,
                                                                           tmp_path, monkeypatch):
-    """Where no snapshot of the directory is sealed, a CUDA process's prepare_restore makes the
-    storage read's host chunks ahead (one thread, the load's own counts); where the memory tier
-    will restore it, it does not."""
+    """Where a directory has a checkpoint but no sealed snapshot of it, a CUDA process's
+    prepare_restore makes the storage read's host chunks ahead (one thread, the load's own
+    counts); where there is nothing to load, or the memory tier will restore it, it does not."""
     from megatron_ckpt_ext import backend
     from megatron_ckpt_ext._threads import thread_counts
 
@@ -231,7 +231,11 @@ def test_prepare_restore_pins_the_storage_reads_chunks_unless_memory_serves(pool
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(backend, "pin_chunks_ahead", lambda *counts: asked.append(counts))
         monkeypatch.setattr("megatron_ckpt_ext._crc_device.warm_up_current", lambda o: None)
-        assert not ck.prepare_restore(tmp_path / "other")
+        assert not ck.prepare_restore(tmp_path / "empty") and asked == []  # nothing to load
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "latest_checkpointed_iteration.txt").write_text("1")
+        assert not ck.prepare_restore(other)  # a checkpoint, no snapshot of it: pinned ahead
         counts = thread_counts(load_read=ck.options.ckpt_load_threads)
         assert asked == [(counts.load_read, counts.checksum)]
         assert ck.prepare_restore(root)  # the memory tier will restore it: nothing pinned
