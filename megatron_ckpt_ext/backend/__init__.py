@@ -67,7 +67,7 @@ from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coord
                             dbuffer_slice, fsdp_group_symm_pool, fsdp_parameter_groups,
                             fsdp_symm_mem_support, megatron_fsdp_api)
 from .load_reader import (ReadResult, ReadSettings, metadata_read_once, parallel_reads,
-                          pin_chunks_ahead)
+                          pin_chunks_ahead, release_read_chunks)
 from .writer_files import checksummed_writes
 from .megatron_training import (MLM_MODULES, MegatronSeams, import_first_save_modules,
                                 megatron_sharded_state, megatron_training_module,
@@ -79,6 +79,7 @@ __all__ = [
     "ReadResult",
     "ReadSettings",
     "pin_chunks_ahead",
+    "release_read_chunks",
     "SaveReplay",
     "conversions_cached",
     "convert_ahead",

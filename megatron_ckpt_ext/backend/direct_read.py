@@ -314,6 +314,36 @@ class PinnedChunks:
                 cls._cache[key] = cls(count, chunk, pin)
             return cls._cache[key]
 
+    @classmethod
+    def kept(cls) -> bool:
+        return bool(cls._cache)
+
+    @classmethod
+    def release_shared(cls) -> bool:
+        """Drop the kept set (a load's reads are over: a training job's first commit after its
+        load) and hand torch's cached pinned blocks back (where this torch can); whether there
+        was one. A later load pins its chunks again."""
+        with cls._lock:
+            if not cls._cache:
+                return False
+            pools = list(cls._cache.values())
+            cls._cache.clear()
+        pinned = any(p._pin for p in pools)
+        for pool in pools:
+            while not pool._free.empty():
+                pool._free.get_nowait()
+        if pinned:
+            import torch
+
+            empty = (getattr(torch._C, "_host_emptyCache", None)
+                     or getattr(torch._C, "_accelerator_emptyHostCache", None))
+            try:
+                if empty is not None:
+                    empty()
+            except Exception as e:  # noqa: BLE001 - torch keeps its cached blocks
+                logger.debug("torch's cached pinned blocks not handed back: %s", e)
+        return True
+
     def take(self) -> Any:
         try:
             return self._free.get_nowait()

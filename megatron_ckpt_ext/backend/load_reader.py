@@ -25,7 +25,8 @@ from ._imports import MCORE_DC, MCORE_STRATEGIES
 from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
 from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
 
-__all__ = ["ReadResult", "ReadSettings", "parallel_reads", "pin_chunks_ahead"]
+__all__ = ["ReadResult", "ReadSettings", "parallel_reads", "pin_chunks_ahead",
+           "release_read_chunks"]
 
 logger = logging.getLogger("megatron_ckpt_ext.backend")
 
@@ -378,6 +379,18 @@ def _host_chunks(settings: ReadSettings) -> Any:
     # two per reading thread, one more per summing thread (in its hands)
     return direct_read.PinnedChunks.shared(2 * settings.threads + settings.checksum_threads,
                                            pin=True)
+
+
+def release_read_chunks() -> threading.Thread | None:
+    """The storage read's kept host chunks (pinned: 24 x 32 MiB a rank at one rank a host)
+    released on a thread of their own, where a load left them; called at each commit, since a
+    training job loads before it saves. None where there were none."""
+    if not direct_read.PinnedChunks.kept():
+        return None
+    thread = threading.Thread(target=direct_read.PinnedChunks.release_shared, daemon=True,
+                              name="mcx-release-read-chunks")
+    thread.start()
+    return thread
 
 
 def pin_chunks_ahead(threads: int, checksum_threads: int) -> threading.Thread:

@@ -316,6 +316,7 @@ class _SaveSteps:
             self._retention.after_commit(record.root)
         if self._preemption is not None:
             self._preemption.committed(record.iteration)
+        backend.release_read_chunks()  # a load's pinned chunks: not needed once training saves
         record.release()
         entry = report_entry(record, ranks, is_async=self._async)
         self.reports.append(entry)

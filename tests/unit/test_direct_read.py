@@ -214,3 +214,16 @@ def test_a_chunk_that_cannot_be_made_ahead_is_left_to_the_load(monkeypatch):
     monkeypatch.setattr(torch, "empty", real)
     got = [pool.take(), pool.take(), pool.take()]  # the load makes the other two
     assert pool.made == 3 and len({id(t) for t in got}) == 3
+
+
+def test_the_kept_chunks_are_released_once_and_a_later_load_makes_new_ones():
+    direct_read.PinnedChunks.release_shared()
+    assert not direct_read.PinnedChunks.release_shared()  # nothing kept
+    pool = direct_read.PinnedChunks.shared(2, 1 << 10, pin=False)
+    pool.give(pool.take())
+    assert direct_read.PinnedChunks.kept()
+    assert direct_read.PinnedChunks.release_shared() and not direct_read.PinnedChunks.kept()
+    assert pool._free.empty()  # its chunks dropped, not lent again
+    again = direct_read.PinnedChunks.shared(2, 1 << 10, pin=False)
+    assert again is not pool and again.made == 0
+    direct_read.PinnedChunks.release_shared()

@@ -241,3 +241,20 @@ def test_prepare_restore_pins_the_storage_reads_chunks_unless_memory_serves(pool
         assert ck.prepare_restore(root)  # the memory tier will restore it: nothing pinned
         assert len(asked) == 1
         restore_copy.drop_warm_bounce()
+
+
+def test_a_commit_releases_the_storage_reads_kept_chunks(one_rank_group, tmp_path):
+    """The host chunks a load kept (pinned, for a later load) go once the job saves."""
+    import threading
+
+    from megatron_ckpt_ext.backend import direct_read
+
+    pool = direct_read.PinnedChunks.shared(2, 1 << 10, pin=False)  # as a load leaves them
+    pool.give(pool.take())
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(_like(), tmp_path / "ckpt", iteration=1)
+        ck.maybe_finalize(blocking=True)
+    for t in threading.enumerate():
+        if t.name == "mcx-release-read-chunks":
+            t.join(10)
+    assert not direct_read.PinnedChunks.kept()
