@@ -10,6 +10,8 @@ by our Checkpointer (sync), every rank its shard. Every load is started on all r
 barrier; ``load_s`` is the slowest rank's. JSON (docs/benchmarks/README.md, "Load"):
 ``device``, ``versions``, ``world_size``, ``ranks_per_device``, ``layout``, ``command``,
 ``floors`` {``h2d_pinned_gbps``, ``read_warm_gbps``, ``read_cold_gbps``} (aggregates),
+``first_load`` (the process's first load, of the first source, timed apart before the repeats:
+it pays what later loads find done; null with ``--no-first-load``),
 ``runs`` [{``source``, ``cache``, ``state_bytes``, ``load_s``, ``per_rank_load_s``,
 ``max_over_median``, ``verified``}].
 
@@ -263,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-threads", type=int, default=None,
                    help="--ckpt-load-threads for ours (default: the option's default)")
     node.add_ranks_per_device(p)
+    p.add_argument("--no-first-load", dest="first_load", action="store_false",
+                   help="time no separate first load (by default the process's first load, of "
+                        "the first source, is timed apart as first_load, and the repeats after)")
     p.add_argument("--build-s", type=float, default=0.0,
                    help="seconds between our prepare_restore() and the load (the model build a "
                         "resume runs meanwhile; 0: none)")
@@ -350,6 +355,13 @@ class LoadBench:
 
     def run(self) -> dict:
         measured, runs = [self.floors()], []
+        # a process's first load pays what later ones find done (pinning, first CUDA calls: 3-4x
+        # a later load at 4 ranks, docs/node/README.md): timed apart, before the repeats
+        self.first = None
+        if self.args.first_load:
+            source, load = next(iter(self.loaders().items()))
+            cache = "warm" if "warm" in self.args.caches else self.args.caches[0]
+            self.first = self.one_load(source, cache, -1, load)
         for rep in range(self.args.repeats):
             for cache in self.args.caches:
                 for source, load in self.loaders().items():
@@ -375,7 +387,7 @@ class LoadBench:
                          "crc32": _crc.IMPLEMENTATION},
             "floors": {k: max(m[k] for m in measured) if measured[0][k] is not None else None
                        for k in ("h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps")},
-            "floor_samples": measured, "runs": runs,
+            "floor_samples": measured, "runs": runs, "first_load": self.first,
             "device_crc": self.device_crc,
         }
         out["targets"] = targets(runs, out["floors"])

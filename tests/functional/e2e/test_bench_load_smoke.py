@@ -114,6 +114,9 @@ def test_load_benchmark_times_only_the_sources_and_caches_asked(tmp_path):
     data = json.loads(out.read_text())
     assert [(r["variant"], r["cache"]) for r in data["runs"]] == [("ours", "warm"),
                                                                   ("megatron", "warm")]
+    first = data["first_load"]  # the process's first load, apart from the repeats
+    assert (first["variant"], first["cache"], first["repeat"]) == ("ours", "warm", -1)
+    assert first["load_s"] > 0 and first["bit_exact"]
     assert set(data["targets"]["met"]) == {"warm >= 0.8 x floor", "warm >= 4x megatron",
                                            "warm: no rank > 1.2x the median"}
 
