@@ -225,6 +225,7 @@ class _DeviceSums:
             if stream is not None:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     self._slot_values = slots.values()  # the blocks folded, one transfer
+                stream.synchronize()  # the other pieces' sums too, before collect() reads them
         except BaseException as e:  # noqa: BLE001
             self._error = self._error or e
 

@@ -131,3 +131,16 @@ def test_a_devices_chunk_sums_its_unaligned_ends_on_the_host(cpu_streams, monkey
     assert sorted((o, n) for o, n, _ in pieces) == [
         (0, skip), (skip, 3 * align), (skip + 3 * align, chunk.numel() - skip - 3 * align)]
     assert manifest.tiled_crc32(pieces, chunk.numel()) == zlib.crc32(view)
+
+
+def test_the_device_thread_waits_for_its_stream_before_collect_reads_the_sums(cpu_streams,
+                                                                              monkeypatch):
+    """A load whose pieces all took their own launches (no slot, so no transfer on the side
+    stream): the thread still waits for its stream before collect() reads their sums."""
+    synced = []
+    monkeypatch.setattr(_Stream, "synchronize", lambda self: synced.append(self))
+    sums = load_sums._DeviceSums()
+    data = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    sums.put("f.distcp", 0, data, copied=object())  # 1000 bytes: not a slot's kind
+    assert sums.collect()[0][3] == zlib.crc32(data.numpy())
+    assert synced
