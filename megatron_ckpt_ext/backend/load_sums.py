@@ -170,7 +170,7 @@ class _DeviceSums:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._ready: dict[str, bool] = {}
-        self._done: list = []  # (name, offset, length, slot index or linear crc on the device)
+        self._done: list = []  # (name, offset, length, its slot's index)
         self._slot_values: list[int] = []
         self._error: BaseException | None = None
         self._start_lock = threading.Lock()
@@ -188,6 +188,9 @@ class _DeviceSums:
             return self._ready[key]
 
     def put(self, name: str, offset: int, landed: Any, copied: Any) -> None:
+        """``landed``: a ``_crc_device.device_span`` piece (16-byte aligned, a multiple of
+        ``ALIGN`` bytes; ``_Sums.device_chunk`` cuts them); any other is an error collect()
+        raises."""
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, args=(landed.device,),
@@ -198,7 +201,7 @@ class _DeviceSums:
     def _run(self, device: Any) -> None:
         import torch
 
-        from .._crc_device import ALIGN, SLOT_BYTES, DeviceCrc, SlotSums
+        from .._crc_device import SLOT_BYTES, DeviceCrc, SlotSums
 
         stream = slots = None
         while (job := self._queue.get()) is not None:  # always drained up to its end
@@ -206,34 +209,26 @@ class _DeviceSums:
                 continue
             try:
                 if stream is None:
-                    crc, stream = DeviceCrc.on(device), torch.cuda.Stream(device=device)
-                    slots = SlotSums(crc)
+                    stream = torch.cuda.Stream(device=device)
+                    slots = SlotSums(DeviceCrc.on(device))
                 name, offset, landed, copied = job
                 stream.wait_event(copied)
                 with torch.cuda.device(device), torch.cuda.stream(stream):
-                    n = landed.numel()
-                    if n % ALIGN == 0 and landed.data_ptr() % 16 == 0:  # one slot a 64 MiB
-                        for a in range(0, n, SLOT_BYTES):
-                            piece = landed[a:a + SLOT_BYTES]
-                            self._done.append((name, offset + a, piece.numel(),
-                                               slots.add(piece)))
-                    else:  # any other piece: its own launches
-                        self._done.append((name, offset, n, crc.linear(landed)))
+                    for a in range(0, landed.numel(), SLOT_BYTES):  # one slot a 64 MiB
+                        piece = landed[a:a + SLOT_BYTES]
+                        self._done.append((name, offset + a, piece.numel(), slots.add(piece)))
             except BaseException as e:  # noqa: BLE001 - raised by collect()
                 self._error = e
         try:
             if stream is not None:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
-                    self._slot_values = slots.values()  # the blocks folded, one transfer
-                stream.synchronize()  # the other pieces' sums too, before collect() reads them
+                    # the blocks folded; one transfer, which waits for everything queued
+                    self._slot_values = slots.values()
         except BaseException as e:  # noqa: BLE001
             self._error = self._error or e
 
     def collect(self) -> list[tuple[str, int, int, int]]:
-        """Every chunk's (file, offset, bytes, CRC-32), once all are summed (one transfer for
-        the slots' sums, one for the other pieces')."""
-        import torch
-
+        """Every chunk's (file, offset, bytes, CRC-32), once all are summed (one transfer)."""
         from .._crc_device import finish
 
         if self._thread is None:
@@ -245,13 +240,8 @@ class _DeviceSums:
             raise self._error
         if not self._done:
             return []
-        own = [r for *_, r in self._done if not isinstance(r, int)]
-        own_raws = iter(torch.cat(own).cpu().tolist() if own else [])
-        out = []
-        for name, offset, n, r in self._done:
-            raw = self._slot_values[r] if isinstance(r, int) else next(own_raws)
-            out.append((name, offset, n, finish(raw & 0xFFFFFFFF, n)))
-        return out
+        return [(name, offset, n, finish(self._slot_values[index], n))
+                for name, offset, n, index in self._done]
 
     def close(self) -> None:
         if self._thread is not None:  # collect() was not reached (a failed read): end it

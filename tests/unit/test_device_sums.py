@@ -36,32 +36,41 @@ def cpu_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
 
-def test_chunks_summed_by_the_device_thread_fold_into_the_files_crc(cpu_streams):
+def test_chunks_summed_by_the_device_thread_fold_into_the_files_crc(cpu_streams, monkeypatch):
+    """Chunks of any length and alignment, handed over out of file order as the reading threads
+    finish: each one's aligned middle summed by the device thread, its ends on the host; every
+    piece folds into the file's CRC."""
+    from types import SimpleNamespace
+
+    from megatron_ckpt_ext import _crc_device
+
+    monkeypatch.setattr(_crc_device, "ready", lambda device: True)
     data = torch.randint(0, 256, (3_000_017,), dtype=torch.uint8)
-    sums = load_sums._DeviceSums()
+    sums = load_sums._Sums(True, 1, on_device=True)
+    plan = SimpleNamespace(what="f.distcp", summed=True)
+    assert sums.on_device(plan, "cpu")
     cuts = [0, 5, 1_048_576, 1_048_577, 2_500_000, data.numel()]
-    spans = list(zip(cuts, cuts[1:]))
-    for a, b in reversed(spans):  # handed over out of file order, as threads finish
-        sums.put("f.distcp", a, data[a:b], copied=object())
-    pieces = sums.collect()
-    assert sorted((o, n) for _, o, n, _ in pieces) == [(a, b - a) for a, b in spans]
-    for name, offset, n, crc in pieces:
-        assert name == "f.distcp" and crc == zlib.crc32(data[offset:offset + n].numpy())
-    folded = manifest.tiled_crc32([(o, n, c) for _, o, n, c in pieces], data.numel())
-    assert folded == zlib.crc32(data.numpy())
+    for a, b in reversed(list(zip(cuts, cuts[1:]))):
+        sums.device_chunk(plan, a, data[a:b], object(), memoryview(data[a:b].numpy()))
+    assert sums.device_bytes > 2_000_000  # the middles: the most of it
+    sums.wait()
+    pieces = sums._pieces["f.distcp"]
+    assert sum(n for _, n, _ in pieces) == data.numel()
+    assert manifest.tiled_crc32(pieces, data.numel()) == zlib.crc32(data.numpy())
 
 
 def test_a_failure_in_the_device_thread_is_raised_by_collect(cpu_streams, monkeypatch):
     from megatron_ckpt_ext import _crc_device
 
-    def broken(self, data):  # noqa: ANN001
+    def broken(self, data, out):  # noqa: ANN001
         raise RuntimeError("kernel launch failed")
 
-    monkeypatch.setattr(_crc_device.DeviceCrc, "linear", broken)
+    monkeypatch.setattr(_crc_device.DeviceCrc, "level0_into", broken)
     sums = load_sums._DeviceSums()
-    data = torch.zeros(4096, dtype=torch.uint8)
-    for a in range(0, 4096, 1024):  # later chunks after the failure are drained, not summed
-        sums.put("f.distcp", a, data[a:a + 1024], copied=object())
+    align = _crc_device.ALIGN
+    data = torch.zeros(4 * align, dtype=torch.uint8)
+    for a in range(0, 4 * align, align):  # later chunks after the failure are drained
+        sums.put("f.distcp", a, data[a:a + align], copied=object())
     with pytest.raises(RuntimeError, match="kernel launch failed"):
         sums.collect()
     sums.close()  # nothing left running
@@ -84,26 +93,30 @@ def test_one_load_sums_on_one_device_only(monkeypatch):
     assert not sums.ready("cuda:0")
 
 
-def test_aligned_chunks_are_summed_in_slots_across_blocks_beside_odd_ones(cpu_streams):
-    """More chunks than a block has slots, each a 16-byte aligned multiple of ALIGN (the slots'
-    path), among odd ones (their own launches): every chunk's CRC is zlib's."""
+def test_aligned_chunks_are_summed_in_slots_across_blocks(cpu_streams):
+    """More chunks than a block has slots, each a 16-byte aligned multiple of ALIGN: every
+    chunk's CRC is zlib's; a piece of any other kind is an error that collect() raises."""
     from megatron_ckpt_ext import _crc_device
 
     align = _crc_device.ALIGN
-    data = torch.randint(0, 256, ((_crc_device.SLOTS + 9) * 3 * align + 777,), dtype=torch.uint8)
+    data = torch.randint(0, 256, ((_crc_device.SLOTS + 9) * 3 * align,), dtype=torch.uint8)
     sums = load_sums._DeviceSums()
     spans, a = [], 0
     for i in range(_crc_device.SLOTS + 9):
         n = (1 + i % 3) * align
         spans.append((a, a + n))
         a += n
-    spans.append((a, data.numel()))  # 777 bytes and change: not a slot's kind
     for a, b in spans:
         sums.put("f.distcp", a, data[a:b], copied=object())
     pieces = sums.collect()
     assert sorted((o, n) for _, o, n, _ in pieces) == [(a, b - a) for a, b in spans]
     for _, offset, n, crc in pieces:
         assert crc == zlib.crc32(data[offset:offset + n].numpy())
+    odd = load_sums._DeviceSums()
+    odd.put("f.distcp", 0, data[:777], copied=object())
+    with pytest.raises(ValueError, match="aligned multiple"):
+        odd.collect()
+    odd.close()
 
 
 def test_a_devices_chunk_sums_its_unaligned_ends_on_the_host(cpu_streams, monkeypatch):
@@ -133,14 +146,16 @@ def test_a_devices_chunk_sums_its_unaligned_ends_on_the_host(cpu_streams, monkey
     assert manifest.tiled_crc32(pieces, chunk.numel()) == zlib.crc32(view)
 
 
-def test_the_device_thread_waits_for_its_stream_before_collect_reads_the_sums(cpu_streams,
-                                                                              monkeypatch):
-    """A load whose pieces all took their own launches (no slot, so no transfer on the side
-    stream): the thread still waits for its stream before collect() reads their sums."""
-    synced = []
-    monkeypatch.setattr(_Stream, "synchronize", lambda self: synced.append(self))
+
+def test_a_chunk_past_one_slot_is_cut_into_slots_at_their_offsets(cpu_streams):
+    from megatron_ckpt_ext import _crc_device
+
+    n = _crc_device.SLOT_BYTES + _crc_device.ALIGN
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8)
     sums = load_sums._DeviceSums()
-    data = torch.randint(0, 256, (1000,), dtype=torch.uint8)
-    sums.put("f.distcp", 0, data, copied=object())  # 1000 bytes: not a slot's kind
-    assert sums.collect()[0][3] == zlib.crc32(data.numpy())
-    assert synced
+    sums.put("f.distcp", 4096, data, copied=object())
+    pieces = sums.collect()
+    slot, align = _crc_device.SLOT_BYTES, _crc_device.ALIGN
+    assert [(o, k) for _, o, k, _ in pieces] == [(4096, slot), (4096 + slot, align)]
+    for _, offset, k, crc in pieces:
+        assert crc == zlib.crc32(data[offset - 4096:offset - 4096 + k].numpy())
