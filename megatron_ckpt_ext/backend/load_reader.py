@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
 from . import direct_read
+from .read_copies import (copies_landed, host_chunks, in_flight, release_when_copied,
+                          thread_stream)
 from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
 from ._imports import MCORE_DC, MCORE_STRATEGIES
 from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
@@ -296,17 +298,21 @@ def _prefetch_edges(files: _Files, item_md: Any) -> None:
 
 
 def _read_stripe(stripe: list, settings: ReadSettings, busy: _Busy, sums: "_Sums") -> None:
-    for plan, a, b in stripe:
-        _read_chunk(plan, a, b, settings, busy, sums)
+    try:
+        for plan, a, b in stripe:
+            _read_chunk(plan, a, b, settings, busy, sums)
+    finally:  # the stripe's copies have landed and its chunks are back before it ends
+        copies_landed(busy, keep=0)
 
 
 def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _Busy,
                 sums: "_Sums") -> None:
     """Bytes [a, b) of one direct item: into a CPU target's memory, or through a host chunk into
-    a device target (copied on this thread's stream). A chunk to be summed is summed on that
-    device where its CRC is ready (the device-sum thread, after the copy's event; the host chunk
-    goes back once copied), else it goes to the summing threads, which lend the host chunk again
-    once both its sum and its copy are done; this thread reads on meanwhile."""
+    a device target (copied on this thread's stream; the chunk goes back once the copy has
+    landed, :mod:`.read_copies`, while this thread reads on). A chunk to be summed is summed on
+    that device where its CRC is ready (the device-sum thread, after the copy's event), else it
+    goes to the summing threads, which lend the host chunk again once both its sum and its copy
+    are done."""
     import torch
 
     target = plan.target
@@ -319,66 +325,33 @@ def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _
         busy.add("read", t)
         sums.chunk(plan, offset, view)
         return
-    chunks = _host_chunks(settings)
+    chunks = host_chunks(settings.threads, settings.checksum_threads)
     buf = chunks.take()
     handed_over = False
     try:
         n = b - a
         view = direct_read.tensor_bytes(buf[:n])
         direct_read.pread_into(plan.fd, view, offset, plan.what)
-        t = busy.add("read", t)
-        stream = _thread_stream(target.device)
+        busy.add("read", t)
+        stream = thread_stream(target.device)
         with torch.cuda.stream(stream):
             flat[a:b].copy_(buf[:n], non_blocking=True)
-        if sums.on_device(plan, target.device):  # summed where it landed, by the device
-            copied = torch.cuda.Event()
-            copied.record(stream)
-            sums.device_chunk(plan, offset, flat[a:b], copied, view)
-            stream.synchronize()
-            busy.add("h2d", t)
-        elif plan.summed:
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        if plan.summed and not sums.on_device(plan, target.device):
             sums.chunk(plan, offset, view,
-                       then=partial(_release_when_copied, copied, chunks, buf, busy))
+                       then=partial(release_when_copied, copied, chunks, buf, busy))
             handed_over = True
         else:
-            stream.synchronize()
-            busy.add("h2d", t)
+            handed_over = True
+            try:  # the host's share of the sum reads the chunk before it can go back
+                if plan.summed:
+                    sums.device_chunk(plan, offset, flat[a:b], copied, view)
+            finally:
+                in_flight(copied, chunks, buf, busy)
     finally:
         if not handed_over:
             chunks.give(buf)
-
-
-def _release_when_copied(copied: Any, chunks: Any, buf: Any, busy: _Busy) -> None:
-    t = time.perf_counter()
-    try:
-        copied.synchronize()
-    finally:
-        chunks.give(buf)
-    busy.add("h2d", t)
-
-
-_local = threading.local()
-
-
-def _thread_stream(device: Any) -> Any:
-    import torch
-
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device=device)
-    stream = streams[device]
-    stream.wait_stream(torch.cuda.default_stream(device))  # the targets' allocation and fills
-    return stream
-
-
-def _host_chunks(settings: ReadSettings) -> Any:
-    # two per reading thread, one more per summing thread (in its hands)
-    return direct_read.PinnedChunks.shared(2 * settings.threads + settings.checksum_threads,
-                                           pin=True)
 
 
 def release_read_chunks() -> threading.Thread | None:
@@ -397,7 +370,7 @@ def pin_chunks_ahead(threads: int, checksum_threads: int) -> threading.Thread:
     """Before a load that reads storage with ``threads`` reading and ``checksum_threads``
     summing threads onto a device: the pinned host chunks its reads will copy through are made
     on a thread of their own (``mcx-pin-ahead``), so the load takes them made."""
-    pool = _host_chunks(ReadSettings(threads, checksum_threads=checksum_threads))
+    pool = host_chunks(threads, checksum_threads)
     thread = threading.Thread(target=pool.make_ahead, daemon=True, name="mcx-pin-ahead")
     thread.start()
     return thread
