@@ -69,6 +69,7 @@ from .megatron_fsdp import (FsdpApi, dbuffer_flat_axes, dbuffer_replicated_coord
 from .load_reader import (ReadResult, ReadSettings, metadata_read_once, parallel_reads,
                           pin_chunks_ahead, release_read_chunks)
 from .writer_files import checksummed_writes
+from .layouts_ahead import discard as discard_layouts, start as parse_layouts_ahead
 from .megatron_training import (MLM_MODULES, MegatronSeams, import_first_save_modules,
                                 megatron_sharded_state, megatron_training_module,
                                 megatron_training_seams)
@@ -79,6 +80,8 @@ __all__ = [
     "ReadResult",
     "ReadSettings",
     "pin_chunks_ahead",
+    "parse_layouts_ahead",
+    "discard_layouts",
     "release_read_chunks",
     "SaveReplay",
     "conversions_cached",

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
-from . import direct_read
+from . import direct_read, layouts_ahead
 from .read_copies import (copies_landed, host_chunks, in_flight, release_when_copied,
                           thread_stream)
 from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
@@ -159,9 +159,10 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         # 1. where each item's bytes are, and its target: the kernel is asked for every item's
         # header pages at once (a cold disk reads them in parallel), then they are parsed on
         # this thread (Python-bound: threads would only take turns on the GIL)
+        ahead = layouts_ahead.take(self.path)  # parsed while the model was built, if so
         for req in tensors:
-            _prefetch_edges(files, self.storage_data[req.storage_index])
-        plans = [_plan_item(self, files, planner, req, lock) for req in tensors]
+            _prefetch_edges(files, self.storage_data[req.storage_index], ahead)
+        plans = [_plan_item(self, files, planner, req, lock, ahead) for req in tensors]
         for p in plans:
             sums.direct_item(p, self.storage_data[p.req.storage_index])
         covered = sums.planned(files)
@@ -256,8 +257,8 @@ class _ItemPlan:
     summed: bool = False  # its record's chunks are CRC-32 pieces of its file
 
 
-def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
-               lock: threading.Lock) -> _ItemPlan:
+def _plan_item(reader: Any, files: _Files, planner: Any, req: Any, lock: threading.Lock,
+               ahead: layouts_ahead.LayoutsAhead | None = None) -> _ItemPlan:
     import torch
 
     item_md = reader.storage_data[req.storage_index]
@@ -266,7 +267,9 @@ def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
         plan.why = "the item is stored through a transform"
         return plan
     plan.fd = files.fd(item_md.relative_path)
-    layout, plan.why = direct_read.item_layout(plan.fd, item_md.offset, item_md.length)
+    found = ahead and ahead.layout(str(item_md.relative_path), plan.fd, item_md.offset,
+                                   item_md.length)
+    layout, plan.why = found or direct_read.item_layout(plan.fd, item_md.offset, item_md.length)
     if layout is None:
         return plan
     plan.layout = layout
@@ -291,8 +294,11 @@ def _plan_item(reader: Any, files: _Files, planner: Any, req: Any,
     return plan
 
 
-def _prefetch_edges(files: _Files, item_md: Any) -> None:
+def _prefetch_edges(files: _Files, item_md: Any,
+                    ahead: layouts_ahead.LayoutsAhead | None = None) -> None:
     fd, edge = files.fd(item_md.relative_path), direct_read.EDGE
+    if ahead and ahead.has(str(item_md.relative_path), item_md.offset, item_md.length):
+        return  # read and parsed ahead
     for start in {item_md.offset, max(item_md.offset, item_md.offset + item_md.length - edge)}:
         os.posix_fadvise(fd, start, edge, os.POSIX_FADV_WILLNEED)
 

@@ -18,7 +18,7 @@ from .._threads import thread_counts
 from ..collectives import Group
 from ..errors import CheckpointIntegrityError
 from ..options import CkptOptions
-from ..save.layout import TRACKER, checkpoint_name, parse_iteration
+from ..save.layout import checkpoint_name, parse_iteration, read_tracker
 from ..save.planner import copy_structure
 from .report import LoadRecord
 from .verify import agree as verify_agree
@@ -36,14 +36,21 @@ def read_ahead(options: CkptOptions, root: Path, *, pin_chunks: bool) -> None:
     """Before a load of ``root``, while the model is built (``Checkpointer.prepare_restore``):
     the device CRC a verifying load sums with is built, and, with ``pin_chunks`` (the load will
     read storage), where ``root`` has a committed checkpoint (its tracker) to read with parallel
-    reads in a process using CUDA, the pinned chunks the reads copy through are made, each on a
+    reads, the items' layouts in this rank's files of it are parsed (the load's metadata step)
+    and, in a process using CUDA, the pinned chunks the reads copy through are made, each on a
     thread of its own (a process's first load paid both: docs/node/README.md)."""
     import torch
 
     _crc_device.warm_up_current(options)
     threads = thread_counts(load_read=options.ckpt_load_threads)
-    if pin_chunks and threads.load_read > 1 and (root / TRACKER).is_file() and \
-            torch.cuda.is_available() and torch.cuda.is_initialized():
+    try:
+        iteration = read_tracker(root) if pin_chunks and threads.load_read > 1 else None
+    except ValueError:  # a damaged tracker: the load says so
+        iteration = None
+    if iteration is None:
+        return
+    backend.parse_layouts_ahead(checkpoint_name(root, iteration), rank())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         backend.pin_chunks_ahead(threads.load_read, threads.checksum)
 
 
@@ -123,6 +130,7 @@ class Loader:
                 raise
             return None, e, reads
         finally:
+            backend.discard_layouts(path)  # what was parsed ahead served this load
             if pending is not None:
                 pending.release()
 

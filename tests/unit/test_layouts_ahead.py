@@ -1,0 +1,116 @@
+"""The load's metadata step done ahead (backend/layouts_ahead.py): prepare_restore parses where
+each item's bytes lie in this rank's files of the checkpoint it will load, on a thread while the
+model is built; the load then parses none of them again, unless a file is not the one parsed
+(replaced since), and what was parsed serves that one load only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions, backend
+from megatron_ckpt_ext.backend import direct_read, layouts_ahead
+
+ITEMS = 6
+
+
+def _state(fill: float | None = None) -> dict:
+    st = backend.sharded_tensor_cls()
+    return {f"w{i}": st.from_rank_offsets(
+        f"w{i}", torch.full((512 + i,), fill) if fill is not None else torch.arange(512.0 + i) + i,
+        replica_id=0) for i in range(ITEMS)}
+
+
+@pytest.fixture
+def saved(one_rank_group, tmp_path):
+    root = tmp_path / "ckpt"
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(_state(), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+    return root
+
+
+def _ahead_done() -> None:
+    for t in threading.enumerate():
+        if t.name == "mcx-layouts-ahead":
+            t.join(30)
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """How many item layouts the load parses itself (the ahead thread is done before)."""
+    calls = []
+    real = direct_read.item_layout
+
+    def counting(fd, offset, length):
+        calls.append((offset, length))
+        return real(fd, offset, length)
+
+    def start_counting():
+        _ahead_done()
+        monkeypatch.setattr(direct_read, "item_layout", counting)
+    return calls, start_counting
+
+
+def _exact(state: dict) -> bool:
+    return all(torch.equal(state[f"w{i}"], torch.arange(512.0 + i) + i) for i in range(ITEMS))
+
+
+def test_a_load_after_prepare_restore_parses_none_of_its_items_again(saved, parsed):
+    calls, start_counting = parsed
+    with Checkpointer(CkptOptions()) as ck:
+        ck.prepare_restore(saved)
+        start_counting()
+        assert _exact(ck.load(_state(0.0), saved))
+        assert calls == []
+        assert ck.load_reports[-1]["direct_items"] == ITEMS
+        # served that load only: the next one (no prepare_restore) parses every item itself
+        assert _exact(ck.load(_state(0.0), saved))
+        assert len(calls) == ITEMS
+
+
+def test_a_file_replaced_after_the_parse_is_parsed_again(saved, parsed):
+    calls, start_counting = parsed
+    data = next((saved / "iter_0000001").glob("*.distcp"))
+    with Checkpointer(CkptOptions()) as ck:
+        ck.prepare_restore(saved)
+        start_counting()
+        shutil.copy2(data, data.with_suffix(".tmp"))  # the same bytes, another file
+        os.replace(data.with_suffix(".tmp"), data)
+        assert _exact(ck.load(_state(0.0), saved))
+    assert len(calls) == ITEMS
+
+
+def test_only_this_ranks_files_are_parsed_and_as_the_load_would(saved):
+    directory = saved / "iter_0000001"
+    other = layouts_ahead.LayoutsAhead(directory, rank=1)
+    other.run()
+    assert len(other) == 0  # rank 0 wrote every file here
+    mine = layouts_ahead.LayoutsAhead(directory, rank=0)
+    mine.run()
+    assert len(mine) == ITEMS
+    for (name, offset, length) in list(mine._layouts):
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            got, want = mine.layout(name, fd, offset, length), direct_read.item_layout(
+                fd, offset, length)
+        finally:
+            os.close(fd)
+        assert got[1] == want[1] == "" and got[0].start == want[0].start
+        assert (got[0].dtype, got[0].size, got[0].record) == (want[0].dtype, want[0].size,
+                                                              want[0].record)
+
+
+def test_nothing_is_parsed_without_a_checkpoint_and_nothing_kept_after_a_load(saved, tmp_path):
+    assert layouts_ahead.start(tmp_path / "nothing", 0) is None
+    assert layouts_ahead.take(tmp_path / "nothing") is None
+    with Checkpointer(CkptOptions()) as ck:
+        ck.prepare_restore(saved)
+        _ahead_done()
+        assert layouts_ahead.take(saved / "iter_0000001") is not None
+        ck.load(_state(0.0), saved)
+    assert layouts_ahead.take(saved / "iter_0000001") is None
