@@ -332,6 +332,7 @@ class Checkpointer(_SaveSteps):
         estimate = self.reports[-1].get("durable_s") if self.reports else None
         return self._preemption.agree(self._group, estimate_s=estimate)
 
+    @gc_pauses(None)  # as a save's: the collections the load's allocations bring run after it
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict | None:
         """Collective: load the committed checkpoint named by the tracker (or ``iteration``)
@@ -359,9 +360,7 @@ class Checkpointer(_SaveSteps):
         load_strategy = lambda: strategy.load_strategy(  # noqa: E731
             self.options, dp_group=self.dp_group, caps=self.caps)
         state = None
-        # megatron-core's load reassigns its ShardedTensors' data: it gets copies of them (the
-        # same tensors), so the caller's state and the prepare() below see them as given
-        work = copy_leaves(sharded_state_dict)
+        work = copy_leaves(sharded_state_dict)  # megatron-core reassigns what it loads into
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, work, path, record, self._group, load_strategy=
                                         load_strategy, proven=self._planner.validated_by_seal)

@@ -1,8 +1,7 @@
 """The load's metadata step done ahead: where each item's tensor bytes lie in this rank's files
 (:func:`.direct_read.item_layout`, the items' zip headers, read and parsed on one thread: 30-70
 ms of an 8 GiB load of 492 items on the H100 host, ``metadata_s`` in the load report), parsed on
-a thread of its own while the model is built (``Checkpointer.prepare_restore``), with the
-checkpoint's ``.metadata`` unpickled on the way. The load's reads take a file's layouts only
+a thread of its own while the model is built (``Checkpointer.prepare_restore``). The load's reads take a file's layouts only
 where the file is the one parsed (device, inode, size, modification time); anything else they
 parse as before. What was parsed ahead serves one load: the load discards it at its end."""
 
@@ -40,7 +39,6 @@ class LayoutsAhead:
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.directory, self.rank = Path(directory), rank
-        self.metadata: Any = None
         self._files: dict[str, tuple[int, int, int, int]] = {}
         self._layouts: dict[tuple[str, int, int], tuple[Any, str]] = {}
         self._done = threading.Event()
@@ -56,10 +54,12 @@ class LayoutsAhead:
 
     def _parse(self) -> None:
         with open(self.directory / ".metadata", "rb") as f:
-            self.metadata = pickle.load(f)
+            # not kept: its objects, alive until the load, would be promoted to the collector's
+            # oldest generation and bring a full collection nearer
+            storage_data = pickle.load(f).storage_data
         mine = re.compile(rf"__{self.rank}_\d+\.distcp$")
         by_file: dict[str, list[Any]] = {}
-        for info in self.metadata.storage_data.values():
+        for info in storage_data.values():
             if mine.match(str(info.relative_path)):
                 by_file.setdefault(str(info.relative_path), []).append(info)
         for name, items in by_file.items():

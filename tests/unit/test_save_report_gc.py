@@ -1,7 +1,7 @@
 """Python's cyclic collector is paused while a save blocks (its collections run after the save)
 and any collection that still runs inside a save is in its report (``stage_detail``:
 ``gc_pause_s``, ``gc_collections``); a save the collector left alone names neither.
-``MCX_GC_IN_SAVE=1`` leaves the collector running."""
+``MCX_GC_IN_SAVE=1`` leaves the collector running. A load runs with it paused too."""
 
 from __future__ import annotations
 
@@ -78,4 +78,23 @@ def test_a_save_that_fails_turns_the_collector_back_on(tmp_path):
 
     with Checkpointer(CkptOptions(), hooks=Fails()) as ck, pytest.raises(RuntimeError):
         ck.save(sharded(0, 1, {"w": torch.ones(8)}), tmp_path / "ckpt", iteration=1)
+    assert gc.isenabled()
+
+
+def test_a_load_runs_without_the_collector_from_its_first_step_to_its_last(tmp_path,
+                                                                          monkeypatch):
+    """Loads too: the collector is off from the locating of the checkpoint (before megatron-core
+    loads) to the end of the load, and on again after it, also when the load raises."""
+    from megatron_ckpt_ext import checkpointer
+
+    seen = []
+    real = checkpointer.locate
+    monkeypatch.setattr(checkpointer, "locate", lambda *a, **k: (seen.append(gc.isenabled()),
+                                                                 real(*a, **k))[1])
+    with Checkpointer(CkptOptions()) as ck:
+        assert ck.load({}, tmp_path / "nothing") is None
+        assert seen == [False] and gc.isenabled()
+        monkeypatch.setattr(checkpointer, "locate", lambda *a, **k: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            ck.load({}, tmp_path / "nothing")
     assert gc.isenabled()
