@@ -117,6 +117,7 @@ def take(directory: Any) -> LayoutsAhead | None:
 
 
 def discard(directory: Any) -> None:
-    """The load of ``directory`` is over: what was parsed ahead for it goes."""
+    """The load of ``directory`` is over: what was parsed ahead for it goes, and so does what
+    was parsed for any other directory (a load of another iteration than the tracker's)."""
     with _lock:
-        _by_dir.pop(_key(directory), None)
+        _by_dir.clear()

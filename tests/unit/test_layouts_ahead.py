@@ -114,3 +114,17 @@ def test_nothing_is_parsed_without_a_checkpoint_and_nothing_kept_after_a_load(sa
         assert layouts_ahead.take(saved / "iter_0000001") is not None
         ck.load(_state(0.0), saved)
     assert layouts_ahead.take(saved / "iter_0000001") is None
+
+
+def test_a_load_of_another_iteration_leaves_nothing_parsed_behind(one_rank_group, tmp_path):
+    root = tmp_path / "ckpt"
+    with Checkpointer(CkptOptions()) as ck:
+        for it in (1, 2):
+            ck.save(_state(), root, iteration=it)
+            ck.maybe_finalize(blocking=True)
+    with Checkpointer(CkptOptions()) as ck:
+        ck.prepare_restore(root)  # the tracker names iteration 2
+        _ahead_done()
+        assert layouts_ahead.take(root / "iter_0000002") is not None
+        assert _exact(ck.load(_state(0.0), root, iteration=1))
+    assert layouts_ahead.take(root / "iter_0000002") is None
