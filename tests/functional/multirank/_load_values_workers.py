@@ -42,3 +42,29 @@ def load_counting_metadata_reads(rank: int, world: int, root: str, threads: int)
         filesystem.FileSystemReader.read_metadata = real
     assert len(reads) == 1, f"rank {rank}: .metadata read {len(reads)} times: {reads}"
     assert all(torch.equal(got[k], v) for k, v in _state(rank, world).items())
+
+
+def load_with_layouts_ahead(rank: int, world: int, root: str) -> None:
+    """prepare_restore parses this rank's own file of the checkpoint (``__{rank}_*``), none of
+    the other's, and the load then parses none of the items it reads there again."""
+    import threading
+
+    from megatron_ckpt_ext.backend import direct_read, layouts_ahead
+
+    like = {k: torch.zeros_like(v) for k, v in _state(rank, world).items()}
+    with Checkpointer(CkptOptions(ckpt_load_threads=2)) as ck:
+        ck.prepare_restore(root)
+        for t in threading.enumerate():
+            if t.name == "mcx-layouts-ahead":
+                t.join(60)
+        ahead = layouts_ahead.take(os.path.join(root, "iter_0000001"))
+        assert ahead is not None and len(ahead) == 3, f"rank {rank}: {ahead and len(ahead)}"
+        assert {name for name, _, _ in ahead._layouts} == {f"__{rank}_0.distcp"}
+        real, parsed = direct_read.item_layout, []
+        direct_read.item_layout = lambda fd, o, n: (parsed.append(o), real(fd, o, n))[1]
+        try:
+            got = ck.load(sharded(rank, world, like), root)
+        finally:
+            direct_read.item_layout = real
+    assert parsed == [], f"rank {rank} parsed {len(parsed)} items again"
+    assert all(torch.equal(got[k], v) for k, v in _state(rank, world).items())
