@@ -45,7 +45,7 @@ def read_ahead(options: CkptOptions, root: Path, *, pin_chunks: bool) -> None:
     threads = thread_counts(load_read=options.ckpt_load_threads)
     try:
         iteration = read_tracker(root) if pin_chunks and threads.load_read > 1 else None
-    except ValueError:  # a damaged tracker: the load says so
+    except (ValueError, OSError):  # a damaged or unreadable tracker: the load says so
         iteration = None
     if iteration is None:
         return

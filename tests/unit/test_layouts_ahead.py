@@ -128,3 +128,17 @@ def test_a_load_of_another_iteration_leaves_nothing_parsed_behind(one_rank_group
         assert layouts_ahead.take(root / "iter_0000002") is not None
         assert _exact(ck.load(_state(0.0), root, iteration=1))
     assert layouts_ahead.take(root / "iter_0000002") is None
+
+
+@pytest.mark.parametrize("tracker", ["garbage", "a directory"])
+def test_a_damaged_tracker_is_left_to_the_load_to_report(one_rank_group, tmp_path, tracker):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    if tracker == "a directory":
+        (root / "latest_checkpointed_iteration.txt").mkdir()
+    else:
+        (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    with Checkpointer(CkptOptions()) as ck:
+        assert not ck.prepare_restore(root)  # nothing read ahead, nothing raised
+        with pytest.raises(OSError if tracker == "a directory" else ValueError):
+            ck.load(_state(0.0), root)
