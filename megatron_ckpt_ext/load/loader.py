@@ -119,8 +119,12 @@ class Loader:
                 if reads.why_not is not None and settings.threads > 1 and rank() == 0:
                     logger.info("--ckpt-load-threads: %s; loading with megatron-core's own "
                                 "reader", reads.why_not)
-                return (backend.dist_checkpointing().load(copy_structure(sharded_state_dict),
-                                                          str(path), load_strategy), None, reads)
+                # without megatron-core's sharding validation (a collective and a walk of every
+                # shard): prepare(), right after the load, or the first save validates the same
+                # structure (a save never writes unvalidated); a load reads right without it
+                return (backend.call_with_supported(
+                    backend.dist_checkpointing().load, copy_structure(sharded_state_dict),
+                    str(path), load_strategy, validate_access_integrity=False), None, reads)
         except (KeyboardInterrupt, SystemExit):
             raise
         # a damaged file can fail the load itself (torch raises CheckpointException, a
