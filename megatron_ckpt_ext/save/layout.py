@@ -77,6 +77,11 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:  # a directory, no permission: say what it must be
+        raise OSError(e.errno, f"{path} cannot be read ({e.strerror}). The tracker must be a "
+                      f"readable file holding the latest iteration: make it one ('echo N > "
+                      f"{path}' for an existing {root}/iter_{{N:07d}}) or pass "
+                      "load(iteration=N)") from e
     text = raw.strip()
     if not (0 < len(text) <= 12 and all(48 <= c <= 57 for c in text)):
         shown = raw[:40].decode("ascii", "backslashreplace")

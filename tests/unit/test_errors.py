@@ -112,6 +112,7 @@ DOCUMENTED_BUILTINS = {
     ("checkpointer.py", "RuntimeError"): "wrong state (a closed Checkpointer)",
     ("staging/shm.py", "RuntimeError"): "wrong state (a closed stager)",
     ("backend/direct_read.py", "OSError"): "the OS: a file cut short under a read",
+    ("save/layout.py", "OSError"): "the OS: a tracker that cannot be read, with the fix",
     ("staging/segments.py", "OSError"): "the OS: the open-files limit",
     ("backend/load_reader.py", "AssertionError"): "the backend's own: torch DCP's reader check",
     ("backend/direct_read.py", "pickle.UnpicklingError"): "internal: the item goes stock",

@@ -140,5 +140,7 @@ def test_a_damaged_tracker_is_left_to_the_load_to_report(one_rank_group, tmp_pat
         (root / "latest_checkpointed_iteration.txt").write_text(tracker)
     with Checkpointer(CkptOptions()) as ck:
         assert not ck.prepare_restore(root)  # nothing read ahead, nothing raised
-        with pytest.raises(OSError if tracker == "a directory" else ValueError):
+        with pytest.raises(OSError if tracker == "a directory" else ValueError,
+                           match="latest_checkpointed_iteration.txt") as raised:
             ck.load(_state(0.0), root)
+        assert "iteration=N" in str(raised.value)  # the fix is named
