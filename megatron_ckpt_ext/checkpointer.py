@@ -332,7 +332,7 @@ class Checkpointer(_SaveSteps):
         estimate = self.reports[-1].get("durable_s") if self.reports else None
         return self._preemption.agree(self._group, estimate_s=estimate)
 
-    @gc_pauses(None)  # as a save's: the collections the load's allocations bring run after it
+    @gc_pauses(None)  # as a save's: no full collection of the heap inside; they run after it
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict | None:
         """Collective: load the committed checkpoint named by the tracker (or ``iteration``)

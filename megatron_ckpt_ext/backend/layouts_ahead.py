@@ -66,9 +66,7 @@ class LayoutsAhead:
             fd = os.open(self.directory / name, os.O_RDONLY)
             try:
                 for info in items:  # a cold disk reads every header page at once
-                    for at in {info.offset, max(info.offset,
-                                                info.offset + info.length - direct_read.EDGE)}:
-                        os.posix_fadvise(fd, at, direct_read.EDGE, os.POSIX_FADV_WILLNEED)
+                    direct_read.prefetch_edges(fd, info.offset, info.length)
                 self._files[name] = _identity(os.fstat(fd))
                 for info in items:
                     self._layouts[(name, info.offset, info.length)] = direct_read.item_layout(
@@ -116,8 +114,8 @@ def take(directory: Any) -> LayoutsAhead | None:
     return ahead.wait() if ahead is not None else None
 
 
-def discard(directory: Any) -> None:
-    """The load of ``directory`` is over: what was parsed ahead for it goes, and so does what
-    was parsed for any other directory (a load of another iteration than the tracker's)."""
+def discard() -> None:
+    """A load is over: what was parsed ahead goes, for its directory and for any other (a load
+    of another iteration than the tracker's leaves none behind)."""
     with _lock:
         _by_dir.clear()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -296,11 +295,9 @@ def _plan_item(reader: Any, files: _Files, planner: Any, req: Any, lock: threadi
 
 def _prefetch_edges(files: _Files, item_md: Any,
                     ahead: layouts_ahead.LayoutsAhead | None = None) -> None:
-    fd, edge = files.fd(item_md.relative_path), direct_read.EDGE
     if ahead and ahead.has(str(item_md.relative_path), item_md.offset, item_md.length):
         return  # read and parsed ahead
-    for start in {item_md.offset, max(item_md.offset, item_md.offset + item_md.length - edge)}:
-        os.posix_fadvise(fd, start, edge, os.POSIX_FADV_WILLNEED)
+    direct_read.prefetch_edges(files.fd(item_md.relative_path), item_md.offset, item_md.length)
 
 
 def _read_stripe(stripe: list, settings: ReadSettings, busy: _Busy, sums: "_Sums") -> None:

@@ -5,8 +5,6 @@ older checkpoint that verifies. Every step is collective."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
 from pathlib import Path
@@ -113,7 +111,7 @@ class Loader:
         load_strategy = self._load_strategy()
         reads = backend.ReadResult()
         try:
-            with _no_gc_pause(), backend.parallel_reads(settings) as reads:
+            with backend.parallel_reads(settings) as reads:
                 if pending is not None and reads.why_not is not None:
                     pending.release()
                 if reads.why_not is not None and settings.threads > 1 and rank() == 0:
@@ -134,7 +132,7 @@ class Loader:
                 raise
             return None, e, reads
         finally:
-            backend.discard_layouts(path)  # what was parsed ahead served this load
+            backend.discard_layouts()  # what was parsed ahead served this load
             if pending is not None:
                 pending.release()
 
@@ -169,21 +167,6 @@ class Loader:
             f"{what}, and no older committed checkpoint under {path.parent} verifies "
             "(--ckpt-load-fallback). Fix: restore the files the errors name (their checkpoints "
             "then verify), or pass --no-ckpt-verify-load to load the latest unverified.")
-
-
-@contextlib.contextmanager
-def _no_gc_pause():
-    """The cyclic garbage collector off while megatron-core loads: the load unpickles its plans
-    and items (many small objects), which can start a full collection of the trainer's whole heap
-    in the middle of the load (its cost: docs/notes/benchmarks.md). Freed by reference counting
-    meanwhile; the collector is back on afterwards, unless the caller had it off."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:

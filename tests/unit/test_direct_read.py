@@ -227,3 +227,18 @@ def test_the_kept_chunks_are_released_once_and_a_later_load_makes_new_ones():
     again = direct_read.PinnedChunks.shared(2, 1 << 10, pin=False)
     assert again is not pool and again.made == 0
     direct_read.PinnedChunks.release_shared()
+
+
+def test_an_items_header_pages_are_asked_of_the_kernel_at_both_ends(monkeypatch):
+    """prefetch_edges (the load's metadata step, and the layouts parsed ahead) asks for the
+    EDGE bytes at each end of the item, once for an item shorter than that."""
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise",
+                        lambda fd, at, n, advice: asked.append((at, n, advice)))
+    edge = direct_read.EDGE
+    direct_read.prefetch_edges(3, 1000, 10 * edge)
+    assert sorted(asked) == [(1000, edge, os.POSIX_FADV_WILLNEED),
+                             (1000 + 9 * edge, edge, os.POSIX_FADV_WILLNEED)]
+    asked.clear()
+    direct_read.prefetch_edges(3, 1000, edge // 2)
+    assert asked == [(1000, edge, os.POSIX_FADV_WILLNEED)]
