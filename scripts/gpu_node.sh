@@ -10,6 +10,8 @@
 #   OUT=$OUT bash scripts/gpu_node.sh                   # 8 ranks, 1 GiB each
 #   OUT=$OUT NPROC=8 GIB=2 SAVES=5 bash scripts/gpu_node.sh
 #   STEPS="save load" ...: only those steps (default "checks save load")
+#   SAVE_ARGS / LOAD_ARGS: more arguments for bench_ckpt.py / bench_load.py (e.g.
+#   LOAD_ARGS="--sources ours ours_no_verify megatron --caches warm")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results folder}
@@ -38,9 +40,9 @@ cp "$WORK/checks/node_checks.json" "$OUT/" 2>/dev/null
 want save && run bench_save -- "${TR[@]}" benchmarks/bench_ckpt.py --device "$DEVICE" \
   --ranks-per-device "$RPD" --gib-per-rank "$GIB" --saves "$SAVES" \
   --modes ours-async-persistent-cpu-shm megatron-async-persistent-cpu-shm \
-  --out "$WORK/save" --json "$OUT/node_save.json"
+  --out "$WORK/save" --json "$OUT/node_save.json" ${SAVE_ARGS:-}
 rm -rf "$WORK/save"
 want load && run bench_load -- "${TR[@]}" benchmarks/bench_load.py --ranks-per-device "$RPD" \
-  --gib "$GIB" --repeats 2 --out "$WORK/load" --json "$OUT/node_load.json"
+  --gib "$GIB" --repeats 2 --out "$WORK/load" --json "$OUT/node_load.json" ${LOAD_ARGS:-}
 rm -rf "$WORK"
 echo "[$(( $(date +%s) - START ))s] done"
