@@ -470,11 +470,15 @@ def _flatness(runs: list[dict]) -> dict | None:
 def _targets(mode: dict, stock: dict | None, bytes_: int) -> dict:
     """The issue's targets for our cpu-shm mode (measured here, not asserted in tests)."""
     t: dict[str, Any] = {}
+    node_ranks = mode.get("node_ranks", 1)
     if mode.get("blocking_steady_s") is not None:
-        bound = 1.15 * mode["floor_d2h_s"]
-        t["steady_blocking_le_1.15x_d2h_floor"] = {"value_s": mode["blocking_steady_s"],
-                                                   "bound_s": round(bound, 6),
-                                                   "met": mode["blocking_steady_s"] <= bound}
+        # one rank: <= 1.05x its copy floor (issue 31); several ranks of a node: <= 1.1x the
+        # floor measured with all of them copying at once (issue 33)
+        factor = 1.1 if node_ranks > 1 else 1.05
+        bound = factor * mode["floor_d2h_s"]
+        t[f"steady_blocking_le_{factor}x_d2h_floor"] = {"value_s": mode["blocking_steady_s"],
+                                                        "bound_s": round(bound, 6),
+                                                        "met": mode["blocking_steady_s"] <= bound}
     if stock and stock.get("blocking_first3_s"):
         bound = stock["blocking_first3_s"][0] / 5
         t["first_blocking_le_stock_first/5"] = {"value_s": mode["blocking_first3_s"][0],
@@ -487,7 +491,6 @@ def _targets(mode: dict, stock: dict | None, bytes_: int) -> dict:
                                              "met": mode["durable_steady_s"] <= bound}
     # measured: process tree (Pss_Anon, the writer process included) + /dev/shm; buffers: what
     # the Checkpointer itself reports holding (staging buffers only)
-    node_ranks = mode.get("node_ranks", 1)
     if node_ranks > 1:
         # several ranks on a node: each rank's own figure counts all of /dev/shm (every rank
         # sees it), so the bound is the node's: its process trees + /dev/shm once, against the

@@ -208,6 +208,26 @@ def test_node_memory_target_compares_the_node_with_its_ranks_staging():
     assert one["host_extra_le_1.05x_state"]["met"] is True  # one rank: its own figure
 
 
+def test_steady_target_is_the_issues_bound_for_one_rank_and_for_a_node():
+    """The steady save's bound is 1.05x the copy floor at one rank and 1.1x the all-ranks floor
+    on a node of several ranks (the issues' targets), named by its factor."""
+    import bench_ckpt
+
+    def mode(steady, ranks):
+        return {"blocking_steady_s": steady, "floor_d2h_s": 1.0, "floor_write_s": 1.0,
+                "host_extra_max_bytes": 100, "host_extra_node_max_bytes": 100 * ranks,
+                "node_ranks": ranks}
+
+    one = bench_ckpt._targets(mode(1.06, 1), None, 100)["steady_blocking_le_1.05x_d2h_floor"]
+    assert (one["bound_s"], one["met"]) == (1.05, False)
+    assert bench_ckpt._targets(mode(1.04, 1), None, 100)[
+        "steady_blocking_le_1.05x_d2h_floor"]["met"] is True
+    node = bench_ckpt._targets(mode(1.06, 8), None, 100)["steady_blocking_le_1.1x_d2h_floor"]
+    assert (node["bound_s"], node["met"]) == (1.1, True)
+    assert bench_ckpt._targets(mode(1.12, 8), None, 100)[
+        "steady_blocking_le_1.1x_d2h_floor"]["met"] is False
+
+
 def test_ranks_per_device_layouts():
     import _bench_node as node
 
