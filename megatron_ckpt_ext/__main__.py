@@ -39,11 +39,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "verify":
-        from .verify_cli import run
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's import chatter (pynvml) is not ours to print
+            from .verify_cli import run
 
         return run(args.dir, iteration=args.iteration, workers=args.workers)
     if args.command == "shm":
-        from .shm_cli import run as shm
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from .shm_cli import run as shm
 
         return shm(args.action, shm_dir=args.dir)
     from . import doctor
