@@ -7,7 +7,9 @@ as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import os
 import threading
 from typing import Any, Callable, Iterator, Mapping
@@ -92,3 +94,49 @@ def factory_wrapped(module_name: str, wrap: Callable[[Any], Any]) -> Iterator[st
         yield None
     finally:
         setattr(module, _FACTORY, original)
+
+
+_DCP_LOADS = ("load_state_dict", "load")
+
+
+@contextlib.contextmanager
+def local_plan_at_one_rank() -> Iterator[bool]:
+    """While inside, where torch.distributed's default group has one rank: torch DCP's
+    ``load_state_dict`` / ``load``, called without ``no_dist``, plan the load on this rank
+    alone (``no_dist=True``, as megatron-core 0.19 asks itself). megatron-core <= 0.16 lets DCP
+    gather and scatter the load's plan over the process group, which at one rank pickles every
+    read item twice to exchange it with itself; the one rank's plan is the global plan. A call
+    on a group of more than one rank, or that says ``no_dist`` itself, is left as it is.
+    Yields whether it applies."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != 1:
+        yield False
+        return
+    import torch.distributed.checkpoint as dcp
+
+    originals = {name: getattr(dcp, name, None) for name in _DCP_LOADS}
+    for name, fn in originals.items():
+        if fn is not None and "no_dist" in inspect.signature(fn).parameters:
+            setattr(dcp, name, _planned_locally(fn, dist))
+    try:
+        yield True
+    finally:
+        for name, fn in originals.items():
+            if fn is not None:
+                setattr(dcp, name, fn)
+
+
+def _planned_locally(fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        group = bound.get("process_group")
+        if "no_dist" not in bound and (group is None or dist.get_world_size(group) == 1):
+            kwargs["no_dist"] = True
+        return fn(*args, **kwargs)
+
+    return call
+

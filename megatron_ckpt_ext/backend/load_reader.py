@@ -23,7 +23,8 @@ from .read_copies import (copies_landed, host_chunks, in_flight, release_when_co
                           thread_stream)
 from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
 from ._imports import MCORE_DC, MCORE_STRATEGIES
-from .load_metadata import MetadataMemo, factory_wrapped, memo_read_metadata, share
+from .load_metadata import (MetadataMemo, factory_wrapped, local_plan_at_one_rank,
+                            memo_read_metadata, share)
 from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
 
 __all__ = ["ReadResult", "ReadSettings", "parallel_reads", "pin_chunks_ahead",
@@ -95,7 +96,8 @@ def parallel_reads(settings: ReadSettings) -> Iterator[ReadResult]:
 
     # megatron-core 0.19's common-state load builds its reader by its own name for the factory
     with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
-            factory_wrapped(f"{MCORE_STRATEGIES}.torch", built) as why_not:
+            factory_wrapped(f"{MCORE_STRATEGIES}.torch", built) as why_not, \
+            local_plan_at_one_rank():
         result.why_not = why_not or (None if settings.threads > 1 else "one read thread asked for")
         yield result
 
@@ -107,7 +109,8 @@ def metadata_read_once() -> Iterator[None]:
     megatron-core does otherwise (a restore from memory's load of the non-tensor state)."""
     memo = MetadataMemo()
     with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
-            factory_wrapped(f"{MCORE_STRATEGIES}.torch", partial(share, memo=memo)):
+            factory_wrapped(f"{MCORE_STRATEGIES}.torch", partial(share, memo=memo)), \
+            local_plan_at_one_rank():
         yield
 
 

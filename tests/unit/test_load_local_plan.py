@@ -1,0 +1,73 @@
+"""A load at one rank plans on its own rank: torch DCP is not asked to gather and scatter the
+load's plan over a process group of one (megatron-core <= 0.16 lets it, pickling every read item
+twice; 0.19 asks for ``no_dist`` itself). Calls that say ``no_dist``, or run on a larger group,
+are left as they are, and nothing is wrapped outside a one-rank group or after the load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions, backend
+from megatron_ckpt_ext.backend import load_metadata
+
+pytestmark = pytest.mark.unit
+
+
+def _state(fill: float | None = None) -> dict:
+    st = backend.sharded_tensor_cls()
+    return {f"w{i}": st.from_rank_offsets(
+        f"w{i}", torch.full((64,), fill) if fill is not None else torch.arange(64.0) + i,
+        replica_id=0) for i in range(3)}
+
+
+def test_a_one_rank_load_asks_dcp_for_no_collective(one_rank_group, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import utils
+
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(_state(), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+    real, use_dist = utils._DistWrapper.__init__, []
+
+    def init(self, group, use, *args, **kwargs):
+        use_dist.append(use)
+        real(self, group, use, *args, **kwargs)
+
+    monkeypatch.setattr(utils._DistWrapper, "__init__", init)
+    before = {name: getattr(dcp, name) for name in ("load_state_dict", "load")}
+    with Checkpointer(CkptOptions()) as ck:
+        got = ck.load(_state(0.0), tmp_path)
+    assert use_dist and not any(use_dist), use_dist  # every DCP load of it planned locally
+    assert all(torch.equal(got[f"w{i}"], torch.arange(64.0) + i) for i in range(3))
+    assert all(getattr(dcp, name) is fn for name, fn in before.items())  # put back after it
+
+
+class _Dist:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_world_size(self, group=None) -> int:
+        return self.size
+
+
+def _fake_load(state_dict, storage_reader, process_group=None, coordinator_rank=0,
+               no_dist=False, planner=None):
+    return no_dist
+
+
+def test_a_call_that_says_no_dist_or_runs_on_a_larger_group_is_left_alone():
+    local = load_metadata._planned_locally(_fake_load, _Dist(1))
+    assert local({}, None) is True
+    assert local({}, None, None, 0, False) is False  # said positionally
+    assert local({}, None, no_dist=False) is False
+    on_two = load_metadata._planned_locally(_fake_load, _Dist(2))
+    assert on_two({}, None, process_group=object()) is False
+
+
+def test_nothing_is_wrapped_without_a_one_rank_group():
+    before = dcp.load_state_dict
+    with load_metadata.local_plan_at_one_rank() as applies:
+        assert applies is False
+        assert dcp.load_state_dict is before
+    assert dcp.load_state_dict is before
