@@ -133,10 +133,11 @@ def _planned_locally(fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind_partial(*args, **kwargs).arguments
-        group = bound.get("process_group")
-        if "no_dist" not in bound and (group is None or dist.get_world_size(group) == 1):
+        # asked at each call (the group it loads on, None: the default one), so a wrapper a
+        # concurrent load left installed never skips a collective a larger group needs
+        if "no_dist" not in bound and dist.is_initialized() and \
+                dist.get_world_size(bound.get("process_group")) == 1:
             kwargs["no_dist"] = True
         return fn(*args, **kwargs)
 
     return call
-

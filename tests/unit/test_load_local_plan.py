@@ -44,11 +44,14 @@ def test_a_one_rank_load_asks_dcp_for_no_collective(one_rank_group, tmp_path, mo
 
 
 class _Dist:
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, default: int = 1) -> None:
+        self.size, self.default = size, default
+
+    def is_initialized(self) -> bool:
+        return True
 
     def get_world_size(self, group=None) -> int:
-        return self.size
+        return self.default if group is None else self.size
 
 
 def _fake_load(state_dict, storage_reader, process_group=None, coordinator_rank=0,
@@ -63,6 +66,8 @@ def test_a_call_that_says_no_dist_or_runs_on_a_larger_group_is_left_alone():
     assert local({}, None, no_dist=False) is False
     on_two = load_metadata._planned_locally(_fake_load, _Dist(2))
     assert on_two({}, None, process_group=object()) is False
+    # a wrapper left installed while the default group grew: the collectives run
+    assert load_metadata._planned_locally(_fake_load, _Dist(2, default=2))({}, None) is False
 
 
 def test_nothing_is_wrapped_without_a_one_rank_group():
