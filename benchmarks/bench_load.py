@@ -9,11 +9,13 @@ bench_ckpt.py (benchmarks/_bench_node.py). The state is bench_ckpt.py's syntheti
 by our Checkpointer (sync), every rank its shard. Every load is started on all ranks by one
 barrier; ``load_s`` is the slowest rank's. JSON (docs/benchmarks/README.md, "Load"):
 ``device``, ``versions``, ``world_size``, ``ranks_per_device``, ``layout``, ``command``,
-``floors`` {``h2d_pinned_gbps``, ``read_warm_gbps``, ``read_cold_gbps``} (aggregates),
+``floors`` {``h2d_pinned_gbps``, ``read_warm_gbps``, ``read_cold_gbps``} (aggregates; the cold
+one null where ``--caches warm`` times no cold load),
 ``first_load`` (the process's first load, of the first source, timed apart before the repeats:
 it pays what later loads find done; null with ``--no-first-load``),
 ``runs`` [{``source``, ``cache``, ``state_bytes``, ``load_s``, ``per_rank_load_s``,
-``max_over_median``, ``verified``}].
+``max_over_median``, ``verified``, ``load_threads`` (ours: its reading threads a rank)}];
+with several ``--load-threads`` values, ``by_load_threads`` {value: the targets of its runs}.
 
     torchrun --nproc-per-node 1 benchmarks/bench_load.py --gib 4 --repeats 2 --json $OUT/load.json
     torchrun --nproc-per-node 8 benchmarks/bench_load.py --gib 1 --json $OUT/load8.json  # a node
@@ -120,23 +122,27 @@ def _share(checkpoint: Path) -> list[Path]:
     return _files(checkpoint)[dist.get_rank()::dist.get_world_size()]
 
 
-def read_floors(ctl: node.Ctl, checkpoint: Path, threads: int) -> dict:
-    """Cold, then warm (best over thread counts) parallel reads of every rank's share of the
-    files, every rank at once: aggregate GB/s (all ranks' bytes over the slowest rank's seconds)
-    and each rank's seconds."""
+def read_floors(ctl: node.Ctl, checkpoint: Path, threads: int, cold: bool = True) -> dict:
+    """Cold (unless ``cold`` is False: no cold load is timed, so no cold floor is needed; the
+    cold figures are then None), then warm (best over thread counts) parallel reads of every
+    rank's share of the files, every rank at once: aggregate GB/s (all ranks' bytes over the
+    slowest rank's seconds) and each rank's seconds."""
     share, on_disk = _share(checkpoint), sum(f.stat().st_size for f in _files(checkpoint))
-    drop_pages(checkpoint)
-    ctl.barrier()
-    cold = ctl.gather(parallel_read_s(share, threads, ready=ctl.barrier))
+    cold_s = None
+    if cold:
+        drop_pages(checkpoint)
+        ctl.barrier()
+        cold_s = ctl.gather(parallel_read_s(share, threads, ready=ctl.barrier))
     warm: list[float] | None = None
     for n in sorted({max(1, threads // 2), threads, 2 * threads}):
         parallel_read_s(share, n)  # in the page cache
         seconds = ctl.gather(parallel_read_s(share, n, ready=ctl.barrier))
         if warm is None or max(seconds) < max(warm):
             warm, warm_threads = seconds, n
-    return {"read_cold_gbps": round(on_disk / max(cold) / 1e9, 3),
+    return {"read_cold_gbps": round(on_disk / max(cold_s) / 1e9, 3) if cold_s else None,
             "read_warm_gbps": round(on_disk / max(warm) / 1e9, 3),
-            "read_warm_threads": warm_threads, "read_cold_s": node.spread(cold),
+            "read_warm_threads": warm_threads,
+            "read_cold_s": node.spread(cold_s) if cold_s else None,
             "read_warm_s": node.spread(warm)}
 
 
@@ -234,7 +240,8 @@ def targets(runs: list[dict], floors: dict) -> dict:
     bound = min(g for g in (floors["h2d_pinned_gbps"], floors["read_warm_gbps"]) if g)
     out = {"warm_floor_gbps": bound,
            "warm_speedup_over_megatron": _ratio(med("megatron", "warm"), ours_w),
-           "cold_gbps_over_floor": _ratio(on_disk / 1e9 / floors["read_cold_gbps"], ours_c),
+           "cold_gbps_over_floor": _ratio(on_disk / 1e9 / floors["read_cold_gbps"], ours_c)
+           if floors["read_cold_gbps"] else None,  # no cold floor where no cold load ran
            "verify_cost_warm": _ratio(ours_w, med("ours_no_verify", "warm"), minus=1),
            "warm_no_verify_gbps_over_floor": _ratio(on_disk / 1e9 / bound,
                                                     med("ours_no_verify", "warm")),
@@ -262,8 +269,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="threads per rank of the read floors (default: twice the reading "
                    "threads that suit this rank's share of the cores)")
-    p.add_argument("--load-threads", type=int, default=None,
-                   help="--ckpt-load-threads for ours (default: the option's default)")
+    p.add_argument("--load-threads", type=int, nargs="+", default=[None],
+                   help="--ckpt-load-threads for ours (default: the option's default); several "
+                   "values: each repeat loads ours with each in turn (an A/B in one run), the "
+                   "runs name theirs (load_threads) and the targets are the first value's")
     node.add_ranks_per_device(p)
     p.add_argument("--no-first-load", dest="first_load", action="store_false",
                    help="time no separate first load (by default the process's first load, of "
@@ -308,24 +317,26 @@ class LoadBench:
         self.on_disk = sum(f.stat().st_size for f in _files(self.checkpoint))
 
     def floors(self) -> dict:
-        out = read_floors(self.ctl, self.checkpoint, self.args.threads)
+        out = read_floors(self.ctl, self.checkpoint, self.args.threads,
+                          cold="cold" in self.args.caches)
         h2d = node.h2d_floor(self.ctl, self.device, self.nbytes)
         out["h2d_pinned_gbps"] = h2d["aggregate_gbps"] if h2d else None
         out["h2d"] = h2d
         return out
 
-    def loaders(self) -> dict[str, Callable[[], tuple]]:
+    def loaders(self, threads: int | None = None) -> dict[str, Callable[[], tuple]]:
+        """The sources asked, ours with ``threads`` reading threads (None: the default)."""
         a, ready, state = self.args, self.ctl.barrier, self.state
-        out = {"ours": lambda: load_ours(self.root, state, True, a.load_threads, ready,
-                                         a.build_s),
-               "ours_no_verify": lambda: load_ours(self.root, state, False, a.load_threads,
-                                                   ready, a.build_s),
+        out = {"ours": lambda: load_ours(self.root, state, True, threads, ready, a.build_s),
+               "ours_no_verify": lambda: load_ours(self.root, state, False, threads, ready,
+                                                   a.build_s),
                "megatron": lambda: load_megatron(self.checkpoint, state, ready)}
         if dist.get_world_size() == 1:  # plain DCP loads whole tensors: sharded needs DTensors
             out["torch_dcp"] = lambda: load_dcp(self.checkpoint, state, ready)
         return {name: load for name, load in out.items() if name in a.sources}
 
-    def one_load(self, source: str, cache: str, rep: int, load: Callable[[], tuple]) -> dict:
+    def one_load(self, source: str, cache: str, rep: int, load: Callable[[], tuple],
+                 threads: int | None = None) -> dict:
         if cache == "cold":
             drop_pages(self.checkpoint)
         else:
@@ -337,6 +348,8 @@ class LoadBench:
         entry = {"source": "ours" if source.startswith("ours") else source, "variant": source,
                  "cache": cache, "repeat": rep, "state_bytes": self.nbytes,
                  "bytes_on_disk": self.on_disk, "load_s": seconds["max"],
+                 "load_threads": self._read_threads(threads) if source.startswith("ours")
+                 else None,
                  "per_rank_load_s": seconds["per_rank"],
                  "max_over_median": seconds["max_over_median"],
                  "bit_exact": all(r[1] for r in ranks),
@@ -347,7 +360,8 @@ class LoadBench:
             entry["stock_items"] = sum(r[2]["stock_items"] for r in ranks)
             entry["device_summed_bytes"] = sum(r[2].get("device_summed_bytes", 0) for r in ranks)
         if dist.get_rank() == 0:
-            print(f"[bench_load] {source:15s} {cache}: {entry['load_s']:.3f} s "
+            tag = f" t{entry['load_threads']}" if len(self.args.load_threads) > 1 else ""
+            print(f"[bench_load] {source + tag:15s} {cache}: {entry['load_s']:.3f} s "
                   f"({self.on_disk / entry['load_s'] / 1e9:.2f} GB/s, slowest rank "
                   f"{entry['max_over_median']}x the median) bit_exact={entry['bit_exact']}",
                   flush=True)
@@ -358,21 +372,27 @@ class LoadBench:
         # a process's first load pays what later ones find done (pinning, first CUDA calls: 3-4x
         # a later load at 4 ranks, docs/node/README.md): timed apart, before the repeats
         self.first = None
+        values = self.args.load_threads
         if self.args.first_load:
-            source, load = next(iter(self.loaders().items()))
+            source, load = next(iter(self.loaders(values[0]).items()))
             cache = "warm" if "warm" in self.args.caches else self.args.caches[0]
-            self.first = self.one_load(source, cache, -1, load)
+            self.first = self.one_load(source, cache, -1, load, values[0])
         for rep in range(self.args.repeats):
             for cache in self.args.caches:
-                for source, load in self.loaders().items():
-                    runs.append(self.one_load(source, cache, rep, load))
+                for i, threads in enumerate(values):  # ours with each; the others once
+                    for source, load in self.loaders(threads).items():
+                        if i == 0 or source.startswith("ours"):
+                            runs.append(self.one_load(source, cache, rep, load, threads))
             measured.append(self.floors())
         return self.result(measured, runs)
 
+    def _read_threads(self, threads: int | None) -> int:
+        return thread_counts(load_read=threads or CkptOptions().ckpt_load_threads).load_read
+
     def result(self, measured: list[dict], runs: list[dict]) -> dict:
         caps = backend.detect()
-        threads = thread_counts(load_read=self.args.load_threads
-                                or CkptOptions().ckpt_load_threads)
+        first = self._read_threads(self.args.load_threads[0])
+        threads = thread_counts(load_read=first)
         out = {
             "schema": "megatron-ckpt-ext/bench_load/1", "argv": sys.argv,
             "command": node.command_line(self.layout),
@@ -390,7 +410,14 @@ class LoadBench:
             "floor_samples": measured, "runs": runs, "first_load": self.first,
             "device_crc": self.device_crc,
         }
-        out["targets"] = targets(runs, out["floors"])
+        # the targets are the first --load-threads value's; the others' runs stand beside them
+        out["targets"] = targets([r for r in runs if r["load_threads"] in (None, first)],
+                                 out["floors"])
+        if len(self.args.load_threads) > 1:
+            out["by_load_threads"] = {
+                str(t): targets([r for r in runs if r["load_threads"] in (None, t)],
+                                out["floors"])
+                for t in dict.fromkeys(self._read_threads(v) for v in self.args.load_threads)}
         return out
 
 

@@ -106,19 +106,32 @@ def test_memory_restore_benchmark_smoke(tmp_path):
 
 @pytest.mark.functional
 def test_load_benchmark_times_only_the_sources_and_caches_asked(tmp_path):
+    """--caches warm: no cold load and no cold floor (a cold pass over a node's checkpoint costs
+    minutes); --load-threads 2 3: ours with each in turn, the other sources once, each run naming
+    its threads, the targets the first value's and each value's beside them."""
     out = tmp_path / "load.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--cpu-smoke",
                     "--repeats", "1", "--sources", "ours", "megatron", "--caches", "warm",
+                    "--load-threads", "2", "3",
                     "--out", str(tmp_path / "ckpt"), "--json", str(out)],
                    check=True, cwd=ROOT, timeout=300)
     data = json.loads(out.read_text())
-    assert [(r["variant"], r["cache"]) for r in data["runs"]] == [("ours", "warm"),
-                                                                  ("megatron", "warm")]
+    assert [(r["variant"], r["cache"], r["load_threads"]) for r in data["runs"]] == [
+        ("ours", "warm", 2), ("megatron", "warm", None), ("ours", "warm", 3)]
+    assert all(r["bit_exact"] for r in data["runs"])
+    assert data["floors"]["read_cold_gbps"] is None and data["floors"]["read_warm_gbps"] > 0
+    assert all(s["read_cold_s"] is None for s in data["floor_samples"])
     first = data["first_load"]  # the process's first load, apart from the repeats
     assert (first["variant"], first["cache"], first["repeat"]) == ("ours", "warm", -1)
-    assert first["load_s"] > 0 and first["bit_exact"]
+    assert first["load_s"] > 0 and first["bit_exact"] and first["load_threads"] == 2
+    assert data["threads_per_rank"]["load_read"] == 2
     assert set(data["targets"]["met"]) == {"warm >= 0.8 x floor", "warm >= 4x megatron",
                                            "warm: no rank > 1.2x the median"}
+    by = data["by_load_threads"]
+    assert set(by) == {"2", "3"} and by["2"] == data["targets"]
+    ours3 = [r["load_s"] for r in data["runs"] if r["load_threads"] == 3][0]
+    megatron = data["runs"][1]["load_s"]
+    assert by["3"]["warm_speedup_over_megatron"] == round(megatron / ours3, 3)
 
 
 @pytest.mark.functional
