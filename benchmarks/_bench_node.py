@@ -244,7 +244,10 @@ def d2h_floor(ctl: Ctl, device: torch.device, nbytes: int, reps: int = 5) -> dic
     copying at once."""
     src = torch.randint(1, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    return _copy_floor(ctl, src, dst, reps)
+    out = _copy_floor(ctl, src, dst, reps)
+    del src, dst
+    release_cached(device)
+    return out
 
 
 def h2d_floor(ctl: Ctl, device: torch.device, nbytes: int, reps: int = 2) -> dict | None:
@@ -253,7 +256,22 @@ def h2d_floor(ctl: Ctl, device: torch.device, nbytes: int, reps: int = 2) -> dic
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return _copy_floor(ctl, src, dst, reps)
+    out = _copy_floor(ctl, src, dst, reps)
+    del src, dst
+    release_cached(device)
+    return out
+
+
+def release_cached(device: torch.device) -> None:
+    """Give a floor's buffers back: torch keeps freed pinned host blocks and device blocks cached
+    (a state-sized floor would otherwise hold its bytes through the timed runs)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    empty = (getattr(torch._C, "_host_emptyCache", None)
+             or getattr(torch._C, "_accelerator_emptyHostCache", None))
+    if empty is not None:
+        empty()
 
 
 def write_floor(ctl: Ctl, directory: Path, nbytes: int, streams: int) -> dict:

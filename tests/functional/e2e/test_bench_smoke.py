@@ -56,6 +56,32 @@ def test_json_has_the_schema(result):
 
 @pytest.mark.functional
 @pytest.mark.timeout(450)
+def test_the_copy_floor_moves_the_states_own_bytes(result):
+    """--floor-gib state (the default): the floor each record divides by copied that size's
+    bytes, every rank at once; the up-front sample stands beside it under its own name."""
+    f = result["floors"]
+    assert f["d2h_floor_size"] == "state"
+    (size, d2h), = result["d2h_floor_by_size"].items()
+    assert d2h["d2h_bytes_per_rank"] == _expected_bytes() and len(d2h["d2h_per_rank_gbps"]) == 2
+    assert f["d2h_pinned_gbps"] == d2h["d2h_pinned_gbps"] == min(d2h["d2h_per_rank_gbps"])
+    assert f["d2h_sample_bytes_per_rank"] == int(2**30 / 64) and f["d2h_sample_pinned_gbps"] > 0
+    for r in result["runs"]:
+        assert r["size"] == size
+        assert abs(r["floor_d2h_s"] - r["state_bytes"] / (d2h["d2h_pinned_gbps"] * 1e9)) < 2e-6
+
+
+def test_floor_size_takes_gib_or_state():
+    import bench_ckpt
+
+    assert bench_ckpt.parse_args([]).floor_gib == "state"
+    assert bench_ckpt.parse_args(["--floor-gib", "0.5"]).floor_gib == 0.5
+    for bad in ("0", "-1", "big"):
+        with pytest.raises(SystemExit):
+            bench_ckpt.parse_args(["--floor-gib", bad])
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(450)
 def test_every_mode_saved_every_time_or_says_why_not(result):
     modes = {m["mode"]: m for m in result["modes"]}
     assert set(modes) == {m.name for m in bm.MODES}
