@@ -103,6 +103,58 @@ def parallel_read_s(files: Path | list[Path], threads: int,
             os.close(fd)
 
 
+def read_h2d_s(files: list[Path], threads: int, device: torch.device,
+               ready: Callable[[], None] = lambda: None) -> float:
+    """The host's own warm load with nothing of ours: ``threads`` threads each read their
+    ``_CHUNK`` pieces of ``files`` into one of two pinned buffers of their own and copy each to
+    the device on a stream of their own, reading the next piece while the last one's copy runs
+    (every byte crosses host memory three times, as in any storage load: the read's two passes
+    and the device's; on a CPU the copy is a host copy). The clock starts after ``ready()``;
+    raises if any byte of ``files`` was not moved."""
+    cuda = device.type == "cuda"
+    jobs = [(i, off) for i, p in enumerate(files) for off in range(0, p.stat().st_size, _CHUNK)]
+    fds = [os.open(p, os.O_RDONLY) for p in files]
+    pinned = [[torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+              for _ in range(threads)]
+    sinks = [torch.empty(_CHUNK, dtype=torch.uint8, device=device) for _ in range(threads)]
+    streams = [torch.cuda.Stream(device) if cuda else None for _ in range(threads)]
+
+    def work(t: int) -> int:
+        landed: list = [None, None]
+        moved = 0
+        for k, (i, off) in enumerate(jobs[t::threads]):
+            slot = pinned[t][k % 2]
+            if landed[k % 2] is not None:
+                landed[k % 2].synchronize()  # this buffer's last copy is done
+            got = os.preadv(fds[i], [memoryview(slot.numpy())], off)
+            if cuda:
+                with torch.cuda.stream(streams[t]):
+                    sinks[t][:got].copy_(slot[:got], non_blocking=True)
+                landed[k % 2] = streams[t].record_event()
+            else:
+                sinks[t][:got].copy_(slot[:got])
+            moved += got
+        if cuda:
+            streams[t].synchronize()
+        return moved
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            ready()
+            t0 = time.perf_counter()
+            moved = sum(pool.map(work, range(threads)))
+            seconds = time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+        del pinned, sinks
+        node.release_cached(device)
+    want = sum(p.stat().st_size for p in files)
+    if moved != want:
+        raise RuntimeError(f"read_h2d_s moved {moved} of {want} bytes")
+    return seconds
+
+
 def h2d_pinned_s(nbytes: int, device: torch.device) -> float | None:
     """One rank's pinned host-to-device copy (None without a device)."""
     if device.type != "cuda":
@@ -322,7 +374,20 @@ class LoadBench:
         h2d = node.h2d_floor(self.ctl, self.device, self.nbytes)
         out["h2d_pinned_gbps"] = h2d["aggregate_gbps"] if h2d else None
         out["h2d"] = h2d
+        out.update(self.read_h2d_floor())
         return out
+
+    def read_h2d_floor(self) -> dict:
+        """The host's own read-and-copy loop (:func:`read_h2d_s`), every rank its share at once,
+        warm, the best of the load's reading threads and the read floor's: what a warm load can
+        reach on this host, beside the floors of the read and the copy each alone."""
+        share, best = _share(self.checkpoint), None
+        for n in sorted({self._read_threads(self.args.load_threads[0]), self.args.threads}):
+            seconds = self.ctl.gather(read_h2d_s(share, n, self.device, self.ctl.barrier))
+            if best is None or max(seconds) < max(best[0]):
+                best = (seconds, n)
+        return {"read_h2d_warm_gbps": round(self.on_disk / max(best[0]) / 1e9, 3),
+                "read_h2d_warm_threads": best[1], "read_h2d_warm_s": node.spread(best[0])}
 
     def loaders(self, threads: int | None = None) -> dict[str, Callable[[], tuple]]:
         """The sources asked, ours with ``threads`` reading threads (None: the default)."""
@@ -406,13 +471,20 @@ class LoadBench:
                          "nvidia-resiliency-ext": caps.nvrx_version,
                          "crc32": _crc.IMPLEMENTATION},
             "floors": {k: max(m[k] for m in measured) if measured[0][k] is not None else None
-                       for k in ("h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps")},
+                       for k in ("h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps",
+                                 "read_h2d_warm_gbps")},
             "floor_samples": measured, "runs": runs, "first_load": self.first,
             "device_crc": self.device_crc,
         }
         # the targets are the first --load-threads value's; the others' runs stand beside them
         out["targets"] = targets([r for r in runs if r["load_threads"] in (None, first)],
                                  out["floors"])
+        both = out["floors"]["read_h2d_warm_gbps"]  # beside the targets, not one of them
+        ours = [r["load_s"] for r in runs if r["variant"] == "ours" and r["cache"] == "warm"
+                and r["load_threads"] == first]
+        out["targets"]["warm_gbps_over_read_h2d"] = (
+            round(self.on_disk / statistics.median(ours) / 1e9 / both, 3) if both and ours
+            else None)
         if len(self.args.load_threads) > 1:
             out["by_load_threads"] = {
                 str(t): targets([r for r in runs if r["load_threads"] in (None, t)],
