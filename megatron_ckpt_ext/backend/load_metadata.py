@@ -133,7 +133,13 @@ def _planned_locally(fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            # a call its signature does not describe: torch's ``load`` takes its storage
+            # reader positionally (``_api_bc_check``, megatron-core 0.19's form) although it is
+            # keyword-only there; such a call is judged by its keywords and passed on unchanged
+            bound = kwargs
         # asked at each call (the group it loads on, None: the default one), so a wrapper a
         # concurrent load left installed never skips a collective a larger group needs
         if "no_dist" not in bound and dist.is_initialized() and \

@@ -5,6 +5,8 @@ are left as they are, and nothing is wrapped outside a one-rank group or after t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -76,3 +78,39 @@ def test_nothing_is_wrapped_without_a_one_rank_group():
         assert applies is False
         assert dcp.load_state_dict is before
     assert dcp.load_state_dict is before
+
+
+def test_megatron_core_019s_positional_reader_call_goes_through(one_rank_group, tmp_path):
+    """megatron-core 0.19 calls ``dcp.load(state_dict, reader, planner=..., no_dist=True)``:
+    the reader positionally, which torch's ``_api_bc_check`` accepts although the signature
+    makes it keyword-only. Inside the one-rank wrapper that call loads (it raised
+    ``TypeError: too many positional arguments`` on every one-rank load of 0.19), and a call of
+    that form without ``no_dist`` gets it."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    want = {"a": torch.arange(8.0), "b": torch.ones(3)}
+    dcp.save(want, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    with load_metadata.local_plan_at_one_rank() as applies:
+        assert applies is True
+        got = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(got, FileSystemReader(str(tmp_path)), no_dist=True)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    seen = []
+
+    def inner(state_dict, *, storage_reader=None, planner=None, process_group=None,
+              no_dist=False):
+        seen.append(no_dist)
+
+    @functools.wraps(inner)
+    def bc_checked(*args, **kwargs):  # what torch's _api_bc_check does with two positionals
+        if len(args) == 2:
+            kwargs["storage_reader"] = args[1]
+            return inner(args[0], **kwargs)
+        return inner(*args, **kwargs)
+
+    local = load_metadata._planned_locally(bc_checked, _Dist(1))
+    local({}, object())
+    local({}, object(), no_dist=False)
+    local({}, object(), planner=None, no_dist=True)
+    local({}, storage_reader=object())
+    assert seen == [True, False, True, True]
