@@ -121,12 +121,21 @@ def call_with_supported(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) ->
 
 def call_arguments(fn: Callable[..., Any]) -> Callable[..., dict[str, Any]] | None:
     """A function mapping a call's ``(*args, **kwargs)`` of ``fn`` to ``{parameter: value}``
-    (the parameters the call passed, by name), or None where ``fn`` has no signature."""
+    (the parameters the call passed, by name), or None where ``fn`` has no signature. A call
+    the signature does not describe (a decorator that takes more than it shows, as torch's
+    ``_api_bc_check`` does) maps to its keywords alone."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    return lambda *args, **kwargs: dict(signature.bind_partial(*args, **kwargs).arguments)
+
+    def arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return dict(signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError:
+            return dict(kwargs)
+
+    return arguments
 
 
 def _takes(fn: Any, name: str) -> bool:

@@ -365,3 +365,23 @@ def test_object_collectives_redirect_only_this_threads_default_group_calls(monke
     with backend.object_collectives_on(None):  # no host group: nothing changes
         dist.all_gather_object([], 1)
     assert calls[-1] is None and dist.all_gather_object is all_gather_object
+
+
+def test_call_arguments_names_a_calls_parameters_and_survives_a_wider_decorator():
+    """What a call passed, by parameter name; a call its signature refuses (a decorator that
+    takes more than the signature shows, as torch's ``_api_bc_check``) gives its keywords."""
+    import functools
+
+    def inner(state_dict, *, reader=None, no_dist=False):
+        return no_dist
+
+    @functools.wraps(inner)
+    def wider(*args, **kwargs):
+        if len(args) == 2:
+            kwargs["reader"] = args[1]
+            args = args[:1]
+        return inner(*args, **kwargs)
+
+    arguments = backend.call_arguments(wider)
+    assert arguments({"a": 1}, reader="r") == {"state_dict": {"a": 1}, "reader": "r"}
+    assert arguments({"a": 1}, "r", no_dist=True) == {"no_dist": True}
