@@ -83,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "state size's own bytes, measured before its modes (a 1 GiB sample of an "
                    "8 GiB state read 1.10-1.14x faster than the whole state's copy at 8 ranks on "
                    "four H100s, docs/node/README.md)")
-    p.add_argument("--floor-write-gib", type=float, default=2.0, help="write floor size per rank")
+    p.add_argument("--floor-write-gib", type=_floor_size, default=STATE,
+                   help="write floor size per rank in GiB, or 'state' (the default): each state "
+                   "size's own bytes, written and fsync'd before its modes (a 2 GiB sample, and "
+                   "the cold read back, are measured up front either way)")
     p.add_argument("--write-streams", type=int, default=None,
                    help="writer threads per rank for the write floor (default: as many as a "
                    "save's writer, megatron_ckpt_ext._threads)")
@@ -98,9 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cpu_smoke:
         args.device = "cpu"
         args.gib_per_rank = [SMOKE_GIB]
-        args.settle_s, args.floor_write_gib = 0.0, 1 / 32
+        args.settle_s = 0.0
         if args.floor_gib != STATE:
             args.floor_gib = 1 / 64
+        if args.floor_write_gib != STATE:
+            args.floor_write_gib = 1 / 32
         args.durable_timeout_s = min(args.durable_timeout_s, 60.0)
         if "--saves" not in (argv if argv is not None else sys.argv):
             args.saves = 3
@@ -176,6 +181,11 @@ def d2h_fields(d2h: dict, device: torch.device) -> dict:
             "d2h_aggregate_gbps": d2h["aggregate_gbps"]}
 
 
+def write_fields(write: dict) -> dict:
+    return {"gbps": write["aggregate_gbps"], "bytes_total": write["bytes_total"],
+            "seconds": write["seconds"]}
+
+
 def measure_floors(args: argparse.Namespace, device: torch.device, ctl: Ctl, out: Path) -> dict:
     """The D2H copy (at ``--floor-gib``; with ``state``, a 1 GiB sample here, kept as
     ``d2h_sample_*``, and each size's own floor before its modes), the disk write and the cold
@@ -184,17 +194,20 @@ def measure_floors(args: argparse.Namespace, device: torch.device, ctl: Ctl, out
     gib = (1 / 64 if args.cpu_smoke else 1.0) if sample else args.floor_gib
     d2h = d2h_fields(node.d2h_floor(ctl, device, int(gib * GIB)), device)
     streams = args.write_streams or thread_counts().writer
-    nbytes = int(args.floor_write_gib * GIB) // streams * streams
-    write = node.write_floor(ctl, out / "floor", nbytes, streams)
+    write_sample = args.floor_write_gib == STATE
+    write_gib = (1 / 32 if args.cpu_smoke else 2.0) if write_sample else args.floor_write_gib
+    write = node.write_floor(ctl, out / "floor", int(write_gib * GIB) // streams * streams,
+                             streams)
     read = node.read_floor(ctl, out / "floor", streams)
     ctl.barrier()
     if rank() == 0:
         shutil.rmtree(out / "floor", ignore_errors=True)
-    out = {"write_gbps": write["aggregate_gbps"], "write_bytes_total": write["bytes_total"],
-           "write_streams_per_rank": streams, "all_ranks_at_once": world(),
-           "write_seconds": write["seconds"], "read_cold_gbps": read["aggregate_gbps"],
-           "read_seconds": read["seconds"],
-           "d2h_floor_size": STATE if sample else d2h["d2h_bytes_per_rank"]}
+    out = {"write_streams_per_rank": streams, "all_ranks_at_once": world(),
+           "read_cold_gbps": read["aggregate_gbps"], "read_seconds": read["seconds"],
+           "d2h_floor_size": STATE if sample else d2h["d2h_bytes_per_rank"],
+           "write_floor_size": STATE if write_sample else write["bytes_total"] // world()}
+    out.update({("write_sample_" if write_sample else "write_") + k: v
+                for k, v in write_fields(write).items()})
     if sample:  # the state's own floor comes with its size; this sample stands beside it
         out.update({k.replace("d2h_", "d2h_sample_", 1): v for k, v in d2h.items()})
     else:
@@ -372,8 +385,9 @@ class Bench:
         f = self.floors
         d2h = f.get("d2h_pinned_gbps", f.get("d2h_sample_pinned_gbps"))
         kind = f.get("d2h_kind", f.get("d2h_sample_kind"))
+        write = f.get("write_gbps", f.get("write_sample_gbps"))
         progress(self.started, f"floors: D2H {d2h} GB/s ({kind}, {f['d2h_floor_size']}), "
-                 f"write {f['write_gbps']} GB/s")
+                 f"write {write} GB/s ({f['write_floor_size']})")
         self.result = self._header()
         for size in self.args.gib_per_rank:
             self._size(size)
@@ -410,6 +424,17 @@ class Bench:
             self.floors.update(d2h)  # what this size's records divide by
             self.result.setdefault("d2h_floor_by_size", {})[size_key] = d2h
             progress(self.started, f"D2H floor for {size_key}: {d2h['d2h_pinned_gbps']} GB/s")
+        if self.args.floor_write_gib == STATE:  # this size's bytes on every rank, fsync'd
+            streams = self.floors["write_streams_per_rank"]
+            write = write_fields(node.write_floor(
+                self.ctl, self.out / "floor", bm.state_bytes(state) // streams * streams,
+                streams))
+            self.ctl.barrier()
+            if rank() == 0:
+                shutil.rmtree(self.out / "floor", ignore_errors=True)
+            self.floors.update({"write_" + k: v for k, v in write.items()})
+            self.result.setdefault("write_floor_by_size", {})[size_key] = write
+            progress(self.started, f"write floor for {size_key}: {write['gbps']} GB/s")
         for i, spec in enumerate(self.args.modes, 1):
             self.position = f"mode {i}/{len(self.args.modes)}"
             self._mode(spec, state, size_key, shape)

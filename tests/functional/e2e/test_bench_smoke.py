@@ -65,15 +65,21 @@ def test_the_copy_floor_moves_the_states_own_bytes(result):
     assert d2h["d2h_bytes_per_rank"] == _expected_bytes() and len(d2h["d2h_per_rank_gbps"]) == 2
     assert f["d2h_pinned_gbps"] == d2h["d2h_pinned_gbps"] == min(d2h["d2h_per_rank_gbps"])
     assert f["d2h_sample_bytes_per_rank"] == int(2**30 / 64) and f["d2h_sample_pinned_gbps"] > 0
+    (_, write), = result["write_floor_by_size"].items()
+    assert f["write_gbps"] == write["gbps"] and f["write_floor_size"] == "state"
     for r in result["runs"]:
         assert r["size"] == size
         assert abs(r["floor_d2h_s"] - r["state_bytes"] / (d2h["d2h_pinned_gbps"] * 1e9)) < 2e-6
+        want = r["state_bytes"] * 2 / (write["gbps"] * 1e9)  # both ranks' bytes
+        assert abs(r["floor_write_s"] - want) < 2e-6
 
 
 def test_floor_size_takes_gib_or_state():
     import bench_ckpt
 
     assert bench_ckpt.parse_args([]).floor_gib == "state"
+    assert bench_ckpt.parse_args([]).floor_write_gib == "state"
+    assert bench_ckpt.parse_args(["--floor-write-gib", "2"]).floor_write_gib == 2.0
     assert bench_ckpt.parse_args(["--floor-gib", "0.5"]).floor_gib == 0.5
     for bad in ("0", "-1", "big"):
         with pytest.raises(SystemExit):
@@ -161,11 +167,15 @@ def test_four_ranks_floors_are_measured_with_every_rank_at_once(four_ranks):
     assert f["d2h_pinned_gbps"] == min(f["d2h_per_rank_gbps"])  # the slowest rank's
     # the aggregate counts every rank's bytes over the slowest rank's time
     assert abs(f["d2h_aggregate_gbps"] - 4 * f["d2h_pinned_gbps"]) <= 0.01
-    for what in ("write_seconds", "read_seconds"):
+    for what in ("write_seconds", "write_sample_seconds", "read_seconds"):
         assert len(f[what]["per_rank"]) == 4 and f[what]["max"] == max(f[what]["per_rank"])
-    assert f["write_bytes_total"] == 4 * f["write_streams_per_rank"] * (
-        int(2**30 / 32) // f["write_streams_per_rank"])
-    assert f["write_gbps"] > 0 and f["read_cold_gbps"] > 0
+    streams = f["write_streams_per_rank"]
+    assert f["write_sample_bytes_total"] == 4 * streams * (int(2**30 / 32) // streams)
+    # --floor-write-gib state: every rank writes its state's bytes (rounded to its streams)
+    assert f["write_floor_size"] == "state"
+    assert f["write_bytes_total"] == 4 * (_expected_bytes() // streams * streams)
+    assert len(f["write_seconds"]["per_rank"]) == 4
+    assert f["write_gbps"] > 0 and f["write_sample_gbps"] > 0 and f["read_cold_gbps"] > 0
 
 
 @pytest.mark.functional
