@@ -15,6 +15,8 @@ import os
 import threading
 from typing import Any, Callable, Iterator, Mapping
 
+from .introspect import call_arguments
+
 __all__: list[str] = []
 
 _FACTORY = "_get_filesystem_reader"
@@ -129,17 +131,14 @@ def local_plan_at_one_rank() -> Iterator[bool]:
 
 
 def _planned_locally(fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
-    signature = inspect.signature(fn)
+    # a call its signature does not describe is judged by its keywords (call_arguments): torch's
+    # ``load`` takes its storage reader positionally (``_api_bc_check``, megatron-core 0.19's
+    # form) although it is keyword-only in the signature; such a call is passed on unchanged
+    arguments = call_arguments(fn) or (lambda *args, **kwargs: kwargs)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            # a call its signature does not describe: torch's ``load`` takes its storage
-            # reader positionally (``_api_bc_check``, megatron-core 0.19's form) although it is
-            # keyword-only there; such a call is judged by its keywords and passed on unchanged
-            bound = kwargs
+        bound = arguments(*args, **kwargs)
         # asked at each call (the group it loads on, None: the default one), so a wrapper a
         # concurrent load left installed never skips a collective a larger group needs
         if "no_dist" not in bound and dist.is_initialized() and \
