@@ -69,7 +69,8 @@ def test_unusable_mcore_row_carries_the_reason():
 def _full(**overrides):
     """Capabilities of a backend where the whole async path is available (nvrx >= 0.7 on CUDA)."""
     whole = dict(mcore_dist_ckpt_importable=True, async_provider="nvrx", nvrx_version="0.7.0",
-                 queue_persistent=True, queue_cpu_shm_mode=True, cuda_available=True)
+                 queue_persistent=True, queue_cpu_shm_mode=True, cuda_available=True,
+                 worker_needs_cuda=False)  # fixed: megatron-core 0.19.2 with nvrx 0.7.0 says True
     return dataclasses.replace(backend.detect(), **{**whole, **overrides})
 
 
