@@ -225,7 +225,7 @@ def test_launcher_module_is_importable_without_megatron():
     code = ("import sys, megatron_ckpt_ext.launch; "
             "assert not [k for k in sys.modules if k.startswith('megatron.')]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT, cwd=ROOT,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))})
 
 
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[3]
 def _start_holder(root: Path, **env: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "tests.functional.multirank._joblock_workers", str(root)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **env})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))), **env})
     line = proc.stdout.readline()
     if not line.startswith("held "):
         proc.kill()
