@@ -53,12 +53,30 @@ def _full_disk_open(file, mode="r", *args, **kwargs):  # noqa: ANN001
 
 def _write_on_full_disk(write, *args, **kwargs):  # noqa: ANN001
     """In the writer: its data files open, their writes fail with ENOSPC (the builtin ``open``
-    of the writer process, restored after: a persistent worker writes the next save)."""
+    of the writer process, restored after: a persistent worker writes the next save; a writer
+    that took ``open`` when it was built, as nvrx 0.7's does, gets the full disk's instead)."""
+    write = _swap_open(write)
     builtins.open = _full_disk_open
     try:
         return write(*args, **kwargs)
     finally:
         builtins.open = _OPEN
+
+
+def _expected(root: Path) -> tuple[list[int], list[int]]:
+    """(failed, committed) iterations: :data:`FAULTS`' where the backend writes the file a fault
+    is in (megatron-core 0.19 keeps the common state out of ``common.pt``: that save commits)."""
+    common = any(p.is_file() for p in root.glob(f"iter_*/{RANK0_FILES['common']}"))
+    failed = [it for it in FAILED if FAULTS[it] != "common" or common]
+    return failed, [it for it in ITERATIONS if it not in failed]
+
+
+def _swap_open(fn):  # noqa: ANN001, ANN202
+    """``fn`` with the builtin ``open`` it holds (in partials, nested) swapped for the full
+    disk's."""
+    if not isinstance(fn, partial):
+        return _full_disk_open if fn is _OPEN else fn
+    return partial(_swap_open(fn.func), *map(_swap_open, fn.args), **fn.keywords)
 
 
 class _Faults(SaveHooks):
@@ -113,11 +131,12 @@ def failures_agree(rank: int, world: int, root: str, options: dict, bound_s: flo
         committed = [r["iteration"] for r in ck.reports]
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, (list(errors), committed))
-        assert all(e == (FAILED, COMMITTED) for e in everyone), everyone
+        failed, committed = _expected(Path(root))
+        assert all(e == (failed, committed) for e in everyone), everyone
         assert took < bound_s, f"{len(ITERATIONS)} saves took {took:.1f} s"
-        assert read_tracker(root) == COMMITTED[-1]
+        assert read_tracker(root) == committed[-1]
         got = load_back(ck, rank, world, root, None)
-        assert_equal(got, step_state(COMMITTED[-1], rank), "the last commit")
+        assert_equal(got, step_state(committed[-1], rank), "the last commit")
         if rank == 0:
             Path(out, "errors").write_text("\n".join(errors.values()))
     if rank == 0:

@@ -30,9 +30,13 @@ def test_a_save_failing_on_one_rank_under_warn_fails_on_every_rank_and_saving_go
     run_ranks(failures_agree, timeout=120,
               args=(str(tmp_path / "ckpt"), MODES[mode], 30.0, str(out)))
     errors = (out / "errors").read_text().splitlines()
-    assert len(errors) == sum(where != "report" for where in FAULTS.values())
-    write, metadata, config, commit, common = errors
+    # megatron-core 0.19 keeps the common state out of common.pt: that fault hits nothing there
+    common_pt = any(p.is_file() for p in (tmp_path / "ckpt").glob("iter_*/common.pt"))
+    assert len(errors) == sum(where != "report" and (where != "common" or common_pt)
+                              for where in FAULTS.values())
+    write, metadata, config, commit, *common = errors
     assert f"rank {world() - 1}" in write and "No space left on device" in write
     for error, name in ((metadata, ".metadata.tmp"), (config, "metadata.json"),
-                        (commit, ".mcx_manifest.json.tmp"), (common, "")):  # torch: no name
+                        (commit, ".mcx_manifest.json.tmp"),
+                        *((c, "") for c in common)):  # torch: no name
         assert "rank 0" in error and "Is a directory" in error and name in error, error
