@@ -56,6 +56,13 @@ def parsed(monkeypatch):
     return calls, start_counting
 
 
+def _items_in(directory, rank: int) -> int:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data.values()
+    return sum(info.relative_path.startswith(f"__{rank}_") for info in storage)
+
+
 def _exact(state: dict) -> bool:
     return all(torch.equal(state[f"w{i}"], torch.arange(512.0 + i) + i) for i in range(ITEMS))
 
@@ -92,7 +99,10 @@ def test_only_this_ranks_files_are_parsed_and_as_the_load_would(saved):
     assert len(other) == 0  # rank 0 wrote every file here
     mine = layouts_ahead.LayoutsAhead(directory, rank=0)
     mine.run()
-    assert len(mine) == ITEMS
+    # every item the checkpoint's metadata places in this rank's files (megatron-core 0.19 adds
+    # its common state as one more item there)
+    assert len(mine) == _items_in(directory, rank=0) >= ITEMS
+    tensors = 0
     for (name, offset, length) in list(mine._layouts):
         fd = os.open(directory / name, os.O_RDONLY)
         try:
@@ -100,9 +110,14 @@ def test_only_this_ranks_files_are_parsed_and_as_the_load_would(saved):
                 fd, offset, length)
         finally:
             os.close(fd)
-        assert got[1] == want[1] == "" and got[0].start == want[0].start
+        assert got[1] == want[1], (got, want)  # the same verdict, also for what is no tensor
+        if want[1]:  # not one tensor's bytes (0.19's common state): read whole by its own load
+            continue
+        tensors += 1
+        assert got[0].start == want[0].start
         assert (got[0].dtype, got[0].size, got[0].record) == (want[0].dtype, want[0].size,
                                                               want[0].record)
+    assert tensors == ITEMS
 
 
 def test_nothing_is_parsed_without_a_checkpoint_and_nothing_kept_after_a_load(saved, tmp_path):
