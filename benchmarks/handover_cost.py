@@ -8,7 +8,8 @@ and the training step after it, holding the GIL while it pickles.
 
 Each save also says how many of its long lists (write items, staged tensors) were pickled in
 full and how many went by a key the writer knows (``kept``: ``save/handover.py``; none with
-``MCX_RESEND_EACH_SAVE=1``).
+``MCX_RESEND_EACH_SAVE=1``); ``made_ahead``: how many ``prepare()`` pickled for the first save
+(which then sends them by key).
 
 The state is ``plan_cost.py``'s GPT-shaped one (``--layers 8``: 400 tensors, the 134M recipe's
 count); cpu-shm staging, persistent worker, constant structure, as the launcher's recipe.
@@ -74,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="handover_cost_")
     saves = []
     with Checkpointer(options, save_dir=root) as ck:
+        made = handover.stats["made_ahead"]
         ck.prepare(state.sharded_state_dict(0))
         ck.wait_prepared(120)
+        made = handover.stats["made_ahead"] - made
+        print(json.dumps({"made_ahead": made}), flush=True)
         for s in range(1, args.saves + 1):
             _seconds.clear(), _bytes.clear(), _calls.clear()
             before = dict(handover.stats)
@@ -90,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                    for k in ("sent_whole", "sent_known")}})
             print(json.dumps(saves[-1]), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "saves": saves},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "made_ahead": made,
+                                               "saves": saves}, indent=1))
     return 0
 
 

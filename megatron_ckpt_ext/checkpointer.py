@@ -141,7 +141,7 @@ class Checkpointer(_SaveSteps):
 
         def ahead(staged: list) -> None:  # in the allocation's thread, once it is done
             backend.writer_clones_cpu_tensors()  # read from the writer's source once, now
-            self._planner.ahead(state, staged, group)
+            self._hand_over_ahead(self._planner.ahead(state, staged, group))
 
         self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
                              background=True, then=ahead)

@@ -15,6 +15,11 @@ Keys never outlive their contents: the sender holds the write items while their 
 (so no id is reused), staged tensors are keyed by their data pointer, dtype, shape and stride,
 and every key dies when this process frees a staging segment (the segment epoch), on both
 sides. ``MCX_RESEND_EACH_SAVE=1`` pickles the lists in full at every save, as before.
+
+The first save of a structure would pickle its lists in full (15-36 ms of the feeder thread's
+GIL beside that save's last steps: its copies wait behind it). :func:`made_ahead` makes those
+pickles from the request ``prepare()`` planned ahead for the first save, on prepare()'s thread;
+the first save then finds them made, as a steady save does.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from ..debug import env_switch
 from ..staging import segments
 
-__all__ = ["Kept", "kept_in_writer", "stats"]
+__all__ = ["Kept", "kept_in_writer", "made_ahead", "stats"]
 
 MIN_LENGTH = 16  # shorter lists pickle in well under a millisecond: sent as they are
 _MAX_KEYS = 8  # per side: a structure's lists, twice for two snapshot sets, and spare
@@ -45,7 +50,7 @@ _serial = 0
 # writer: (sender pid, serial) -> the list it built, and the sender's (pid, epoch) it belongs to
 _KEPT: OrderedDict[tuple[int, int], list] = OrderedDict()
 _kept_epoch: list[tuple[int, int] | None] = [None]
-stats = {"sent_whole": 0, "sent_known": 0, "built": 0, "reused": 0}
+stats = {"sent_whole": 0, "sent_known": 0, "built": 0, "reused": 0, "made_ahead": 0}
 
 
 class Kept(list):
@@ -59,26 +64,68 @@ class Kept(list):
         key = _key(items)
         if key is None:  # not a list of ours after all: as it is
             return list, (items,)
-        epoch = segments.current_epoch()
-        global _serial
-        with _sent_lock:
-            for old in [k for k, v in _SENT.items() if v[1] != epoch]:
-                del _SENT[old]  # a segment was freed since: its data pointers may be reused
-            entry = _SENT.get(key)
-            if entry is None:
-                from multiprocessing.reduction import ForkingPickler
-
-                _serial += 1
-                entry = (_serial, epoch, _identities(items),
-                         bytes(ForkingPickler.dumps(items, pickle.HIGHEST_PROTOCOL)))
-                stats["sent_whole"] += 1
-            else:
-                stats["sent_known"] += 1
-            _SENT[key] = entry
-            _SENT.move_to_end(key)
-            while len(_SENT) > _MAX_KEYS:
-                _SENT.popitem(last=False)
+        entry, epoch, _ = _entry(items, key, "sent_whole", "sent_known")
         return _rebuilt, (os.getpid(), entry[0], epoch, entry[3])
+
+
+def _entry(items: list, key: tuple, made: str, known: str) -> tuple[tuple, int, bool]:
+    """The sender's entry for ``items`` (its pickle made now where this key has none; ``made``
+    or ``known`` counted), the segment epoch it belongs to, and whether it was made now."""
+    epoch = segments.current_epoch()
+    global _serial
+    with _sent_lock:
+        for old in [k for k, v in _SENT.items() if v[1] != epoch]:
+            del _SENT[old]  # a segment was freed since: its data pointers may be reused
+        entry = _SENT.get(key)
+        fresh = entry is None
+        if fresh:
+            from multiprocessing.reduction import ForkingPickler
+
+            _serial += 1
+            entry = (_serial, epoch, _identities(items),
+                     bytes(ForkingPickler.dumps(items, pickle.HIGHEST_PROTOCOL)))
+            stats[made] += 1
+        elif known:
+            stats[known] += 1
+        _SENT[key] = entry
+        _SENT.move_to_end(key)
+        while len(_SENT) > _MAX_KEYS:
+            _SENT.popitem(last=False)
+    return entry, epoch, fresh
+
+
+def made_ahead(request: Any, ctx: Any) -> int:
+    """Before the first save of a structure (``prepare()``'s thread): the pickles of the lists
+    that save's request will have the writer keep, made now from ``request`` (the first save's
+    request as planned ahead: the same write items, the same staged buffers), so that save
+    sends them by key. Returns how many were made; none where this request is not handed over
+    that way (:func:`kept_in_writer`). Lists the first save does not end up sending (another
+    plan after all) stay unused and leave with the sender's oldest keys."""
+    from .write_path import TRANSFORMS
+
+    for step in TRANSFORMS[:TRANSFORMS.index(kept_in_writer) + 1]:
+        request = step(request, ctx)
+    lists: list[Kept] = []
+    _find_kept((getattr(request, "preload_fn", None), request.async_fn_args), lists)
+    made = 0
+    for items in lists:
+        key = _key(list(items))
+        if key is not None:
+            made += _entry(list(items), key, "made_ahead", "")[2]
+    return made
+
+
+def _find_kept(o: Any, out: list, depth: int = 0) -> None:
+    if depth > _MAX_DEPTH + 1:
+        return
+    if isinstance(o, Kept):
+        out.append(o)
+    elif isinstance(o, partial):
+        for a in (*o.args, *o.keywords.values()):
+            _find_kept(a, out, depth + 1)
+    elif isinstance(o, (tuple, list)):
+        for a in o:
+            _find_kept(a, out, depth + 1)
 
 
 def _rebuilt(pid: int, serial: int, epoch: int, data: bytes) -> list:

@@ -42,6 +42,7 @@ class SavePlanner:
         self._validated: tuple | None = None  # the structure prepare() validated
         self._digest: tuple | None = None  # (digest, objects) of _structure, for the seal
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
+        self.ahead_request: Any = None  # plan_ahead()'s request, until ahead() returns it
         # the caller's preprocessing of the common state before megatron-core compares it across
         # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
         self.preprocess_common: Any = None
@@ -158,13 +159,15 @@ class SavePlanner:
             also = (dist.group.WORLD, world) if dp is None else (dp, group.background_copy(dp))
         return world, also
 
-    def ahead(self, state: Any, staged: list, group: Any) -> None:
+    def ahead(self, state: Any, staged: list, group: Any) -> Any:
         """In ``prepare()``'s allocation thread: (``group`` given) :meth:`validate_ahead` on
         its host group, off the caller's critical path (a load's or a training step's); then
         :meth:`convert_ahead`; then (``group`` given) :meth:`plan_ahead`, reached by every rank
         whatever the conversions did. Without ``group`` prepare() validated already.
         ``staged`` None: the allocation failed on this rank; the collectives still run (every
-        rank must reach them), nothing is converted or planned."""
+        rank must reach them), nothing is converted or planned. Returns the first save's
+        request as planned ahead (unwritten; its lists are handed over ahead), or None."""
+        self.ahead_request = None
         try:
             if group is not None:
                 with backend.object_collectives_on(*group):
@@ -174,6 +177,8 @@ class SavePlanner:
         finally:
             if group is not None:
                 self.plan_ahead(state, staged, group)
+        request, self.ahead_request = self.ahead_request, None
+        return request
 
     def plan_ahead(self, state: Any, staged: list, groups: Any) -> bool:
         """Collective on ``groups`` (what :meth:`ahead_group` made: host groups that only this
@@ -190,7 +195,7 @@ class SavePlanner:
         gloo copy :meth:`ahead_group` made, or nothing is planned ahead. Whether the strategy
         was kept."""
         group, also = groups
-        key, planned = self._validated, None
+        key, planned, request = self._validated, None, None
         ok = False
         if self.constant and key is not None and staged is not None and (
                 self._strategy is None or self._structure != key):
@@ -203,7 +208,7 @@ class SavePlanner:
         if ok:
             start = time.perf_counter()
             try:
-                self._plan_twice(state, staged, planned, group, also)
+                request = self._plan_twice(state, staged, planned, group, also)
             except Exception as e:  # noqa: BLE001 - the first save plans (and raises) itself
                 logger.debug("rank %d could not plan the first save ahead: %s: %s", rank(),
                              type(e).__name__, e)
@@ -215,12 +220,13 @@ class SavePlanner:
             self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
         if ok:
             self._strategy, self._structure, self._digest = planned, key, None
+            self.ahead_request = request  # (dropped unwritten: its lists are handed ahead)
         elif planned is not None and self.replay is not None:
             self.replay.clear()  # (what it recorded, if anything, is of a strategy not kept)
         return ok
 
     def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any,
-                    also: Any = None) -> None:
+                    also: Any = None) -> Any:
         swap = iter(staged)
         state = copy_structure(state)
         backend.map_sharded_tensors(state, lambda t: backend.with_data(t, next(swap)))
@@ -234,9 +240,10 @@ class SavePlanner:
                 backend.object_collectives_on(group, also):
             for replay in (None, self.replay):  # the second, its cache valid, is recorded
                 with backend.plan_replayed(planned, replay):
-                    backend.dist_checkpointing().save(
+                    request = backend.dist_checkpointing().save(
                         copy_structure(state), folder, planned, async_sharded_save=True,
                         validate_access_integrity=False)
+        return request
 
     def reset(self) -> None:
         self._strategy = self._structure = self._validated = self._digest = None

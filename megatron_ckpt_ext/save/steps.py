@@ -253,6 +253,21 @@ class _SaveSteps:
             cpu_shim=self._cpu_shim, stager=self._stager, hooks=self._hooks, record=record,
             rank=rank()))
 
+    def _hand_over_ahead(self, request: Any) -> None:
+        """(``prepare()``'s thread) The first save's hand-over made ahead from its request as
+        planned ahead (:func:`.handover.made_ahead`): that save pickles no list in full."""
+        if request is None or not self._async:
+            return
+        from . import handover
+
+        ctx = WriteContext(options=self.options, is_async=True,
+                           persistent=self._writers.persistent, cpu_shim=self._cpu_shim,
+                           stager=self._stager, hooks=self._hooks, record=None, rank=rank())
+        try:
+            handover.made_ahead(request, ctx)
+        except Exception as e:  # noqa: BLE001 - the first save pickles them itself, as before
+            logger.debug("the first save's hand-over not made ahead: %s: %s", type(e).__name__, e)
+
     def _not_planned(self, record: SaveRecord, error: SaveStepFailed) -> None:
         """The save failed on every rank while megatron-core planned it: its staging goes back;
         raise, or with --ckpt-failure-policy warn (async saves) log it and go on."""

@@ -329,3 +329,29 @@ def test_a_close_right_after_a_load_waits_for_the_planning_ahead_it_started(one_
     for manager in started:
         manager.shutdown()
     assert not started, "a Manager server was started after the close"
+
+
+def test_the_first_save_after_prepare_hands_its_lists_over_by_key_and_loads_exact(
+        one_rank_group, tmp_path):
+    """prepare() makes the first save's hand-over ahead (save/handover.py ``made_ahead``): that
+    save pickles none of the lists the persistent writer keeps in full, as a steady save; the
+    writer builds them from the bytes made ahead and writes this save's values."""
+    from megatron_ckpt_ext.save import handover
+
+    tensors = {f"t{i}": torch.randn(8, i + 1) for i in range(handover.MIN_LENGTH + 4)}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          use_persistent_ckpt_worker=True, ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        before = dict(handover.stats)
+        ck.prepare(_state(tensors))
+        assert ck.wait_prepared(timeout_s=60)
+        assert handover.stats["made_ahead"] > before["made_ahead"]
+        for t in tensors.values():
+            t.mul_(3.0)  # the save's values, not prepare()'s
+        before = dict(handover.stats)
+        ck.save(_state(tensors), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        assert handover.stats["sent_whole"] == before["sent_whole"], handover.stats
+        assert handover.stats["sent_known"] > before["sent_known"]
+        got = ck.load(_state({k: torch.zeros_like(t) for k, t in tensors.items()}), tmp_path)
+    assert all(torch.equal(got[k], t) for k, t in tensors.items())

@@ -15,12 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _saves(tmp_path, **env: str) -> list[dict]:
+def _run(tmp_path, **env: str) -> dict:
     out = tmp_path / "handover.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "handover_cost.py"), "--saves", "3",
                     "--layers", "2", "--json", str(out)], check=True, cwd=ROOT, timeout=300,
                    env={**os.environ, **env})
-    saves = json.loads(out.read_text())["saves"]
+    return json.loads(out.read_text())
+
+
+def _saves(tmp_path, **env: str) -> list[dict]:
+    saves = _run(tmp_path, **env)["saves"]
     assert [s["iteration"] for s in saves] == [1, 2, 3]
     for s in saves:
         assert s["blocking_s"] > 0
@@ -32,8 +36,19 @@ def _saves(tmp_path, **env: str) -> list[dict]:
 @pytest.mark.functional
 def test_handover_cost_reports_each_saves_pickling_and_what_the_writer_keeps(tmp_path):
     saves = _saves(tmp_path)
-    assert saves[0]["kept"]["sent_whole"] >= 1, saves[0]  # the first save's lists, in full
-    for s in saves[1:]:  # later saves: by key only, the writer reuses what it built
+    # the benchmark calls prepare() first: the first save's lists were pickled there, so every
+    # save, the first included, sends them by key and the writer builds them once
+    for s in saves:
+        assert s["kept"]["sent_whole"] == 0 and s["kept"]["sent_known"] >= 1, s
+
+
+@pytest.mark.functional
+def test_without_prepare_made_ahead_the_first_save_pickles_its_lists_in_full(tmp_path):
+    run = _run(tmp_path)
+    assert run["made_ahead"] >= 1, run
+    saves = _saves(tmp_path, MCX_PLAN_AHEAD="0")  # nothing planned ahead: nothing made ahead
+    assert saves[0]["kept"]["sent_whole"] >= 1, saves[0]
+    for s in saves[1:]:
         assert s["kept"]["sent_whole"] == 0 and s["kept"]["sent_known"] >= 1, s
 
 
