@@ -94,17 +94,13 @@ def _entry(items: list, key: tuple, made: str, known: str) -> tuple[tuple, int, 
     return entry, epoch, fresh
 
 
-def made_ahead(request: Any, ctx: Any) -> int:
+def made_ahead(request: Any) -> int:
     """Before the first save of a structure (``prepare()``'s thread): the pickles of the lists
     that save's request will have the writer keep, made now from ``request`` (the first save's
-    request as planned ahead: the same write items, the same staged buffers), so that save
-    sends them by key. Returns how many were made; none where this request is not handed over
-    that way (:func:`kept_in_writer`). Lists the first save does not end up sending (another
-    plan after all) stay unused and leave with the sender's oldest keys."""
-    from .write_path import TRANSFORMS
-
-    for step in TRANSFORMS[:TRANSFORMS.index(kept_in_writer) + 1]:
-        request = step(request, ctx)
+    request as planned ahead, the write path's steps applied through :func:`kept_in_writer`:
+    the same write items, the same staged buffers), so that save sends them by key. Returns
+    how many were made; none where the request wraps no list. Lists the first save does not
+    end up sending (another plan after all) stay unused and leave with the oldest keys."""
     lists: list[Kept] = []
     _find_kept((getattr(request, "preload_fn", None), request.async_fn_args), lists)
     made = 0

@@ -264,7 +264,7 @@ class _SaveSteps:
                            persistent=self._writers.persistent, cpu_shim=self._cpu_shim,
                            stager=self._stager, hooks=self._hooks, record=None, rank=rank())
         try:
-            handover.made_ahead(request, ctx)
+            handover.made_ahead(build(request, ctx, through=handover.kept_in_writer))
         except Exception as e:  # noqa: BLE001 - the first save pickles them itself, as before
             logger.debug("the first save's hand-over not made ahead: %s: %s", type(e).__name__, e)
 

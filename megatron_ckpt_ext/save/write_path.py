@@ -71,10 +71,13 @@ class WriteContext:
     rank: int
 
 
-def build(request: Any, ctx: WriteContext) -> Any:
-    """``request`` with every step of :data:`TRANSFORMS` applied, in order."""
+def build(request: Any, ctx: WriteContext, *, through: Callable | None = None) -> Any:
+    """``request`` with every step of :data:`TRANSFORMS` applied, in order (``through``: up to
+    and including that step only)."""
     for step in TRANSFORMS:
         request = step(request, ctx)
+        if step is through:
+            break
     return request
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# A/B on one GPU (carry .whl .mlm .ab_old), in one call: the real client (134M, saves every 50,
+# train then the cold resume; ours only) with the first save's hand-over pickled in that save
+# (old: .ab_old/megatron_ckpt_ext = the package at 84166d5) and made ahead by prepare() (new:
+# this tree, 4206dd9), alternated old new old new. Each run's save reports (blocking, phases)
+# printed from its logs. Results: docs/megatron_lm/real_client/<card>_134m_s18_handover_{old,new}_N.json
+# (+ _logs.tgz). From the repository root:
+#   OUT=$OUT bash docs/megatron_lm/steps/ab_handover_ahead_s18.sh
+set -uo pipefail
+source docs/megatron_lm/steps/_prologue.sh
+R=${OUT:?}
+source docs/megatron_lm/steps/_ab_run.sh
+mv megatron_ckpt_ext .ab_new_pkg
+n=0
+for v in ${ORDER:-old new old new}; do
+  n=$((n + 1))
+  rm -rf megatron_ckpt_ext
+  if [ "$v" = old ]; then cp -r .ab_old/megatron_ckpt_ext .; else cp -r .ab_new_pkg megatron_ckpt_ext; fi
+  ab_run "${v}_$n" ours ${RUN_LIMIT:-130} "${CARD}_134m_s18_handover"
+done
+rm -rf megatron_ckpt_ext && mv .ab_new_pkg megatron_ckpt_ext
