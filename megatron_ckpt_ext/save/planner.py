@@ -42,7 +42,6 @@ class SavePlanner:
         self._validated: tuple | None = None  # the structure prepare() validated
         self._digest: tuple | None = None  # (digest, objects) of _structure, for the seal
         self.planned_ahead_s: float | None = None  # plan_ahead()'s time, until a save reports it
-        self.ahead_request: Any = None  # plan_ahead()'s request, until ahead() returns it
         # the caller's preprocessing of the common state before megatron-core compares it across
         # ranks (Checkpointer.save/prepare's ``preprocess_common``; the latest given is kept)
         self.preprocess_common: Any = None
@@ -167,7 +166,7 @@ class SavePlanner:
         ``staged`` None: the allocation failed on this rank; the collectives still run (every
         rank must reach them), nothing is converted or planned. Returns the first save's
         request as planned ahead (unwritten; its lists are handed over ahead), or None."""
-        self.ahead_request = None
+        request = None
         try:
             if group is not None:
                 with backend.object_collectives_on(*group):
@@ -176,11 +175,10 @@ class SavePlanner:
                 self.convert_ahead(state, staged)
         finally:
             if group is not None:
-                self.plan_ahead(state, staged, group)
-        request, self.ahead_request = self.ahead_request, None
+                request = self.plan_ahead(state, staged, group)
         return request
 
-    def plan_ahead(self, state: Any, staged: list, groups: Any) -> bool:
+    def plan_ahead(self, state: Any, staged: list, groups: Any) -> Any:
         """Collective on ``groups`` (what :meth:`ahead_group` made: host groups that only this
         thread uses; every rank), after ``prepare()`` allocated the staging (``staged``, in the
         order of ``state``'s tensors): megatron-core plans the first save now, off its critical
@@ -192,8 +190,8 @@ class SavePlanner:
         Megatron's rerun state). Kept only where every rank planned; otherwise the first save's
         own agreement on a new structure has every rank plan. megatron-core's fully parallel
         save exchanges its shards on the data-parallel group: here that exchange runs on the
-        gloo copy :meth:`ahead_group` made, or nothing is planned ahead. Whether the strategy
-        was kept."""
+        gloo copy :meth:`ahead_group` made, or nothing is planned ahead. Returns the first
+        save's request as planned ahead (unwritten) where the strategy was kept, else None."""
         group, also = groups
         key, planned, request = self._validated, None, None
         ok = False
@@ -220,10 +218,10 @@ class SavePlanner:
             self.planned_ahead_s = round(time.perf_counter() - start, 6) if ok else None
         if ok:
             self._strategy, self._structure, self._digest = planned, key, None
-            self.ahead_request = request  # (dropped unwritten: its lists are handed ahead)
-        elif planned is not None and self.replay is not None:
+            return request
+        if planned is not None and self.replay is not None:
             self.replay.clear()  # (what it recorded, if anything, is of a strategy not kept)
-        return ok
+        return None
 
     def _plan_twice(self, state: Any, staged: list, planned: Any, group: Any,
                     also: Any = None) -> Any:

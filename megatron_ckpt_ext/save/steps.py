@@ -17,6 +17,7 @@ from ..manifest import read_manifest
 from .layout import checkpoint_name, commit_on_disk, open_workdir, staging_failed
 from .planner import copy_structure
 from .ahead import Ahead, Sources, say_off
+from . import handover
 from .stage import stage
 from .report import SaveRecord, gather, log_report, report_entry
 from .write_path import WriteContext, build
@@ -258,8 +259,6 @@ class _SaveSteps:
         planned ahead (:func:`.handover.made_ahead`): that save pickles no list in full."""
         if request is None or not self._async:
             return
-        from . import handover
-
         ctx = WriteContext(options=self.options, is_async=True,
                            persistent=self._writers.persistent, cpu_shim=self._cpu_shim,
                            stager=self._stager, hooks=self._hooks, record=None, rank=rank())
