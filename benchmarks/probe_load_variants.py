@@ -29,15 +29,22 @@ from megatron_ckpt_ext.backend import direct_read, read_copies  # noqa: E402
 _MIB = 1 << 20
 
 
-def _variant(name: str) -> tuple[int, int, int]:
-    t, c, f = name.split("_")
-    return int(t[1:]), int(c[1:]) * _MIB, int(f[1:])
+def _variant(name: str) -> tuple[int, int, int, float]:
+    """``T<threads>_C<chunk MiB>_F<in flight>[_S<us>]``: ``S`` sets the interpreter's switch
+    interval (``sys.setswitchinterval``, default 5000 us) for the variant's loads."""
+    t, c, f, *rest = name.split("_")
+    switch = int(rest[0][1:]) * 1e-6 if rest else _SWITCH
+    return int(t[1:]), int(c[1:]) * _MIB, int(f[1:]), switch
 
 
-def _apply(chunk: int, in_flight: int) -> None:
+_SWITCH = sys.getswitchinterval()
+
+
+def _apply(chunk: int, in_flight: int, switch: float) -> None:
     direct_read.DEFAULT_CHUNK = chunk
     direct_read.PinnedChunks.shared.__func__.__defaults__ = (chunk,)
     read_copies.IN_FLIGHT = in_flight
+    sys.setswitchinterval(switch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", nargs="+",
                    default=["T8_C32_F1", "T16_C32_F1", "T8_C64_F1", "T16_C64_F1", "T16_C64_F2"])
+    p.add_argument("--loop-chunks", type=int, nargs="+", default=[32, 64],
+                   help="piece sizes (MiB) of the host's own loop, each with 8 and 16 threads")
     p.add_argument("--out", default="/tmp/probe_load_variants")
     p.add_argument("--json", required=True)
     p.add_argument("--cpu-smoke", action="store_true")
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     files = bench_load._share(bench.checkpoint)
     bench_load.parallel_read_s(files, 16)  # in the page cache
     loops = {}
-    for chunk_mib in (32, 64):
+    for chunk_mib in a.loop_chunks:
         bench_load._CHUNK = chunk_mib * _MIB
         for threads in (8, 16):
             seconds = [bench_load.read_h2d_s(files, threads, bench.device) for _ in range(3)]
@@ -65,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     loads: list[dict] = []
     order = a.variants + list(reversed(a.variants))
     for block, name in enumerate(order):
-        threads, chunk, in_flight = _variant(name)
-        _apply(chunk, in_flight)
+        threads, chunk, in_flight, switch = _variant(name)
+        _apply(chunk, in_flight, switch)
         bench_load.load_ours(bench.root, bench.state, False, threads)  # pins this size's chunks
         for rep in range(a.repeats):
             for verify in (True, False):
@@ -96,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "bytes_on_disk": bench.on_disk, "host_loops_s": loops, "loads": loads,
            "summary": summary}
+    sys.setswitchinterval(_SWITCH)
     Path(a.json).write_text(json.dumps(out, indent=1))
     for k, v in summary.items():
         print(k, v)
