@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{name}: a load was not bit-exact")
                 loads.append({"variant": name, "block": block, "verify": verify,
                               "load_s": round(seconds, 4),
+                              "applied": {"chunk_mib": direct_read.DEFAULT_CHUNK // _MIB,
+                                          "in_flight": read_copies.IN_FLIGHT,
+                                          "switch_us": round(sys.getswitchinterval() * 1e6)},
                               "device_summed_bytes": report.get("device_summed_bytes", 0),
                               "direct_items": report.get("direct_items"),
                               "phases": {k: round(v, 4) for k, v in

@@ -195,3 +195,22 @@ def test_the_hosts_own_read_and_copy_moves_every_byte_of_odd_sized_files(tmp_pat
     with pytest.raises(RuntimeError, match="moved"):
         bench_load.read_h2d_s(files + [tmp_path / "f0"], 2, torch.device("cpu"),
                               ready=lambda: (tmp_path / "f0").write_bytes(b"x" * (chunk * 4)))
+
+
+@pytest.mark.functional
+def test_load_variants_probe_applies_each_variant_and_loads_exact(tmp_path):
+    """benchmarks/probe_load_variants.py (the reading threads, chunk, copies in flight and switch
+    interval of a load varied in one process): each variant's settings are the ones its loads
+    ran with, and every load is bit-exact (the probe exits non-zero otherwise)."""
+    out = tmp_path / "variants.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_load_variants.py"),
+                    "--cpu-smoke", "--repeats", "1", "--loop-chunks", "32",
+                    "--variants", "T2_C32_F1", "T2_C64_F2_S500", "--out", str(tmp_path / "ckpt"),
+                    "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+    data = json.loads(out.read_text())
+    assert set(data["host_loops_s"]) == {"T8_C32", "T16_C32"}
+    applied = {x["variant"]: x["applied"] for x in data["loads"]}
+    assert applied == {"T2_C32_F1": {"chunk_mib": 32, "in_flight": 1, "switch_us": 5000},
+                       "T2_C64_F2_S500": {"chunk_mib": 64, "in_flight": 2, "switch_us": 500}}
+    assert len(data["loads"]) == 2 * 2 * 2  # two blocks a variant, verifying and not
+    assert set(data["summary"]) == {f"{v}_{k}" for v in applied for k in ("verify", "plain")}
