@@ -63,12 +63,16 @@ class ReadResult:
     (where each item's bytes are) and of the read step, split into file reads and host-to-device
     copies; how many items (and bytes) were read directly, how many the stock way (``why_stock``:
     the first reason); ``file_crcs`` {file: (bytes, crc32)} of the ``planned_files`` summed as
-    read, ``device_summed_bytes`` of them on the device."""
+    read, ``device_summed_bytes`` of them on the device; ``sums_wait_s``: the part of the read
+    step after the last read, waiting for the sums; ``sum_device_busy_s``: the device-sum
+    thread's own seconds (its launches), beside the reads."""
 
     why_not: str | None = None
     metadata_s: float = 0.0
     read_s: float = 0.0
     h2d_s: float = 0.0
+    sums_wait_s: float = 0.0  # of read_s: after the last read, until every sum was in
+    sum_device_busy_s: float = 0.0  # the device-sum thread's seconds at work (beside the reads)
     direct_items: int = 0
     stock_items: int = 0
     direct_bytes: int = 0
@@ -190,7 +194,10 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
                 job.result()
             except BaseException as e:  # noqa: BLE001 - raised below, after the sums
                 failed.append(e)
+        reads_done = time.perf_counter()
         sums.wait()  # every chunk lent back, every copy done, before anything else
+        result.sums_wait_s += time.perf_counter() - reads_done
+        result.sum_device_busy_s += sums.device_busy_s
         if failed:
             raise failed[0]
         _split_read(result, busy, time.perf_counter() - t)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ class _Sums:
         self._jobs: list = []
         self._device = _DeviceSums() if enabled and on_device else None
         self.device_bytes = 0  # summed on the device
+        self.device_busy_s = 0.0  # the device-sum thread's seconds at work (its launches)
         self._items: dict[str, list[tuple[int, int]]] = {}  # planned whole items per file
         self._pieces: dict[str, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
@@ -111,6 +113,7 @@ class _Sums:
             if self._device is not None:
                 for name, offset, length, crc in self._device.collect():
                     self._add(name, offset, length, crc)
+                self.device_busy_s = self._device.busy_s
         finally:
             if self._device is not None:
                 self._device.close()
@@ -174,6 +177,7 @@ class _DeviceSums:
         self._slot_values: list[int] = []
         self._error: BaseException | None = None
         self._start_lock = threading.Lock()
+        self.busy_s = 0.0  # seconds from taking a chunk to its launches issued, all chunks
 
     def ready(self, device: Any) -> bool:
         """Whether chunks copied to ``device`` are summed here: its CRC is built, and it is the
@@ -207,6 +211,7 @@ class _DeviceSums:
         while (job := self._queue.get()) is not None:  # always drained up to its end
             if self._error is not None:
                 continue
+            t = time.perf_counter()
             try:
                 if stream is None:
                     stream = torch.cuda.Stream(device=device)
@@ -219,6 +224,7 @@ class _DeviceSums:
                         self._done.append((name, offset + a, piece.numel(), slots.add(piece)))
             except BaseException as e:  # noqa: BLE001 - raised by collect()
                 self._error = e
+            self.busy_s += time.perf_counter() - t
         try:
             if stream is not None:
                 with torch.cuda.device(device), torch.cuda.stream(stream):

@@ -173,7 +173,8 @@ def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
     """Split megatron-core's load into the reader's steps; say once why items went stock."""
     record.add_reads(reads.metadata_s, reads.read_s, reads.h2d_s,
                      direct_items=reads.direct_items, stock_items=reads.stock_items,
-                     device_summed_bytes=reads.device_summed_bytes)
+                     device_summed_bytes=reads.device_summed_bytes,
+                     sums_wait_s=reads.sums_wait_s, sum_device_busy_s=reads.sum_device_busy_s)
     if reads.stock_items and rank() == 0:
         logger.info("%d of %d checkpoint items were read the stock way (unpickled, then "
                     "copied): %s", reads.stock_items, reads.stock_items + reads.direct_items,

@@ -159,3 +159,30 @@ def test_a_chunk_past_one_slot_is_cut_into_slots_at_their_offsets(cpu_streams):
     assert [(o, k) for _, o, k, _ in pieces] == [(4096, slot), (4096 + slot, align)]
     for _, offset, k, crc in pieces:
         assert crc == zlib.crc32(data[offset - 4096:offset - 4096 + k].numpy())
+
+
+def test_the_device_threads_time_at_work_is_counted(cpu_streams, monkeypatch):
+    """``_Sums.device_busy_s`` (the load report's ``read_detail.sum_device_busy_s``): the device
+    thread's seconds from taking each chunk to its launches issued."""
+    import time
+    from types import SimpleNamespace
+
+    from megatron_ckpt_ext import _crc_device
+
+    real = _crc_device.DeviceCrc.level0_into
+
+    def slow(self, data, out):  # noqa: ANN001
+        time.sleep(0.05)
+        real(self, data, out)
+
+    monkeypatch.setattr(_crc_device.DeviceCrc, "level0_into", slow)
+    monkeypatch.setattr(_crc_device, "ready", lambda device: True)
+    align = _crc_device.ALIGN
+    data = torch.zeros(4 * align, dtype=torch.uint8)
+    sums = load_sums._Sums(True, 1, on_device=True)
+    plan = SimpleNamespace(what="f.distcp", summed=True)
+    for a in range(0, 4 * align, align):
+        sums.device_chunk(plan, a, data[a:a + align], object(),
+                          memoryview(data[a:a + align].numpy()))
+    sums.wait()
+    assert 0.2 <= sums.device_busy_s < 5, sums.device_busy_s

@@ -1,0 +1,44 @@
+"""The load report's ``read_detail``: ``sums_wait_s``, the part of the read step spent after the
+last read waiting for the sums (here the host's summing threads, made slow), so a report tells a
+load bound by its checksums from one bound by its reads; ``sum_device_busy_s`` is 0 where no
+device summed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ckpt_ext import Checkpointer, CkptOptions
+from megatron_ckpt_ext.backend import load_sums
+from tests._support.dist import sharded
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+def test_a_verifying_load_reports_how_long_its_reads_waited_for_the_sums(tmp_path: Path,
+                                                                         monkeypatch):
+    state = {f"w{i}": torch.randn(1 << 16) for i in range(3)}  # 256 KiB each
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, state), tmp_path, iteration=1)
+    real = load_sums.crc32
+
+    def slow(data, *rest):  # noqa: ANN001
+        if len(data) >= 1 << 18:  # the records' chunks, summed on the summing threads
+            import time
+
+            time.sleep(0.3)
+        return real(data, *rest)
+
+    monkeypatch.setattr(load_sums, "crc32", slow)
+    with Checkpointer(CkptOptions(ckpt_load_threads=2)) as ck:
+        got = ck.load(sharded(0, 1, {k: torch.zeros(1 << 16) for k in state}), tmp_path)
+        report = ck.load_reports[-1]
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert report["verified"] is True
+    detail = report["read_detail"]
+    assert detail["sum_device_busy_s"] == 0.0
+    # three chunks of 0.3 s on two summing threads: 0.6 s, the reads done long before
+    assert 0.4 <= detail["sums_wait_s"] <= report["phases"]["read_s"] + 1e-6, report
