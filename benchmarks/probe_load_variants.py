@@ -90,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                                           "in_flight": read_copies.IN_FLIGHT,
                                           "switch_us": round(sys.getswitchinterval() * 1e6)},
                               "device_summed_bytes": report.get("device_summed_bytes", 0),
+                              "read_detail": report.get("read_detail", {}),
                               "direct_items": report.get("direct_items"),
                               "phases": {k: round(v, 4) for k, v in
                                          report.get("phases", {}).items()}})
                 print(name, "verify" if verify else "plain", round(seconds, 4),
-                      loads[-1]["phases"], flush=True)
+                      loads[-1]["phases"], loads[-1]["read_detail"], flush=True)
     summary = {}
     for name in a.variants:
         for verify in (True, False):
