@@ -7,7 +7,8 @@ threads, host chunk size and copies left in flight varied in one process, agains
 Each variant (``T<threads>_C<chunk MiB>_F<in flight>``) is a block of loads (one not timed: its
 host chunks are pinned by it), ours verifying and not, ``--repeats`` each, alternated; the blocks
 run twice, the second time in reverse order (drift shows as a difference between the two).
-Every load is checked bit-exact. The JSON holds each load's seconds and phases and, per variant,
+Every load is checked bit-exact; each records ``read_detail`` (how long its read step waited for
+the sums, how long the device's summing thread worked). The JSON holds each load's seconds and phases and, per variant,
 the medians. A probe, not a benchmark of record: its defaults come from
 ``benchmarks/bench_load.py`` (which it imports)."""
 
@@ -24,27 +25,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_load  # noqa: E402
-from megatron_ckpt_ext.backend import direct_read, read_copies  # noqa: E402
+from megatron_ckpt_ext.backend import direct_read, load_sums, read_copies  # noqa: E402
 
 _MIB = 1 << 20
 
 
-def _variant(name: str) -> tuple[int, int, int, float]:
-    """``T<threads>_C<chunk MiB>_F<in flight>[_S<us>]``: ``S`` sets the interpreter's switch
-    interval (``sys.setswitchinterval``, default 5000 us) for the variant's loads."""
+def _variant(name: str) -> tuple[int, int, int, float, int]:
+    """``T<threads>_C<chunk MiB>_F<in flight>[_S<us>][_M<KiB>]``: ``S`` sets the interpreter's
+    switch interval (``sys.setswitchinterval``, default 5000 us), ``M`` the smallest chunk
+    summed on the device (``load_sums.DEVICE_MIN_BYTES``; 0: every chunk) for its loads."""
     t, c, f, *rest = name.split("_")
-    switch = int(rest[0][1:]) * 1e-6 if rest else _SWITCH
-    return int(t[1:]), int(c[1:]) * _MIB, int(f[1:]), switch
+    extra = {part[0]: int(part[1:]) for part in rest}
+    switch = extra["S"] * 1e-6 if "S" in extra else _SWITCH
+    device_min = extra["M"] * 1024 if "M" in extra else _DEVICE_MIN
+    return int(t[1:]), int(c[1:]) * _MIB, int(f[1:]), switch, device_min
 
 
 _SWITCH = sys.getswitchinterval()
+_DEVICE_MIN = load_sums.DEVICE_MIN_BYTES
 
 
-def _apply(chunk: int, in_flight: int, switch: float) -> None:
+def _apply(chunk: int, in_flight: int, switch: float, device_min: int) -> None:
     direct_read.DEFAULT_CHUNK = chunk
     direct_read.PinnedChunks.shared.__func__.__defaults__ = (chunk,)
     read_copies.IN_FLIGHT = in_flight
     sys.setswitchinterval(switch)
+    load_sums.DEVICE_MIN_BYTES = device_min
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     loads: list[dict] = []
     order = a.variants + list(reversed(a.variants))
     for block, name in enumerate(order):
-        threads, chunk, in_flight, switch = _variant(name)
-        _apply(chunk, in_flight, switch)
+        threads, chunk, in_flight, switch, device_min = _variant(name)
+        _apply(chunk, in_flight, switch, device_min)
         bench_load.load_ours(bench.root, bench.state, False, threads)  # pins this size's chunks
         for rep in range(a.repeats):
             for verify in (True, False):
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                               "load_s": round(seconds, 4),
                               "applied": {"chunk_mib": direct_read.DEFAULT_CHUNK // _MIB,
                                           "in_flight": read_copies.IN_FLIGHT,
-                                          "switch_us": round(sys.getswitchinterval() * 1e6)},
+                                          "switch_us": round(sys.getswitchinterval() * 1e6),
+                                          "device_min_kib": load_sums.DEVICE_MIN_BYTES // 1024},
                               "device_summed_bytes": report.get("device_summed_bytes", 0),
                               "read_detail": report.get("read_detail", {}),
                               "direct_items": report.get("direct_items"),
