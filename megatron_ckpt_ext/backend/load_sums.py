@@ -22,8 +22,8 @@ __all__: list[str] = []
 # a device chunk under this many bytes is summed on the host by its reading thread (its bytes
 # are in the thread's pinned chunk, just read): on one H100 the device-sum thread was at work
 # 0.17-0.20 s of a 0.41-0.46 s read step with 8 reading threads and 0.32-0.37 s with 16, about
-# as long for a small piece's launch as for a 32 MiB one's, and it needs the interpreter the
-# reading threads need; 328 of an 8 GiB GPT state's 492 tensors are under 1 MiB
+# as long for a small piece's launch as for a 32 MiB one's, competing with the reading threads
+# for the interpreter and the cores; 328 of an 8 GiB GPT state's 492 tensors are under 1 MiB
 # (docs/benchmarks/README.md, nineteenth session). 0: every chunk goes to the device.
 DEVICE_MIN_BYTES = 1 << 20
 
