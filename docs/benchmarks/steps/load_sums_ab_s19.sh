@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on one GPU (carry .whl): the A/B the nineteenth session could not run for lack of
+# device time. (1) benchmarks/probe_load_variants.py on an 8 GiB state: the small chunks summed
+# on the host (the default since 65c07a6) against every chunk launched on the device (_M0), with
+# 32 and 64 MiB chunks, at 8 and 16 reading threads, three loads a variant in each of two blocks;
+# (2) the load benchmark at the default settings, warm and cold, with megatron-core beside it.
+# Results under $OUT: <card>_load_sums_ab.json/.log, <card>_load_8gib_after_sums.json/.log.
+# From the repository root:  OUT=$OUT bash docs/benchmarks/steps/load_sums_ab_s19.sh
+set -uo pipefail
+source docs/megatron_lm/steps/_prologue.sh
+TR=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
+timeout 330 "${TR[@]}" benchmarks/probe_load_variants.py --gib 8 --repeats 3 --loop-chunks 32 \
+  --variants T8_C32_F1 T8_C32_F1_M0 T8_C64_F1 T8_C64_F1_M0 T16_C32_F1 T16_C32_F1_M0 \
+  --json "$OUT/${CARD}_load_sums_ab.json" 2>&1 | grep -v "^\[W\|Warning" \
+  > "$OUT/${CARD}_load_sums_ab.log"
+grep "_verify\|_plain\|loop" "$OUT/${CARD}_load_sums_ab.log"
+timeout 240 "${TR[@]}" benchmarks/bench_load.py --gib 8 --repeats 2 \
+  --sources ours ours_no_verify megatron --out /tmp/load8_after_sums \
+  --json "$OUT/${CARD}_load_8gib_after_sums.json" 2>&1 | grep "bench_load\|Error" \
+  | tee "$OUT/${CARD}_load_8gib_after_sums.log"
