@@ -14,7 +14,8 @@ one null where ``--caches warm`` times no cold load),
 ``first_load`` (the process's first load, of the first source, timed apart before the repeats:
 it pays what later loads find done; null with ``--no-first-load``),
 ``runs`` [{``source``, ``cache``, ``state_bytes``, ``load_s``, ``per_rank_load_s``,
-``max_over_median``, ``verified``, ``load_threads`` (ours: its reading threads a rank)}];
+``max_over_median``, ``verified``, ``load_threads`` (ours: its reading threads a rank), and for
+ours rank 0's ``phases`` and ``read_detail`` (its read step's wait for the sums)}];
 with several ``--load-threads`` values, ``by_load_threads`` {value: the targets of its runs}.
 
     torchrun --nproc-per-node 1 benchmarks/bench_load.py --gib 4 --repeats 2 --json $OUT/load.json
@@ -421,6 +422,7 @@ class LoadBench:
                  "verified": all(bool(r[2]["verified"]) for r in ranks) if len(out) > 2 else False}
         if len(out) > 2:
             entry["phases"] = out[2]["phases"]  # rank 0's
+            entry["read_detail"] = out[2].get("read_detail", {})  # rank 0's: the sums' share
             entry["direct_items"] = sum(r[2]["direct_items"] for r in ranks)
             entry["stock_items"] = sum(r[2]["stock_items"] for r in ranks)
             entry["device_summed_bytes"] = sum(r[2].get("device_summed_bytes", 0) for r in ranks)

@@ -34,6 +34,9 @@ def test_load_benchmark_smoke(tmp_path):
         (s, c) for s in ("ours", "megatron", "torch_dcp") for c in ("warm", "cold")}
     assert all(r["bit_exact"] and r["state_bytes"] > 0 and r["load_s"] > 0 for r in runs), runs
     assert all(r["verified"] for r in runs if r["variant"] == "ours")
+    # how long ours' read step waited for its sums, from its load report
+    assert all(set(r["read_detail"]) == {"sums_wait_s", "sum_device_busy_s"}
+               for r in runs if r["source"] == "ours"), runs
     assert not any(r["verified"] for r in runs if r["source"] != "ours")
     # ours reads every item directly (no item fell back to the stock unpickling)
     assert all(r["direct_items"] > 0 and r["stock_items"] == 0 for r in runs
