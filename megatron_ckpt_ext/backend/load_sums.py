@@ -24,8 +24,9 @@ __all__: list[str] = []
 # 0.17-0.20 s of a 0.41-0.46 s read step with 8 reading threads and 0.32-0.37 s with 16, about
 # as long for a small piece's launch as for a 32 MiB one's, competing with the reading threads
 # for the interpreter and the cores; 328 of an 8 GiB GPT state's 492 tensors are under 1 MiB
-# (docs/benchmarks/README.md, nineteenth session). 0: every chunk goes to the device.
-DEVICE_MIN_BYTES = 1 << 20
+# (docs/benchmarks/README.md, nineteenth session). 0 (the default until a GPU A/B shows the gain,
+# benchmarks/probe_load_variants.py's _M<KiB> variants): every chunk goes to the device.
+DEVICE_MIN_BYTES = 0
 
 
 class _Sums:

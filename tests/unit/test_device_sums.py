@@ -34,7 +34,7 @@ def cpu_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    # the chunks here are small: every one goes to the device thread unless a test says
+    # every chunk goes to the device thread (the default) unless a test says otherwise
     monkeypatch.setattr(load_sums, "DEVICE_MIN_BYTES", 0)
 
 
