@@ -47,6 +47,7 @@ from benchmarks._bench_modes import build_state, gpt_shape, sharded, state_bytes
 from megatron_ckpt_ext import _crc  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 from megatron_ckpt_ext._threads import thread_counts  # noqa: E402
+from megatron_ckpt_ext.backend import direct_read  # noqa: E402
 
 _CHUNK = 64 << 20
 
@@ -340,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="loaders to time (default all; torch_dcp runs at one rank only)")
     p.add_argument("--caches", nargs="+", choices=("cold", "warm"), default=["cold", "warm"],
                    help="page-cache states to time (default both)")
+    p.add_argument("--chunk-mib", type=int, default=None,
+                   help="our storage read's piece in MiB (default: the package's, "
+                        "backend/direct_read.py DEFAULT_CHUNK); the JSON names it")
     args = p.parse_args(argv)
     args.threads = args.threads or 2 * thread_counts().load_read
     return args
@@ -351,6 +355,8 @@ class LoadBench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        if args.chunk_mib:
+            direct_read.DEFAULT_CHUNK = args.chunk_mib << 20
         want = "cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda"
         self.layout = node.init(want, args.ranks_per_device, 10)
         self.device = node.device_of(self.layout)
@@ -467,6 +473,7 @@ class LoadBench:
             "world_size": self.layout.world_size,
             "ranks_per_device": self.layout.ranks_per_device,
             "layout": node.layout_json(self.layout),
+            "read_chunk_mib": direct_read.DEFAULT_CHUNK >> 20,
             "threads_per_rank": {"cores": threads.cores, "load_read": threads.load_read,
                                  "checksum": threads.checksum, "floor_read": self.args.threads},
             "versions": {"torch": torch.__version__, "megatron-core": caps.mcore_version,

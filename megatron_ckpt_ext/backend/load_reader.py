@@ -368,7 +368,7 @@ def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _
 
 
 def release_read_chunks() -> threading.Thread | None:
-    """The storage read's kept host chunks (pinned: 24 x 32 MiB a rank at one rank a host)
+    """The storage read's kept host chunks (pinned: 24 x 64 MiB a rank at one rank a host)
     released on a thread of their own, where a load left them; called at each commit, since a
     training job loads before it saves. None where there were none."""
     if not direct_read.PinnedChunks.kept():

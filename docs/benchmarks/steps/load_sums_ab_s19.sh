@@ -10,12 +10,12 @@
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 TR=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
-timeout 330 "${TR[@]}" benchmarks/probe_load_variants.py --gib 8 --repeats 3 --loop-chunks 32 \
-  --variants T8_C32_F1 T8_C32_F1_M1024 T8_C64_F1 T8_C64_F1_M1024 T16_C32_F1 T16_C32_F1_M1024 \
+timeout 320 "${TR[@]}" benchmarks/probe_load_variants.py --gib 8 --repeats 3 --loop-chunks 32 \
+  --variants T8_C32_F1 T8_C32_F1_M1024 T8_C64_F1 T8_C64_F1_M1024 T16_C32_F1 T16_C32_F1_M1024 T16_C64_F1_M1024 \
   --json "$OUT/${CARD}_load_sums_ab.json" 2>&1 | grep -v "^\[W\|Warning" \
   > "$OUT/${CARD}_load_sums_ab.log"
 grep "_verify\|_plain\|loop" "$OUT/${CARD}_load_sums_ab.log"
-timeout 240 "${TR[@]}" benchmarks/bench_load.py --gib 8 --repeats 2 \
+timeout 200 "${TR[@]}" benchmarks/bench_load.py --gib 8 --repeats 2 \
   --sources ours ours_no_verify megatron --out /tmp/load8_after_sums \
   --json "$OUT/${CARD}_load_8gib_after_sums.json" 2>&1 | grep "bench_load\|Error" \
   | tee "$OUT/${CARD}_load_8gib_after_sums.log"

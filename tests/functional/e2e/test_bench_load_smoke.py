@@ -60,11 +60,13 @@ def test_load_benchmark_with_four_ranks_sharing_the_host(tmp_path):
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "4", str(ROOT / "benchmarks" / "bench_load.py"),
                     "--cpu-smoke", "--ranks-per-device", "4", "--repeats", "1",
+                    "--chunk-mib", "1",  # the storage read in 1 MiB pieces: items split
                     "--out", str(tmp_path / "ckpt"), "--json", str(out)],
                    check=True, cwd=ROOT, timeout=150)
     data = json.loads(out.read_text())
     assert data["world_size"] == 4 and data["ranks_per_device"] == 4
     assert data["layout"]["process_group"] == "gloo"
+    assert data["read_chunk_mib"] == 1
     assert data["command"].startswith("torchrun --nproc-per-node 4 ")
     assert "--ranks-per-device 4" in data["command"]
     runs = data["runs"]
