@@ -17,19 +17,18 @@ import queue
 import struct
 import sys
 import threading
+import time
 import zipfile
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 __all__ = ["Files", "chunk_spans", "stripes", "ItemLayout", "item_layout", "pread_into", "tensor_bytes", "PinnedChunks",
            "DEFAULT_CHUNK", "EDGE"]
 
 logger = logging.getLogger(__name__)
 
-# a storage read's piece (one pread, one host-to-device copy, one device CRC launch): 64 MiB
-# halved the device-sum thread's work and sped a verifying warm 8 GiB load 13 % (one H100) and
-# 7 % (one H200) against 32 MiB at 8 reading threads, the unverified one unchanged
-# (docs/benchmarks/README.md, twentieth session); the pinned pool doubles with it
+# a storage read's piece (a pread, a copy, a device CRC launch): 64 MiB sped a verifying warm
+# 8 GiB load 7-13 % over 32 MiB (docs/benchmarks/README.md, twentieth session)
 DEFAULT_CHUNK = 64 << 20
 EDGE = 4096  # bytes read at each end of an item for its zip headers
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -300,6 +299,21 @@ def pread_into(fd: int, view: memoryview, offset: int, what: str) -> None:
         done += n
 
 
+def _host_cache_emptier() -> Callable[[], None] | None:
+    """torch's call that frees its cached pinned host blocks, failures logged (None: none)."""
+    import torch
+
+    empty = (getattr(torch._C, "_host_emptyCache", None)
+             or getattr(torch._C, "_accelerator_emptyHostCache", None))
+
+    def call() -> None:
+        try:
+            empty()
+        except Exception as e:  # noqa: BLE001 - torch keeps its cached blocks
+            logger.debug("torch's cached pinned blocks not handed back: %s", e)
+    return call if empty is not None else None
+
+
 class PinnedChunks:
     """A bounded set of host chunks (pinned when a device is there) lent to reading threads; kept
     for the process so later loads do not pay the pinning again. A chunk is made when a thread
@@ -330,29 +344,27 @@ class PinnedChunks:
         return bool(cls._cache)
 
     @classmethod
-    def release_shared(cls) -> bool:
-        """Drop the kept set (a load's reads are over: a training job's first commit after its
+    def release_shared(cls, pace_s: float = 0.0) -> bool:
+        """Drop the kept set (a load's reads are over: a training job's first save after its
         load) and hand torch's cached pinned blocks back (where this torch can); whether there
-        was one. A later load pins its chunks again."""
+        was one. A later load pins its chunks again. ``pace_s`` > 0: one chunk at a time, that
+        many seconds apart: freeing pinned memory holds every CUDA call of the process (a copy
+        beside the release of 24 x 64 MiB at once waited for all of it: 0.20-0.29 s against
+        0.035 s, one H200, benchmarks/probe_release_overlap.py); so it waits for one at most."""
         with cls._lock:
             if not cls._cache:
                 return False
             pools = list(cls._cache.values())
             cls._cache.clear()
-        pinned = any(p._pin for p in pools)
+        empty = _host_cache_emptier() if any(p._pin for p in pools) else None
         for pool in pools:
             while not pool._free.empty():
-                pool._free.get_nowait()
-        if pinned:
-            import torch
-
-            empty = (getattr(torch._C, "_host_emptyCache", None)
-                     or getattr(torch._C, "_accelerator_emptyHostCache", None))
-            try:
-                if empty is not None:
+                pool._free.get_nowait()  # this chunk's last reference
+                if empty is not None and pace_s > 0:
                     empty()
-            except Exception as e:  # noqa: BLE001 - torch keeps its cached blocks
-                logger.debug("torch's cached pinned blocks not handed back: %s", e)
+                    time.sleep(pace_s)
+        if empty is not None:
+            empty()
         return True
 
     def take(self) -> Any:

@@ -367,13 +367,18 @@ def _read_chunk(plan: _ItemPlan, a: int, b: int, settings: ReadSettings, busy: _
             chunks.give(buf)
 
 
+RELEASE_PACE_S = 0.005  # between two chunks' frees (direct_read.PinnedChunks.release_shared)
+
+
 def release_read_chunks() -> threading.Thread | None:
     """The storage read's kept host chunks (pinned: 24 x 64 MiB a rank at one rank a host)
-    released on a thread of their own, where a load left them; called at each commit, since a
-    training job loads before it saves. None where there were none."""
+    released one at a time on a thread of their own, where a load left them; called when a
+    save's copies have landed and at each commit, since a training job loads before it saves.
+    None where there were none."""
     if not direct_read.PinnedChunks.kept():
         return None
-    thread = threading.Thread(target=direct_read.PinnedChunks.release_shared, daemon=True,
+    thread = threading.Thread(target=direct_read.PinnedChunks.release_shared,
+                              args=(RELEASE_PACE_S,), daemon=True,
                               name="mcx-release-read-chunks")
     thread.start()
     return thread

@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import Any, Callable
 
+from .. import backend
 from .._runtime import warn_once
 from ..hooks import SaveHooks
 from ..staging.base import Stager
@@ -46,6 +47,9 @@ class Publisher:
         if batch is None:
             return
         batch.wait()
+        # a load's kept read chunks go now, a whole save interval before the next save's copies
+        # (their release holds every CUDA call; at the commit it could meet the next save's)
+        backend.release_read_chunks()
         record.staging_s = batch.copy_s if batch.copy_s is not None else batch.staging_s
         if batch.queue_wait_s is not None:  # the copies' wait for work queued on the device
             record.detail["copy_queue_wait_s"] = round(batch.queue_wait_s, 6)

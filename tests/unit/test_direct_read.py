@@ -242,3 +242,23 @@ def test_an_items_header_pages_are_asked_of_the_kernel_at_both_ends(monkeypatch)
     asked.clear()
     direct_read.prefetch_edges(3, 1000, edge // 2)
     assert asked == [(1000, edge, os.POSIX_FADV_WILLNEED)]
+
+
+def test_pinned_chunks_released_one_at_a_time_when_paced(monkeypatch):
+    """Freeing pinned memory holds every CUDA call of the process: paced, torch's cache is
+    emptied after each chunk (a copy beside it waits for one chunk's free, not all of them)."""
+    calls = []
+    monkeypatch.setattr(direct_read, "_host_cache_emptier",
+                        lambda: lambda: calls.append(len(pool._free.queue)))  # chunks left
+    direct_read.PinnedChunks.release_shared()
+    pool = direct_read.PinnedChunks.shared(3, 1 << 10, pin=True)
+    for _ in range(3):
+        pool.give(object())  # stand-ins for pinned chunks (no CUDA here)
+    assert direct_read.PinnedChunks.release_shared(pace_s=0.001)
+    assert calls == [2, 1, 0, 0]  # after each chunk went, then once more
+    calls.clear()
+    pool = direct_read.PinnedChunks.shared(3, 1 << 10, pin=True)
+    for _ in range(3):
+        pool.give(object())
+    assert direct_read.PinnedChunks.release_shared()  # unpaced: all at once
+    assert calls == [0]

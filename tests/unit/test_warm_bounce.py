@@ -258,3 +258,22 @@ def test_a_commit_releases_the_storage_reads_kept_chunks(one_rank_group, tmp_pat
         if t.name == "mcx-release-read-chunks":
             t.join(10)
     assert not direct_read.PinnedChunks.kept()
+
+
+def test_an_async_save_releases_the_read_chunks_once_its_copies_landed(one_rank_group, tmp_path):
+    """Before its commit: the release holds every CUDA call of the process, and a commit that
+    Megatron-LM finalizes at the next save's entry would start it beside that save's copies."""
+    import threading
+
+    from megatron_ckpt_ext.backend import direct_read
+
+    pool = direct_read.PinnedChunks.shared(2, 1 << 10, pin=False)  # as a load leaves them
+    pool.give(pool.take())
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck.save(_like(), tmp_path / "ckpt", iteration=1)  # returns with the copies landed
+        for t in threading.enumerate():
+            if t.name == "mcx-release-read-chunks":
+                t.join(10)
+        assert not direct_read.PinnedChunks.kept()
+        assert ck.reports == []  # not committed yet
+        ck.maybe_finalize(blocking=True)
