@@ -371,10 +371,10 @@ RELEASE_PACE_S = 0.005  # between two chunks' frees (direct_read.PinnedChunks.re
 
 
 def release_read_chunks() -> threading.Thread | None:
-    """The storage read's kept host chunks (pinned: 24 x 64 MiB a rank at one rank a host)
-    released one at a time on a thread of their own, where a load left them; called when a
-    save's copies have landed and at each commit, since a training job loads before it saves.
-    None where there were none."""
+    """The storage read's kept host chunks (pinned: 16 x 64 MiB a rank at one rank a host, 24
+    where a load summed on the host) released one at a time on a thread of their own, where a
+    load left them; called when a save's copies have landed and at each commit, since a
+    training job loads before it saves. None where there were none."""
     if not direct_read.PinnedChunks.kept():
         return None
     thread = threading.Thread(target=direct_read.PinnedChunks.release_shared,
@@ -387,9 +387,13 @@ def release_read_chunks() -> threading.Thread | None:
 def pin_chunks_ahead(threads: int, checksum_threads: int) -> threading.Thread:
     """Before a load that reads storage with ``threads`` reading and ``checksum_threads``
     summing threads onto a device: the pinned host chunks its reads will copy through are made
-    on a thread of their own (``mcx-pin-ahead``), so the load takes them made."""
+    on a thread of their own (``mcx-pin-ahead``), so the load takes them made: the reading
+    threads' two each. A summing thread's chunk is needed only where a verifying load sums on
+    the host (no device CRC on this device): the load makes those as it asks (8 x 64 MiB a rank
+    at one rank a host, pinned and released for nothing in the usual case otherwise)."""
     pool = host_chunks(threads, checksum_threads)
-    thread = threading.Thread(target=pool.make_ahead, daemon=True, name="mcx-pin-ahead")
+    thread = threading.Thread(target=pool.make_ahead, args=(2 * threads,), daemon=True,
+                              name="mcx-pin-ahead")
     thread.start()
     return thread
 

@@ -262,3 +262,16 @@ def test_pinned_chunks_released_one_at_a_time_when_paced(monkeypatch):
         pool.give(object())
     assert direct_read.PinnedChunks.release_shared()  # unpaced: all at once
     assert calls == [0]
+
+
+def test_chunks_pinned_ahead_are_the_reading_threads_two_each(monkeypatch):
+    """A summing thread's chunk is made only when a load sums on the host and asks for it."""
+    from megatron_ckpt_ext.backend import load_reader
+
+    pool = direct_read.PinnedChunks(2 * 3 + 2, 1 << 10, pin=False)
+    monkeypatch.setattr(load_reader, "host_chunks",
+                        lambda threads, checksum: pool if (threads, checksum) == (3, 2) else None)
+    load_reader.pin_chunks_ahead(3, 2).join(10)
+    assert pool.made == 6
+    held = [pool.take() for _ in range(8)]  # a load that sums on the host makes the rest
+    assert pool.made == 8 and len({id(t) for t in held}) == 8
