@@ -47,7 +47,6 @@ _DEVICE_MIN = load_sums.DEVICE_MIN_BYTES
 
 def _apply(chunk: int, in_flight: int, switch: float, device_min: int) -> None:
     direct_read.DEFAULT_CHUNK = chunk
-    direct_read.PinnedChunks.shared.__func__.__defaults__ = (chunk,)
     read_copies.IN_FLIGHT = in_flight
     sys.setswitchinterval(switch)
     load_sums.DEVICE_MIN_BYTES = device_min

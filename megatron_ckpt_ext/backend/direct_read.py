@@ -331,7 +331,8 @@ class PinnedChunks:
         self._making = threading.Lock()
 
     @classmethod
-    def shared(cls, count: int, chunk: int = DEFAULT_CHUNK, *, pin: bool) -> "PinnedChunks":
+    def shared(cls, count: int, chunk: int | None = None, *, pin: bool) -> "PinnedChunks":
+        chunk = chunk or DEFAULT_CHUNK  # read now: a benchmark's --chunk-mib sets it
         with cls._lock:
             key = (count, chunk, pin)
             if key not in cls._cache:
@@ -345,12 +346,11 @@ class PinnedChunks:
 
     @classmethod
     def release_shared(cls, pace_s: float = 0.0) -> bool:
-        """Drop the kept set (a load's reads are over: a training job's first save after its
-        load) and hand torch's cached pinned blocks back (where this torch can); whether there
-        was one. A later load pins its chunks again. ``pace_s`` > 0: one chunk at a time, that
-        many seconds apart: freeing pinned memory holds every CUDA call of the process (a copy
-        beside the release of 24 x 64 MiB at once waited for all of it: 0.20-0.29 s against
-        0.035 s, one H200, benchmarks/probe_release_overlap.py); so it waits for one at most."""
+        """Drop the kept set (a load's reads are over) and hand torch's cached pinned blocks
+        back; whether there was one. A later load pins its chunks again. ``pace_s`` > 0: one
+        chunk at a time, that many seconds apart: freeing pinned memory holds every CUDA call
+        of the process (a copy beside the release of 24 x 64 MiB at once waited for all of it:
+        0.20-0.29 s against 0.035 s, one H200, benchmarks/probe_release_overlap.py)."""
         with cls._lock:
             if not cls._cache:
                 return False

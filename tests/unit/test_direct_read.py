@@ -275,3 +275,12 @@ def test_chunks_pinned_ahead_are_the_reading_threads_two_each(monkeypatch):
     assert pool.made == 6
     held = [pool.take() for _ in range(8)]  # a load that sums on the host makes the rest
     assert pool.made == 8 and len({id(t) for t in held}) == 8
+
+
+def test_the_shared_pool_takes_the_read_piece_size_set_at_run_time(monkeypatch):
+    """The pinned chunks follow ``DEFAULT_CHUNK`` as it is when the load asks (a benchmark's
+    --chunk-mib sets it): a piece larger than its chunk would be read short."""
+    direct_read.PinnedChunks.release_shared()
+    monkeypatch.setattr(direct_read, "DEFAULT_CHUNK", 3 << 10)
+    assert direct_read.PinnedChunks.shared(2, pin=False).chunk == 3 << 10
+    direct_read.PinnedChunks.release_shared()
