@@ -25,31 +25,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_load  # noqa: E402
-from megatron_ckpt_ext.backend import direct_read, load_sums, read_copies  # noqa: E402
+from megatron_ckpt_ext.backend import direct_read, read_copies  # noqa: E402
 
 _MIB = 1 << 20
 
 
-def _variant(name: str) -> tuple[int, int, int, float, int]:
-    """``T<threads>_C<chunk MiB>_F<in flight>[_S<us>][_M<KiB>]``: ``S`` sets the interpreter's
-    switch interval (``sys.setswitchinterval``, default 5000 us), ``M`` the smallest chunk
-    summed on the device (``load_sums.DEVICE_MIN_BYTES``; 0: every chunk) for its loads."""
+def _variant(name: str) -> tuple[int, int, int, float]:
+    """``T<threads>_C<chunk MiB>_F<in flight>[_S<us>]``: ``S`` sets the interpreter's switch
+    interval (``sys.setswitchinterval``, default 5000 us) for the variant's loads; any other
+    part is refused (the ``_M`` variants measured host sums of small chunks, taken out after
+    the twentieth session's A/B: docs/benchmarks/README.md)."""
     t, c, f, *rest = name.split("_")
     extra = {part[0]: int(part[1:]) for part in rest}
+    if set(extra) - {"S"}:
+        raise SystemExit(f"variant {name}: unknown part(s) {sorted(set(extra) - {'S'})}")
     switch = extra["S"] * 1e-6 if "S" in extra else _SWITCH
-    device_min = extra["M"] * 1024 if "M" in extra else _DEVICE_MIN
-    return int(t[1:]), int(c[1:]) * _MIB, int(f[1:]), switch, device_min
+    return int(t[1:]), int(c[1:]) * _MIB, int(f[1:]), switch
 
 
 _SWITCH = sys.getswitchinterval()
-_DEVICE_MIN = load_sums.DEVICE_MIN_BYTES
 
 
-def _apply(chunk: int, in_flight: int, switch: float, device_min: int) -> None:
+def _apply(chunk: int, in_flight: int, switch: float) -> None:
     direct_read.DEFAULT_CHUNK = chunk
     read_copies.IN_FLIGHT = in_flight
     sys.setswitchinterval(switch)
-    load_sums.DEVICE_MIN_BYTES = device_min
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     loads: list[dict] = []
     order = a.variants + list(reversed(a.variants))
     for block, name in enumerate(order):
-        threads, chunk, in_flight, switch, device_min = _variant(name)
-        _apply(chunk, in_flight, switch, device_min)
+        threads, chunk, in_flight, switch = _variant(name)
+        _apply(chunk, in_flight, switch)
         bench_load.load_ours(bench.root, bench.state, False, threads)  # pins this size's chunks
         for rep in range(a.repeats):
             for verify in (True, False):
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                               "load_s": round(seconds, 4),
                               "applied": {"chunk_mib": direct_read.DEFAULT_CHUNK // _MIB,
                                           "in_flight": read_copies.IN_FLIGHT,
-                                          "switch_us": round(sys.getswitchinterval() * 1e6),
-                                          "device_min_kib": load_sums.DEVICE_MIN_BYTES // 1024},
+                                          "switch_us": round(sys.getswitchinterval() * 1e6)},
                               "device_summed_bytes": report.get("device_summed_bytes", 0),
                               "read_detail": report.get("read_detail", {}),
                               "direct_items": report.get("direct_items"),

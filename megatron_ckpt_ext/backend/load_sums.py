@@ -19,16 +19,6 @@ from .._crc import crc32
 __all__: list[str] = []
 
 
-# a device chunk under this many bytes is summed on the host by its reading thread (its bytes
-# are in the thread's pinned chunk, just read): on one H100 the device-sum thread was at work
-# 0.17-0.20 s of a 0.41-0.46 s read step with 8 reading threads and 0.32-0.37 s with 16, about
-# as long for a small piece's launch as for a 32 MiB one's, competing with the reading threads
-# for the interpreter and the cores; 328 of an 8 GiB GPT state's 492 tensors are under 1 MiB
-# (docs/benchmarks/README.md, nineteenth session). 0 (the default until a GPU A/B shows the gain,
-# benchmarks/probe_load_variants.py's _M<KiB> variants): every chunk goes to the device.
-DEVICE_MIN_BYTES = 0
-
-
 class _Sums:
     """CRC-32 pieces of the files a rank reads whole: the small items and each direct item's zip
     headers summed as read, each chunk of a record summed on a summing thread once read."""
@@ -95,13 +85,8 @@ class _Sums:
         """Sum ``landed`` (a device tensor's bytes, at ``offset`` of the plan's file; ``view``
         the same bytes on the host, summed here now) on the device once the event ``copied``
         has passed: its aligned middle (``_crc_device.device_span``) there, the few bytes
-        before and after it here; :meth:`wait` collects the sums. A chunk under
-        ``DEVICE_MIN_BYTES`` is summed here whole."""
+        before and after it here; :meth:`wait` collects the sums."""
         from .._crc_device import device_span
-
-        if len(view) < DEVICE_MIN_BYTES:
-            self._add(plan.what, offset, len(view), crc32(view))
-            return
 
         skip, length = device_span(landed.data_ptr(), landed.numel())
         for a, b in ((0, skip), (skip + length, len(view))):

@@ -34,8 +34,6 @@ def cpu_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    # every chunk goes to the device thread (the default) unless a test says otherwise
-    monkeypatch.setattr(load_sums, "DEVICE_MIN_BYTES", 0)
 
 
 def test_chunks_summed_by_the_device_thread_fold_into_the_files_crc(cpu_streams, monkeypatch):
@@ -188,33 +186,3 @@ def test_the_device_threads_time_at_work_is_counted(cpu_streams, monkeypatch):
                           memoryview(data[a:a + align].numpy()))
     sums.wait()
     assert 0.2 <= sums.device_busy_s < 5, sums.device_busy_s
-
-
-def test_a_chunk_under_the_device_minimum_is_summed_on_the_host_whole(cpu_streams, monkeypatch):
-    """Chunks under ``DEVICE_MIN_BYTES`` are summed by the reading thread from its host copy
-    (no launch on the device thread); larger ones go to the device; all fold into the file's
-    CRC."""
-    from types import SimpleNamespace
-
-    from megatron_ckpt_ext import _crc_device
-
-    monkeypatch.setattr(_crc_device, "ready", lambda device: True)
-    align = _crc_device.ALIGN
-    monkeypatch.setattr(load_sums, "DEVICE_MIN_BYTES", 4 * align)
-    data = torch.randint(0, 256, (16 * align,), dtype=torch.uint8)
-    put = []
-    real_put = load_sums._DeviceSums.put
-    monkeypatch.setattr(load_sums._DeviceSums, "put",
-                        lambda self, name, offset, landed, copied: (
-                            put.append((offset, landed.numel())),
-                            real_put(self, name, offset, landed, copied)))
-    sums = load_sums._Sums(True, 1, on_device=True)
-    plan = SimpleNamespace(what="f.distcp", summed=True)
-    cuts = [0, align, 3 * align, 4 * align, 9 * align, 16 * align]  # 1, 2, 1: host; 5, 7: device
-    for a, b in zip(cuts, cuts[1:]):
-        sums.device_chunk(plan, a, data[a:b], object(), memoryview(data[a:b].numpy()))
-    assert sorted(n for _, n in put) == [5 * align, 7 * align]
-    assert sums.device_bytes == 12 * align
-    sums.wait()
-    pieces = sums._pieces["f.distcp"]
-    assert manifest.tiled_crc32(pieces, data.numel()) == zlib.crc32(data.numpy())

@@ -7,6 +7,8 @@
 # (2) the load benchmark at the default settings, warm and cold, with megatron-core beside it.
 # Results under $OUT: <card>_load_sums_ab.json/.log, <card>_load_8gib_after_sums.json/.log.
 # From the repository root:  OUT=$OUT bash docs/benchmarks/steps/load_sums_ab_s19.sh
+# Ran in the twentieth session at 583641b; its _M1024 variants need that code (the host sums of
+# small chunks were taken out after this A/B showed no gain).
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 TR=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
