@@ -310,6 +310,84 @@ def bounce(paths: list[Path], threads: int, sums: str | None, dev: torch.device)
     return {"threads": threads, "sums": sums, "seconds": wall, "gbs": total / wall / 1e9}
 
 
+def hybrid(m: Mapped, paths: list[Path], zt: int, bt: int, dev: torch.device,
+           flags: int = REGISTER_READ_ONLY) -> dict:
+    """Both paths at once over one set of 64 MiB chunks in file order: ``zt`` threads take
+    chunks from the front and copy them zero-copy (register, copy; unregistered after the
+    clock), ``bt`` threads take them from the back and bounce them (pread into one of two
+    pinned chunks of their own, copy): each path takes chunks at its own rate until they meet.
+    No sums. Seconds, GB/s, and the bytes each path moved."""
+    import collections
+
+    rt = torch.cuda.cudart()
+    work = spans(paths, 64 << 20)
+    offsets, at = [], 0
+    for _, _, n in work:
+        offsets.append(at)
+        at += n
+    total = at
+    out = torch.empty(total, dtype=torch.uint8, device=dev)
+    left, lock = collections.deque(zip(work, offsets)), threading.Lock()
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    registered, moved, errors = [], {"zero_copy": 0, "bounce": 0}, []
+    pinned = [[torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+              for _ in range(bt)]
+
+    def take(front: bool):  # noqa: ANN202
+        with lock:
+            return (left.popleft() if front else left.pop()) if left else None
+
+    def zero() -> None:
+        stream = torch.cuda.Stream(device=dev)
+        while (job := take(True)) is not None:
+            (i, a, n), o = job
+            err = rt.cudaHostRegister(m.addr(i, a), n, flags)
+            if int(err) != 0:
+                errors.append(str(err))
+                continue
+            with lock:
+                registered.append(m.addr(i, a))
+                moved["zero_copy"] += n
+            with torch.cuda.stream(stream):
+                out[o:o + n].copy_(m.view(i, a, n), non_blocking=True)
+        stream.synchronize()
+
+    def bounce_run(t: int) -> None:
+        stream, landed, k = torch.cuda.Stream(device=dev), [None, None], 0
+        while (job := take(False)) is not None:
+            (i, a, n), o = job
+            if landed[k % 2] is not None:
+                landed[k % 2].synchronize()
+            buf = pinned[t][k % 2]
+            os.preadv(fds[i], [memoryview(buf.numpy())[:n]], a)
+            with torch.cuda.stream(stream):
+                out[o:o + n].copy_(buf[:n], non_blocking=True)
+            landed[k % 2] = stream.record_event()
+            k += 1
+            with lock:
+                moved["bounce"] += n
+        stream.synchronize()
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with ThreadPoolExecutor(zt + bt) as pool:
+        jobs = [pool.submit(zero) for _ in range(zt)] + \
+            [pool.submit(bounce_run, b) for b in range(bt)]
+        for j in jobs:
+            j.result()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    t = time.perf_counter()
+    for addr in registered:
+        rt.cudaHostUnregister(addr)
+    unreg = time.perf_counter() - t
+    for fd in fds:
+        os.close(fd)
+    return {"zero_copy_threads": zt, "bounce_threads": bt, "seconds": wall,
+            "gbs": total / wall / 1e9, "moved": moved, "unregister_s": unreg,
+            "errors": errors[:3]}
+
+
 def device_crc_rate(dev: torch.device, paths: list[Path]) -> dict:
     """The device CRC alone: 32 MiB pieces of one file's bytes on the device, one stream; and
     that its value is zlib's (the host CRC of the same bytes)."""
@@ -353,6 +431,10 @@ def main() -> None:
     p.add_argument("--chunk-mib", type=int, nargs="+", default=[64, 256])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--hybrid", nargs="*", default=[], metavar="Z,B",
+                   help="only the hybrid runs (after the floors): Z zero-copy threads and B "
+                        "bouncing threads at once, e.g. 4,12 (each pair --repeats times, beside "
+                        "plain bounce runs with Z+B threads)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("zero_copy_probe needs a CUDA device")
@@ -368,6 +450,24 @@ def main() -> None:
     res["floors"]["warm_read_gbs"] = max(read_floor(paths, t) for t in (8, 16, 32))
     res["floors"]["h2d_pinned_gbs"] = h2d_floor(dev)
     print("floors", res["floors"], flush=True)
+    if a.hybrid:
+        res["hybrid"] = []
+        m = Mapped(paths)
+        try:
+            for _ in range(a.repeats):
+                for pair in a.hybrid:
+                    zt, bt = (int(v) for v in pair.split(","))
+                    row = hybrid(m, paths, zt, bt, dev)
+                    res["hybrid"].append(row)
+                    print("hybrid", row, flush=True)
+                    row = bounce(paths, zt + bt, None, dev)
+                    res["bounce"].append(row)
+                    print("bounce", row, flush=True)
+        finally:
+            m.close()
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     res["device_crc"] = device_crc_rate(dev, paths)
     print("device_crc", res["device_crc"], flush=True)
     m = Mapped(paths)

@@ -111,3 +111,46 @@ def test_a_verifying_load_sums_on_the_device_and_catches_a_flipped_byte(tmp_path
     with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
         with pytest.raises(CheckpointIntegrityError, match=data.name):
             ck.load(sharded(0, 1, like), tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_warm_load_copies_from_the_page_cache_in_place(tmp_path, monkeypatch, world_of_one,
+                                                         zero_copy):
+    """Warm (the files just written): the zero-copy half registers 1 MiB segments and copies
+    from them beside the reading threads; bit-exact and verified on the device either way; off
+    with --no-ckpt-load-zero-copy, and off for a cold load (the pages dropped)."""
+    import os
+
+    from megatron_ckpt_ext.backend import mapped_read
+
+    _device_sums_ready()
+    state = _state()
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, state), tmp_path / "ckpt", iteration=1)
+    monkeypatch.setattr(direct_read, "DEFAULT_CHUNK", 4 << 20)
+    monkeypatch.setattr(mapped_read, "SEGMENT", 1 << 20)
+    like = {k: torch.empty_like(v) for k, v in state.items()}
+    options = CkptOptions(ckpt_load_threads=4, ckpt_load_zero_copy=zero_copy)
+    with Checkpointer(options) as ck:
+        got = ck.load(sharded(0, 1, like), tmp_path / "ckpt")
+        report = ck.load_reports[-1]
+    assert report["verified"], report
+    assert (report["zero_copy_bytes"] > 0) == zero_copy, report
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+    if not zero_copy:
+        return
+    os.sync()
+    for p in (tmp_path / "ckpt" / "iter_0000001").iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if p.suffix == ".distcp" and mapped_read.Mapping(fd).resident():
+            pytest.skip(f"the pages of {p} stay cached here (tmpfs?): no cold load to check")
+        os.close(fd)
+    like = {k: torch.zeros_like(v) for k, v in state.items()}
+    with Checkpointer(options) as ck:
+        got = ck.load(sharded(0, 1, like), tmp_path / "ckpt")
+        report = ck.load_reports[-1]
+    assert report["zero_copy_bytes"] == 0, report  # cold: pinned chunks only
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
