@@ -187,6 +187,7 @@ class ZeroCopy:
         self.segments = 0  # registered
         self.register_s = 0.0  # the zero-copy threads' seconds registering and unregistering
         self.failed = ""  # why a registration failed (the rest was read by the bounce threads)
+        self._registered: list[int] = []  # addresses, unregistered at close()
 
     @classmethod
     def open(cls, files: Any, direct: list, *, threads: int, summed_on_device: Callable[[Any], bool],
@@ -249,35 +250,29 @@ class ZeroCopy:
         return jobs + [reading_pool.submit(bounce) for _ in range(reading_threads)]
 
     def _run(self, sums: Any, busy: Any) -> None:
-        pending: collections.deque = collections.deque()  # (event, addr) of registered segments
-        try:
-            while not self.failed and (segment := self.take(front=True)) is not None:
-                mapping = self._maps[segment.what]
-                addr, n = mapping.addr + segment.start, segment.end - segment.start
-                t = time.perf_counter()
-                why = self._pages.register(addr, n)
-                self._add_time(t)
-                if why:  # this segment read the bounce way here, the rest by the reading threads
-                    with self._lock:
-                        self.failed = self.failed or why
-                    logger.debug("zero-copy read: registration refused (%s)", why)
-                    try:
-                        self._read_pieces(segment.pieces)
-                    finally:
-                        self._landed()
-                    break
-                t = time.perf_counter()
-                moved = self._copy(segment, mapping, sums)
-                t = busy.add("h2d", t)
-                pending.append((self._pages.event(segment.pieces[0][0].target.device), addr))
+        while not self.failed and (segment := self.take(front=True)) is not None:
+            mapping = self._maps[segment.what]
+            addr, n = mapping.addr + segment.start, segment.end - segment.start
+            t = time.perf_counter()
+            why = self._pages.register(addr, n)
+            self._add_time(t)
+            if why:  # this segment read the bounce way here, the rest by the reading threads
                 with self._lock:
-                    self.bytes += moved
-                    self.segments += 1
-                while len(pending) > 1:  # the oldest's copies landed: its pages go
-                    self._release(*pending.popleft())
-        finally:
-            while pending:
-                self._release(*pending.popleft())
+                    self.failed = self.failed or why
+                logger.debug("zero-copy read: registration refused (%s)", why)
+                try:
+                    self._read_pieces(segment.pieces)
+                finally:
+                    self._landed()
+                break
+            with self._lock:
+                self._registered.append(addr)
+            t = time.perf_counter()
+            moved = self._copy(segment, mapping, sums)
+            busy.add("h2d", t)
+            with self._lock:
+                self.bytes += moved
+                self.segments += 1
 
     def _copy(self, segment: Segment, mapping: Mapping, sums: Any) -> int:
         """Every piece of ``segment`` copied from the mapping into its target; summed ones
@@ -299,22 +294,23 @@ class ZeroCopy:
                                   _PreadView(self._fds[plan.what], at, b - a))
         return moved
 
-    def _release(self, event: Any, addr: int) -> None:
-        event.synchronize()
-        t = time.perf_counter()
-        self._pages.unregister(addr)
-        self._add_time(t)
-
     def _add_time(self, since: float) -> None:
         with self._lock:
             self.register_s += time.perf_counter() - since
 
     def close(self) -> None:
-        """The threads ended (every registered segment unregistered by them) and the files
-        unmapped."""
+        """The threads ended, every registered segment unregistered and the files unmapped.
+        Unregistration waits for the device (every queued copy and sum): done once here, after
+        the reads, not segment by segment beside them (that held every thread's copies: an
+        8 GiB load 0.39 -> 0.68 s on one H200)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        t = time.perf_counter()
+        for addr in self._registered:
+            self._pages.unregister(addr)
+        self._registered = []
+        self._add_time(t)
         for m in self._maps.values():
             m.close()
         self._maps = {}

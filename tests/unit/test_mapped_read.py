@@ -26,11 +26,13 @@ class Pages:
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
         self.refuse_from = refuse_from
+        self.refused = threading.Event()
         self.lock = threading.Lock()
 
     def register(self, addr: int, n: int) -> str:
         with self.lock:
             if self.refuse_from is not None and len(self.registered) >= self.refuse_from:
+                self.refused.set()
                 return "cudaErrorHostMemoryAlreadyRegistered"
             assert addr % mapped_read._PAGE == 0
             for a, m in self.registered:
@@ -98,12 +100,15 @@ def _want(plan, tmp_path):
     return raw[plan.span[0]:plan.span[0] + plan.span[1]]
 
 
-def _run(plans, fds, pages, *, zero_threads=2, bounce_threads=2, sums=None):
+def _run(plans, fds, pages, *, zero_threads=2, bounce_threads=2, sums=None, hold=None):
+    """``hold``: an event the bounce reads wait for before their first segment."""
     maps = {name: Mapping(fd) for name, fd in fds.items()}
     zero = ZeroCopy(maps, fds, zero_threads, pages)
     bounced = []
 
     def read_pieces(pieces):  # the bounce reads, as load_reader's (pread into the target)
+        if hold is not None:
+            assert hold.wait(timeout=30)
         for plan, a, b in pieces:
             view = memoryview(plan.target.numpy())[a:b]
             os.preadv(plan.fd, [view], plan.span[0] + a)
@@ -153,8 +158,9 @@ def test_both_halves_load_every_byte_and_every_registration_is_undone(files):
 
 def test_a_refused_registration_leaves_the_rest_to_the_bounce_reads(files):
     plans, fds, tmp_path = files
-    pages = Pages(refuse_from=1)
-    zero, _, bounced = _run(plans, fds, pages, zero_threads=1, bounce_threads=1)
+    pages = Pages(refuse_from=1)  # the second registration fails: the bounce reads wait for it
+    zero, _, bounced = _run(plans, fds, pages, zero_threads=1, bounce_threads=1,
+                            hold=pages.refused)
     assert zero.failed == "cudaErrorHostMemoryAlreadyRegistered"
     assert len(pages.registered) == 1 and pages.unregistered == [pages.registered[0][0]]
     for plan in plans:

@@ -116,9 +116,10 @@ def test_a_verifying_load_sums_on_the_device_and_catches_a_flipped_byte(tmp_path
 @pytest.mark.parametrize("zero_copy", [True, False])
 def test_a_warm_load_copies_from_the_page_cache_in_place(tmp_path, monkeypatch, world_of_one,
                                                          zero_copy):
-    """Warm (the files just written): the zero-copy half registers 1 MiB segments and copies
-    from them beside the reading threads; bit-exact and verified on the device either way; off
-    with --no-ckpt-load-zero-copy, and off for a cold load (the pages dropped)."""
+    """Warm (the files read once: a save's writer drops its pages): the zero-copy half
+    registers 1 MiB segments and copies from them beside the reading threads; bit-exact and
+    verified on the device either way; off with --no-ckpt-load-zero-copy, and off for a cold
+    load (the pages dropped)."""
     import os
 
     from megatron_ckpt_ext.backend import mapped_read
@@ -129,6 +130,8 @@ def test_a_warm_load_copies_from_the_page_cache_in_place(tmp_path, monkeypatch, 
         ck.save(sharded(0, 1, state), tmp_path / "ckpt", iteration=1)
     monkeypatch.setattr(direct_read, "DEFAULT_CHUNK", 4 << 20)
     monkeypatch.setattr(mapped_read, "SEGMENT", 1 << 20)
+    for p in (tmp_path / "ckpt" / "iter_0000001").iterdir():
+        p.read_bytes()  # in the page cache
     like = {k: torch.empty_like(v) for k, v in state.items()}
     options = CkptOptions(ckpt_load_threads=4, ckpt_load_zero_copy=zero_copy)
     with Checkpointer(options) as ck:
