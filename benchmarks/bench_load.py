@@ -214,11 +214,10 @@ def _shards(like: dict[str, torch.Tensor]) -> dict:
 
 def load_ours(root: Path, state: dict, verify: bool, threads: int | None = None,
               ready: Callable[[], None] = lambda: None,
-              build_s: float = 0.0, zero_copy: bool = True) -> tuple[float, bool, dict]:
-    options = CkptOptions(ckpt_verify_load=verify, ckpt_load_zero_copy=zero_copy)
+              build_s: float = 0.0) -> tuple[float, bool, dict]:
+    options = CkptOptions(ckpt_verify_load=verify)
     if threads is not None:
-        options = CkptOptions(ckpt_verify_load=verify, ckpt_load_threads=threads,
-                              ckpt_load_zero_copy=zero_copy)
+        options = CkptOptions(ckpt_verify_load=verify, ckpt_load_threads=threads)
     with Checkpointer(options) as ck:
         ck.prepare_restore(root)  # as the launcher does before a load (the device CRC, built)
         time.sleep(build_s)  # the model build a resume runs between the two (--build-s)
@@ -259,7 +258,7 @@ def _sync(state: dict) -> None:
         torch.cuda.synchronize()
 
 
-SOURCES = ("ours", "ours_no_verify", "megatron", "torch_dcp", "ours_bounce")
+SOURCES = ("ours", "ours_no_verify", "megatron", "torch_dcp")
 
 
 def device_crc_ready(device: torch.device, timeout: float = 120.0) -> dict:
@@ -338,9 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="/tmp/bench_load")
     p.add_argument("--json", required=True)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
-    p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES[:4]),
-                   help="loaders to time (default all but ours_bounce; torch_dcp runs at one "
-                        "rank only; ours_bounce: ours verifying with --no-ckpt-load-zero-copy)")
+    p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                   help="loaders to time (default all; torch_dcp runs at one rank only)")
     p.add_argument("--caches", nargs="+", choices=("cold", "warm"), default=["cold", "warm"],
                    help="page-cache states to time (default both)")
     p.add_argument("--chunk-mib", type=int, default=None,
@@ -404,10 +402,6 @@ class LoadBench:
         out = {"ours": lambda: load_ours(self.root, state, True, threads, ready, a.build_s),
                "ours_no_verify": lambda: load_ours(self.root, state, False, threads, ready,
                                                    a.build_s),
-               # reads through pinned chunks only (--no-ckpt-load-zero-copy): the A/B of the
-               # zero-copy half in one run
-               "ours_bounce": lambda: load_ours(self.root, state, True, threads, ready,
-                                                a.build_s, zero_copy=False),
                "megatron": lambda: load_megatron(self.checkpoint, state, ready)}
         if dist.get_world_size() == 1:  # plain DCP loads whole tensors: sharded needs DTensors
             out["torch_dcp"] = lambda: load_dcp(self.checkpoint, state, ready)
@@ -438,7 +432,6 @@ class LoadBench:
             entry["direct_items"] = sum(r[2]["direct_items"] for r in ranks)
             entry["stock_items"] = sum(r[2]["stock_items"] for r in ranks)
             entry["device_summed_bytes"] = sum(r[2].get("device_summed_bytes", 0) for r in ranks)
-            entry["zero_copy_bytes"] = sum(r[2].get("zero_copy_bytes", 0) for r in ranks)
         if dist.get_rank() == 0:
             tag = f" t{entry['load_threads']}" if len(self.args.load_threads) > 1 else ""
             print(f"[bench_load] {source + tag:15s} {cache}: {entry['load_s']:.3f} s "

@@ -157,17 +157,6 @@ class _KnobTable:
         "threads whatever the cores. 1: megatron-core's own one-at-a-time loop. A verified load "
         "sums the bytes on as many threads, at most the rank's share of the cores.",
     )
-    ckpt_load_zero_copy: bool = _knob(
-        True,
-        flag="--no-ckpt-load-zero-copy",
-        negative=True,
-        help="Do not copy a warm checkpoint to the GPU straight from the page cache. By default, "
-        "where every page of the files a load reads is cached and the targets are on one GPU, "
-        "half as many threads as --ckpt-load-threads register 64 MiB of the files at a time "
-        "(cudaHostRegister, read-only) and the GPU copies them in place, beside the reading "
-        "threads' copies through pinned chunks (each takes the file's pieces from its own end). "
-        "A cold load, a CPU load, or one whose checksums cannot run on the GPU reads as before.",
-    )
     ckpt_load_fallback: bool = _knob(
         False,
         flag="--ckpt-load-fallback",

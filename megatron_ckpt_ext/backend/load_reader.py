@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
 from .._threads import thread_counts
-from . import direct_read, layouts_ahead, mapped_read
+from . import direct_read, layouts_ahead
 from .read_copies import (copies_landed, host_chunks, in_flight, release_when_copied,
                           thread_stream)
 from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
@@ -43,8 +43,7 @@ class ReadSettings:
     ones, at most this rank's share of the cores), and ``on_planned`` is told those files' names
     as soon as the reads are planned (before the bytes are read); with ``device_checksums`` the
     bytes copied to a device whose CRC kernel is ready (:mod:`.._crc_device`) are summed there
-    instead, off the host's cores; with ``zero_copy`` a warm load onto a device copies from
-    the page cache in place beside the reads (:mod:`.mapped_read`). ``metadata``: {checkpoint
+    instead, off the host's cores. ``metadata``: {checkpoint
     directory: its DCP ``Metadata``} that the caller has unpickled already (the load's readers
     then do not read that ``.metadata`` again)."""
 
@@ -55,7 +54,6 @@ class ReadSettings:
     on_planned: Callable[[set[str]], None] | None = None
     metadata: Mapping[str, Any] | None = None
     device_checksums: bool = False
-    zero_copy: bool = False
 
 
 @dataclass
@@ -82,8 +80,6 @@ class ReadResult:
     file_crcs: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     planned_files: set[str] = field(default_factory=set)
     device_summed_bytes: int = 0
-    zero_copy_bytes: int = 0  # copied by the device from page-cache pages in place
-    zero_copy_why: str = ""  # why a zero-copy registration failed (the bounce reads went on)
 
 
 @contextlib.contextmanager
@@ -188,19 +184,8 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
         direct = [p for p in plans if p.span is not None]
         chunks = sorted(((p, a, b) for p in direct for a, b in _chunks(p.span[1], settings.chunk)),
                         key=lambda c: (c[0].what, c[0].span[0] + c[1]))
-        zero = mapped_read.ZeroCopy.open(
-            files, direct, threads=mapped_read.zero_copy_threads(settings.threads),
-            summed_on_device=lambda p: sums.on_device(p, p.target.device)) \
-            if settings.zero_copy and chunks else None
-        if zero is not None:  # warm: both halves at once, over the segments in file order
-            jobs = zero.submit(mapped_read.segments(chunks, zero.sizes()),
-                               lambda pieces: [_read_chunk(*c, settings, busy, sums)
-                                               for c in pieces],
-                               partial(copies_landed, busy, keep=0), pool, settings.threads,
-                               sums=sums, busy=busy)
-        else:
-            jobs = [pool.submit(_read_stripe, stripe, settings, busy, sums)
-                    for stripe in _stripes(chunks, settings.threads)]
+        jobs = [pool.submit(_read_stripe, stripe, settings, busy, sums)
+                for stripe in _stripes(chunks, settings.threads)]
         jobs += [pool.submit(_read_tensor, self, planner, p.req, lock)
                  for p in plans if p.span is None]
         failed = []
@@ -209,10 +194,6 @@ def _read_data(self: Any, plan: Any, planner: Any) -> Any:
                 job.result()
             except BaseException as e:  # noqa: BLE001 - raised below, after the sums
                 failed.append(e)
-        if zero is not None:
-            zero.close()
-            result.zero_copy_bytes += zero.bytes
-            result.zero_copy_why = result.zero_copy_why or zero.failed
         reads_done = time.perf_counter()
         sums.wait()  # every chunk lent back, every copy done, before anything else
         result.sums_wait_s += time.perf_counter() - reads_done

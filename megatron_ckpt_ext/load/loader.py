@@ -80,8 +80,7 @@ class Loader:
             threads.load_read, checksums=pending is not None and pending.checks,
             checksum_threads=threads.checksum,
             metadata={str(path): metadata} if metadata is not None else None,
-            on_planned=pending.skip if pending is not None else None, device_checksums=True,
-            zero_copy=self.options.ckpt_load_zero_copy)
+            on_planned=pending.skip if pending is not None else None, device_checksums=True)
         state, failure, reads = self._read(sharded_state_dict, path, settings, pending)
         if failure is None:
             _note_reads(record, reads)
@@ -175,11 +174,7 @@ def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
     record.add_reads(reads.metadata_s, reads.read_s, reads.h2d_s,
                      direct_items=reads.direct_items, stock_items=reads.stock_items,
                      device_summed_bytes=reads.device_summed_bytes,
-                     sums_wait_s=reads.sums_wait_s, sum_device_busy_s=reads.sum_device_busy_s,
-                     zero_copy_bytes=reads.zero_copy_bytes)
-    if reads.zero_copy_why and rank() == 0:
-        logger.info("a zero-copy read was refused (%s): the reading threads read the rest "
-                    "(--no-ckpt-load-zero-copy turns it off)", reads.zero_copy_why)
+                     sums_wait_s=reads.sums_wait_s, sum_device_busy_s=reads.sum_device_busy_s)
     if reads.stock_items and rank() == 0:
         logger.info("%d of %d checkpoint items were read the stock way (unpickled, then "
                     "copied): %s", reads.stock_items, reads.stock_items + reads.direct_items,

@@ -40,7 +40,6 @@ class LoadRecord:
     direct_items: int = 0  # items read straight into their targets
     stock_items: int = 0  # items read the stock way (unpickled, then copied)
     device_summed_bytes: int = 0  # verified by the device's CRC where they landed (not the host)
-    zero_copy_bytes: int = 0  # copied by the device from the page cache in place (mapped_read)
     # of the read step: waiting for the sums after the last read (sums_wait_s), and the
     # device-sum thread's seconds at work beside the reads (sum_device_busy_s)
     read_detail: dict = field(default_factory=dict)
@@ -52,7 +51,7 @@ class LoadRecord:
 
     def add_reads(self, metadata_s: float, read_s: float, h2d_s: float, *, direct_items: int,
                   stock_items: int, device_summed_bytes: int = 0, sums_wait_s: float = 0.0,
-                  sum_device_busy_s: float = 0.0, zero_copy_bytes: int = 0) -> None:
+                  sum_device_busy_s: float = 0.0) -> None:
         """The reader's steps of megatron-core's load, taken out of its ``other_s``, how many
         items it read directly and the stock way, and what the sums held of the read step."""
         for name, seconds in (("metadata_s", metadata_s), ("read_s", read_s), ("h2d_s", h2d_s)):
@@ -61,7 +60,6 @@ class LoadRecord:
         self.direct_items += direct_items
         self.stock_items += stock_items
         self.device_summed_bytes += device_summed_bytes
-        self.zero_copy_bytes += zero_copy_bytes
         for name, seconds in (("sums_wait_s", sums_wait_s),
                               ("sum_device_busy_s", sum_device_busy_s)):
             self.read_detail[name] = round(self.read_detail.get(name, 0.0) + seconds, 6)
@@ -81,7 +79,6 @@ class LoadRecord:
                 "world": group.size(), "direct_items": self.direct_items,
                 "stock_items": self.stock_items,
                 "device_summed_bytes": self.device_summed_bytes,
-                "zero_copy_bytes": self.zero_copy_bytes,
                 "read_detail": self.read_detail,
                 "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}
 

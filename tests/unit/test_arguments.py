@@ -21,7 +21,6 @@ FROZEN_FLAGS = [
     "--ckpt-assume-constant-structure", "--use-persistent-ckpt-worker", "--ckpt-overlap-snapshot",
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--no-save-rng",
     "--no-load-rng", "--exit-on-missing-checkpoint", "--no-ckpt-verify-load", "--ckpt-load-threads",
-    "--no-ckpt-load-zero-copy",
     "--ckpt-load-fallback", "--no-ckpt-memory-restore", "--ckpt-restore-prefetch",
     "--ckpt-keep-memory-snapshot",
     "--ckpt-memory-snapshot-sets",

@@ -1,6 +1,9 @@
 # One GPU: the CUDA load tests (the zero-copy half among them), then the 8 GiB warm load with the
 # zero-copy half (ours, the default) against reads through pinned chunks only (ours_bounce),
 # both verifying, and ours without verification, in one run (three repeats, floors in the run).
+# Ran at 27ed16c (unregistered per segment) and a625f20 (unregistered at the end); the zero-copy
+# half and the ours_bounce source were taken out after (slower: docs/benchmarks/README.md,
+# twenty-first session), so rerun it on a checkout of a625f20.
 # From the repository root on the GPU machine: OUT=$OUT bash docs/benchmarks/steps/zero_copy_load_ab_s21.sh
 set -e
 source docs/megatron_lm/steps/_prologue.sh
