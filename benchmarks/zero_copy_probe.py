@@ -16,6 +16,10 @@ pages beside it. This probe measures, on one file set held in the page cache, in
     python3 benchmarks/zero_copy_probe.py --dir /tmp/zc --gib 8 --files 4 --threads 4 8 16 \\
         --chunk-mib 64 256 --json $OUT/zero_copy.json
 
+With ``--hybrid Z,B ...`` only the floors and the hybrid runs: Z zero-copy threads and B bouncing
+threads at once over one list of 64 MiB chunks (each path from its own end), each pair beside a
+plain bounce run with Z+B threads (docs/benchmarks/README.md, twenty-first session).
+
 A figure that cannot be taken (no CUDA, a registration the driver refuses) is reported with its
 error, never replaced by another.
 """
