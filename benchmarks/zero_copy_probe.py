@@ -18,7 +18,8 @@ pages beside it. This probe measures, on one file set held in the page cache, in
 
 With ``--hybrid Z,B ...`` only the floors and the hybrid runs: Z zero-copy threads and B bouncing
 threads at once over one list of 64 MiB chunks (each path from its own end), each pair beside a
-plain bounce run with Z+B threads (docs/benchmarks/README.md, twenty-first session).
+plain bounce run with Z+B threads (``bounce``: 32 MiB chunks) (docs/benchmarks/README.md,
+twenty-first session).
 
 A figure that cannot be taken (no CUDA, a registration the driver refuses) is reported with its
 error, never replaced by another.
@@ -388,7 +389,8 @@ def hybrid(m: Mapped, paths: list[Path], zt: int, bt: int, dev: torch.device,
     for fd in fds:
         os.close(fd)
     return {"zero_copy_threads": zt, "bounce_threads": bt, "seconds": wall,
-            "gbs": total / wall / 1e9, "moved": moved, "unregister_s": unreg,
+            # a refused registration leaves its chunk unmoved: no rate then (the errors say why)
+            "gbs": None if errors else total / wall / 1e9, "moved": moved, "unregister_s": unreg,
             "errors": errors[:3]}
 
 
