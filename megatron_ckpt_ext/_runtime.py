@@ -16,7 +16,8 @@ import time
 from typing import Any, Iterator
 
 __all__ = ["ForkStarts", "Recent", "die_with_parent", "forks_die_with_this_process",
-           "ignore_job_signals", "note_exit_signal", "pid_alive", "rank", "unheld", "warn_once"]
+           "ignore_job_signals", "note_exit_signal", "pid_alive", "rank", "show_our_logs", "unheld",
+           "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,3 +324,16 @@ class Recent(list):
         super().extend(entries)
         if len(self) > self.KEPT:
             del self[: len(self) - self.KEPT]
+
+
+def show_our_logs() -> None:
+    """--logging-level asked for our lines: where the script configured no logging (no handler
+    on the way to the root), print them to stderr, those below WARNING from rank 0 only;
+    Python's last-resort handler would drop everything below WARNING."""
+    ours = logging.getLogger("megatron_ckpt_ext")
+    if ours.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or rank() == 0)
+    ours.addHandler(handler)

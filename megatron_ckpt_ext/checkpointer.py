@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _cpu_shim, backend, preflight, strategy
-from ._runtime import Recent, rank
+from ._runtime import Recent, rank, show_our_logs
 from .collectives import Group
 from .debug import env_switch, profiled
 from .errors import CheckpointWriteError, InsufficientHostMemory
@@ -49,6 +49,7 @@ from .save.steps import _SaveSteps
 from .save.sync_points import sync_points
 from .save.writers import WriterPool
 from .staging.base import Stager
+from .staging.partner import partner_link
 from .validation import check
 
 __all__ = ["Checkpointer", "TRACKER", "checkpoint_name", "read_tracker"]
@@ -82,7 +83,7 @@ class Checkpointer(_SaveSteps):
         if options.logging_level is not None:
             for name in _LOGGERS:
                 logging.getLogger(name).setLevel(options.logging_level)
-            _show_our_logs()
+            show_our_logs()
         self.caps = caps or backend.detect()
         check(options, self.caps)
         self._async = options.async_save and self.caps.async_provider != "sync"
@@ -105,6 +106,8 @@ class Checkpointer(_SaveSteps):
         self._planner = SavePlanner(options, dp_group=dp_group)
         self._cpu_shim = _cpu_shim.install()
         self._cpu_shm = cpu_shm
+        self._partner = partner_link(self._stager) if (  # --ckpt-memory-partner
+            options.ckpt_memory_partner and self._memory_tier) else None
         self.admission: dict | None = None  # the first staging's node admission (preflight)
         self._writers = WriterPool(options, self.caps, self._group, cpu_shm=cpu_shm,
                                    is_async=self._async, reports=self.reports)
@@ -163,10 +166,13 @@ class Checkpointer(_SaveSteps):
         if self.admission is not None or not self._stager.owns_copies:
             return
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
-        nbytes *= getattr(self._stager, "snapshot_sets", 1)  # a second set for the snapshot
+        nbytes *= getattr(self._stager, "snapshot_sets", 1) + bool(self._partner)  # a second
+        # set for the snapshot; the copy this node holds of a partner's (about as large)
         nbytes = max(0, nbytes - self._stager.host_bytes())  # a snapshot adopted at load
         try:
             limit = self.options.ckpt_node_memory_limit_mib
+            if self._partner is not None and self._partner.book is None:
+                self._partner.connect(self._group.all_gather)  # (C) the addresses, once
             self.admission = preflight.admit_node(
                 nbytes, shm=self._cpu_shm, gather=self._group.all_gather,
                 limit_bytes=None if limit is None else limit * 2**20)
@@ -180,6 +186,9 @@ class Checkpointer(_SaveSteps):
         synchronously from now on (nothing staged)."""
         self._publisher.close()
         self._writers.close(drained=False)
+        if self._partner is not None:
+            self._partner.close()
+            self._partner = None
         self._stager.close()
         self._async = self._cpu_shm = False
         self._stager = choose_stager(is_async=False, cpu_shm=False, job_id=None,
@@ -363,7 +372,8 @@ class Checkpointer(_SaveSteps):
         work = copy_leaves(sharded_state_dict)  # megatron-core reassigns what it loads into
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, work, path, record, self._group, load_strategy=
-                                        load_strategy, proven=self._planner.validated_by_seal)
+                                        load_strategy, proven=self._planner.validated_by_seal,
+                                        partner=self._partner)
             release_warm_restore(background=True)  # taken by the restore, or unused: it goes
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)
@@ -407,8 +417,10 @@ class Checkpointer(_SaveSteps):
             release_warm_restore()  # built for a load that never came
             self._writers.close(drained=drained)
             if self._memory_tier:
-                self._stager.close(keep_sealed=self.options.ckpt_keep_memory_snapshot
-                                   or after_error or not drained)
+                keep = self.options.ckpt_keep_memory_snapshot or after_error or not drained
+                if self._partner is not None:  # the partners' copies it holds: as its own
+                    self._partner.close(keep=keep)
+                self._stager.close(keep_sealed=keep)
             else:
                 self._stager.close()
             self._planner.reset()
@@ -427,19 +439,6 @@ class Checkpointer(_SaveSteps):
         if self._closed:
             raise RuntimeError("Checkpointer is closed: close() stopped its writers and freed its "
                                "staging; build a new Checkpointer to save or load again")
-
-
-def _show_our_logs() -> None:
-    """--logging-level asked for our lines: where the script configured no logging (no handler
-    on the way to the root), print them to stderr, those below WARNING from rank 0 only;
-    Python's last-resort handler would drop everything below WARNING."""
-    ours = logging.getLogger("megatron_ckpt_ext")
-    if ours.hasHandlers():
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(lambda r: r.levelno >= logging.WARNING or rank() == 0)
-    ours.addHandler(handler)
 
 
 def _mode(is_async: bool, persistent: bool, cpu_shm: bool, overlap: bool) -> str:

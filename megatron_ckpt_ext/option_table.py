@@ -202,6 +202,18 @@ class _KnobTable:
         "restart on the node restores from memory whenever it dies; costs twice the staging "
         "host memory (node admission counts both).",
     )
+    ckpt_memory_partner: bool = _knob(
+        False,
+        flag="--ckpt-memory-partner",
+        help="With the memory tier (--async-ckpt-use-cpu-shm), also copy each rank's sealed "
+        "snapshot, in the background after it is sealed, over TCP into the /dev/shm of a rank "
+        "on the next node (the one at the same local index), so that a job restarted after "
+        "losing one node still restores from memory: the lost node's ranks fetch their "
+        "snapshots back from those copies before the load, every byte checked against the "
+        "seal. Costs one more snapshot per rank in the node's shared memory (node admission "
+        "counts it) and one network copy per save. With every rank on one node nothing is "
+        "copied.",
+    )
     distributed_timeout_minutes: int | None = _knob(
         10,
         flag="--distributed-timeout-minutes",

@@ -27,7 +27,8 @@ def run(action: str, *, shm_dir: str = SHM_DIR) -> int:
         present = sum(1 for e in seal.entries if e.path is None or os.path.exists(e.path))
         print(f"{seal.root}  iteration {seal.iteration}  rank {seal.rank}/{seal.world}  "
               f"{seal.nbytes / 1e6:.1f} MB  age {now - seal.created:.0f} s  "
-              f"sealed by pid {seal.pid} on {seal.host}  segments {present}/{len(seal.entries)}")
+              f"sealed by pid {seal.pid} on {seal.host}  segments {present}/{len(seal.entries)}"
+              + (f"  partner copy from {seal.replica_of}" if seal.replica_of else ""))
     sealed = {e.path for s in seals for e in s.entries if e.path}
     others = _other_segments(shm_dir, sealed)
     print(f"{len(seals)} sealed snapshot(s), {sum(s.nbytes for s in seals) / 1e6:.1f} MB; "

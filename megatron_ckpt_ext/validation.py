@@ -229,18 +229,24 @@ def _symm_mem_ranks(o: CkptOptions, caps: Capabilities | None,
 
 
 def _snapshot_sets(o: CkptOptions, caps: Capabilities | None) -> Iterable[Finding]:
-    if o.ckpt_memory_snapshot_sets < 2:
-        return
     missing = [flag for flag, on in (("--async-save", o.async_save),
                                      ("--async-ckpt-use-cpu-shm", o.async_ckpt_use_cpu_shm))
                if not on]
-    if missing or not o.ckpt_memory_restore:
-        why = (f"add {' and '.join(missing)}" if missing
-               else "drop --no-ckpt-memory-restore (the snapshot is the memory tier's)")
+    if not missing and o.ckpt_memory_restore:
+        return
+    why = (f"add {' and '.join(missing)}" if missing
+           else "drop --no-ckpt-memory-restore (the snapshot is the memory tier's)")
+    if o.ckpt_memory_snapshot_sets >= 2:
         yield _error(
             "snapshot-sets-need-memory-tier",
             "--ckpt-memory-snapshot-sets 2 keeps a second set of shared-memory staging buffers "
             f"for the memory tier, which this run does not use: {why}, or drop the flag.",
+        )
+    if o.ckpt_memory_partner:
+        yield _error(
+            "partner-needs-memory-tier",
+            "--ckpt-memory-partner copies the memory tier's sealed snapshot to another node, "
+            f"and this run seals none: {why}, or drop the flag.",
         )
 
 

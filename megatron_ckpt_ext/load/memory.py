@@ -53,19 +53,25 @@ def tensor_layout(sharded_state_dict: Any) -> list[tuple[str, list[int], list[in
 
 def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record: LoadRecord,
                         group: Group, *, load_strategy: Callable[[], Any],
-                        proven: Callable[[tuple], None] | None = None) -> dict | None:
+                        proven: Callable[[tuple], None] | None = None,
+                        partner: Any = None) -> dict | None:
     """Collective: the loaded state restored from this node's sealed snapshots on every rank,
     or None on every rank (storage is read then; rank 0 has said why). Where every rank's
     whole structure is the one its seal names (``Seal.structure``: validated by megatron-core
     in the run that saved it), megatron-core does not validate the sharding again: neither the
     load of the rest nor (``proven``, called with the structure key) the next prepare() and
-    save."""
+    save. ``partner`` (``--ckpt-memory-partner``, staging/partner.py): first, the ranks whose
+    node holds no seal of this checkpoint fetch their copy from their partner's node."""
     t = t0 = time.perf_counter()
     iteration = parse_iteration(path.name)
     if iteration is None:  # not a committed iteration's name: storage decides what it is
         return None
     record.path, record.iteration = path, iteration
     steps: dict[str, float] = {}
+    if partner is not None:  # (C) a rank whose node lost its seal fetches its partner's copy
+        partner.reseed(root=str(path.parent), iteration=iteration, world=group.size(),
+                       gather=group.all_gather, detail=record.memory_detail)
+        t = _step(steps, "partner_s", t)
     tensors, why, seal, ahead = _adopt(stager, sharded_state_dict, path.parent, iteration,
                                        group.size())
     t = _step(steps, "adopt_s", t)

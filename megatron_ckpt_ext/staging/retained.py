@@ -73,6 +73,7 @@ class Seal:
     created: float = 0.0  # time.time()
     host: str = ""
     pid: int = 0
+    replica_of: str = ""  # a partner copy (staging/partner.py): the node it was copied from
     format: str = _FORMAT
     file: str = field(default="", compare=False)  # where it was read from (not stored)
 
@@ -86,9 +87,10 @@ def seal_path(shm_dir: str, root: str | os.PathLike[str], rank: int) -> str:
     return os.path.join(shm_dir, f"{SEAL_PREFIX}{digest}_{rank}.json")
 
 
-def write_seal(seal: Seal, shm_dir: str) -> str:
-    """Write ``seal`` atomically (temporary file, rename): a reader sees all of it or none."""
-    path = seal_path(shm_dir, seal.root, seal.rank)
+def write_seal(seal: Seal, shm_dir: str, *, path: str | None = None) -> str:
+    """Write ``seal`` atomically (temporary file, rename): a reader sees all of it or none.
+    ``path``: another place than the rank's own seal (a partner copy's)."""
+    path = path or seal_path(shm_dir, seal.root, seal.rank)
     seal.created, seal.host, seal.pid = time.time(), socket.gethostname(), os.getpid()
     seal.generation = seal.generation or os.urandom(8).hex()
     data = {k: v for k, v in asdict(seal).items() if k != "file"}

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -25,6 +25,8 @@ class _Sealing:
     """Mixed into :class:`~.shm.ShmStager`, whose buffer sets, lock, ``_map``, ``_free_all`` and
     ``_check_open`` it uses: the buffer set of the last committed save, sealed (or being sealed)
     as a snapshot."""
+
+    partner: Any = None  # a staging.partner.PartnerLink (--ckpt-memory-partner), set by its owner
 
     if TYPE_CHECKING:
         rank: int
@@ -81,6 +83,9 @@ class _Sealing:
                 write_seal(seal, self.shm_dir)
             except OSError as e:  # no snapshot then: a restart reads storage
                 logger.warning("could not seal the staging buffers as a snapshot: %s", e)
+                return
+            if self.partner is not None:  # --ckpt-memory-partner: copied to another node
+                self.partner.replicate(seal, cancel)
 
     def unseal(self, *, wait: bool = False) -> None:
         """Before the sealed buffers change (the next staging, close): no seal may name them.

@@ -23,7 +23,7 @@ FROZEN_FLAGS = [
     "--no-load-rng", "--exit-on-missing-checkpoint", "--no-ckpt-verify-load", "--ckpt-load-threads",
     "--ckpt-load-fallback", "--no-ckpt-memory-restore", "--ckpt-restore-prefetch",
     "--ckpt-keep-memory-snapshot",
-    "--ckpt-memory-snapshot-sets",
+    "--ckpt-memory-snapshot-sets", "--ckpt-memory-partner",
     "--distributed-timeout-minutes", "--no-check-for-nan-in-loss-and-grad",
     "--logging-level", "--fsdp-use-symm-mem", "--async-ckpt-cpu-priority",
     "--async-ckpt-io-priority", "--ckpt-timeout",

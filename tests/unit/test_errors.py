@@ -122,6 +122,9 @@ DOCUMENTED_BUILTINS = {
     ("staging/ready.py", "TimeoutError"): "internal: the writer's, reported as a "
                                           "CheckpointWriteError at the finalize",
     ("launch.py", "LaunchError"): "internal: main() prints it and exits",
+    ("staging/partner.py", "PartnerError"): "internal: a partner copy or fetch that failed; "
+                                            "caught there, said in the counters or the load's "
+                                            "memory_detail (the load reads storage)",
     ("backend/replay.py", "ValueError"): "internal: a writer it cannot replay; caught there, "
                                          "the save is planned in full",
 }

@@ -16,7 +16,7 @@ CLI_DEFAULTS = dict(
     exit_on_missing_checkpoint=False, ckpt_verify_load=True, ckpt_load_threads="auto",
     ckpt_load_fallback=False, ckpt_memory_restore=True, ckpt_restore_prefetch=False,
     ckpt_keep_memory_snapshot=False,
-    ckpt_memory_snapshot_sets=1,
+    ckpt_memory_snapshot_sets=1, ckpt_memory_partner=False,
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,
     fsdp_use_symm_mem=False, async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
     ckpt_timeout=1800, most_recent_k=-1, save_retain_interval=None, ckpt_failure_policy="raise",

@@ -184,6 +184,19 @@ def test_two_snapshot_sets_without_the_memory_tier_is_an_error_naming_the_fix(gi
     assert f.level == "error" and "--ckpt-memory-snapshot-sets 2" in f.message and fix in f.message
 
 
+@pytest.mark.parametrize("given,fix", [
+    ({}, "add --async-save and --async-ckpt-use-cpu-shm"),
+    ({"async_save": True, "async_ckpt_use_cpu_shm": True, "ckpt_memory_restore": False},
+     "drop --no-ckpt-memory-restore"),
+])
+def test_partner_copies_without_the_memory_tier_is_an_error_naming_the_fix(given, fix):
+    f = codes(CkptOptions(ckpt_memory_partner=True, **given))["partner-needs-memory-tier"]
+    assert f.level == "error" and "--ckpt-memory-partner" in f.message and fix in f.message
+    assert validate(CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                                ckpt_assume_constant_structure=True,
+                                ckpt_memory_partner=True)) == []
+
+
 def test_two_snapshot_sets_with_the_memory_tier_is_fine():
     assert validate(CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
                                 ckpt_assume_constant_structure=True,

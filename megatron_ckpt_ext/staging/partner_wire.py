@@ -1,0 +1,120 @@
+"""The wire of partner copies (:mod:`.partner`): length-prefixed JSON headers, a snapshot's
+buffers sent from their segments (``socket.sendfile``) and received into new segments, summed
+as they arrive."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import socket
+import struct
+from typing import Callable
+
+from .._crc import crc32 as _crc32
+from .retained import SealEntry
+
+__all__ = ["PartnerError", "advertised_host", "receive_file", "recv_json", "send_entries",
+           "send_json", "unlink"]
+
+_PIECE = 16 << 20  # bytes summed (received) or checked for a cancel (sent) at a time
+_LENGTH = struct.Struct("!Q")
+_MAX_HEADER = 256 << 20
+
+
+class PartnerError(RuntimeError):
+    """A copy or fetch that did not complete (said why); nothing was sealed."""
+
+
+def advertised_host() -> str:
+    """The address other nodes reach this one at: the interface towards MASTER_ADDR."""
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, 9))
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def send_json(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def recv_json(sock: socket.socket) -> dict:
+    (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+    if n > _MAX_HEADER:
+        raise PartnerError(f"a header of {n} bytes")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise PartnerError(f"the peer closed the connection ({got} of {n} bytes)")
+        got += k
+    return bytes(buf)
+
+
+def send_entries(sock: socket.socket, entries: list[SealEntry],
+                  cancel: Callable[[], bool]) -> None:
+    for e in entries:
+        if e.path is None or e.nbytes == 0:
+            continue
+        with open(e.path, "rb") as fh:
+            sent = 0
+            while sent < e.nbytes:
+                if cancel():
+                    raise PartnerError("its buffers are being staged into again, or the "
+                                       "checkpointer closed")
+                n = sock.sendfile(fh, sent, min(_PIECE, e.nbytes - sent))
+                if n == 0:
+                    raise PartnerError(f"{e.path} ends before its {e.nbytes} bytes")
+                sent += n
+
+
+def receive_file(sock: socket.socket, path: str, nbytes: int) -> int:
+    """``nbytes`` from ``sock`` into a new segment at ``path``; their CRC-32."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held while written (the sweep leaves it alone)
+        if nbytes == 0:
+            return 0
+        os.posix_fallocate(fd, 0, nbytes)
+        with mmap.mmap(fd, nbytes) as mapped:
+            view, got, crc = memoryview(mapped), 0, 0
+            try:
+                while got < nbytes:
+                    end = min(got + _PIECE, nbytes)
+                    start = got
+                    while got < end:
+                        k = sock.recv_into(view[got:end])
+                        if k == 0:
+                            raise PartnerError(f"the peer closed the connection ({got} of "
+                                               f"{nbytes} bytes)")
+                        got += k
+                    crc = _crc32(view[start:end], crc)
+            finally:
+                view.release()
+        return crc
+    except OSError as e:
+        raise PartnerError(f"{path}: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,206 @@
+"""Partner copies (staging/partner.py) between two links in one process, each with a
+shared-memory directory of its own (two nodes): who partners whom, a copy that arrives sealed
+and byte-exact, and every way a copy is refused without leaving anything sealed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+import zlib
+
+import pytest
+
+from megatron_ckpt_ext.staging.partner import PartnerLink, partners, replica_path
+from megatron_ckpt_ext.staging.retained import (Seal, SealEntry, list_seals, read_seal,
+                                                sealed_segments, seal_path, write_seal)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("nodes,want", [
+    (["a", "a"], {}),  # one node: nothing to copy to
+    (["a", "a", "b", "b"], {0: 2, 1: 3, 2: 0, 3: 1}),
+    (["a", "b", "a", "b"], {0: 1, 2: 3, 1: 0, 3: 2}),
+    (["a", "a", "a", "b"], {0: 3, 1: 3, 2: 3, 3: 0}),  # uneven: the next node's ranks wrap
+    (["a", "a", "a", "b", "b"], {0: 3, 1: 4, 2: 3, 3: 0, 4: 1}),
+    (["a", "b", "c"], {0: 1, 1: 2, 2: 0}),
+])
+def test_each_rank_is_partnered_with_the_next_node_at_its_own_index(nodes, want):
+    assert partners(nodes) == want
+
+
+@pytest.fixture
+def two_nodes():
+    base = f"/dev/shm/mcxtest_unit_partner_{uuid.uuid4().hex[:8]}"
+    dirs = [os.path.join(base, "a"), os.path.join(base, "b")]
+    for d in dirs:
+        os.makedirs(d)
+    links = [PartnerLink(d, r, job_id="unit") for r, d in enumerate(dirs)]
+    for link in links:
+        link.start()
+    views = [(r, link.node, link.host, link.port, link.token) for r, link in enumerate(links)]
+    for link in links:
+        link._set_book(views)
+    yield dirs, links
+    for link in links:
+        link.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+ROOT = "/tmp/mcx_unit_partner_root"
+
+
+def _sealed(shm_dir: str, iteration: int = 7) -> tuple[Seal, list[bytes]]:
+    data = [os.urandom((3 << 20) + 5), os.urandom(17)]
+    entries = []
+    for i, d in enumerate(data):
+        path = os.path.join(shm_dir, f"mcx_unit_0_{os.getpid()}_{i}{iteration}")
+        with open(path, "wb") as fh:
+            fh.write(d)
+        entries.append(SealEntry(key=f"t{i}", offset=[0], shape=[len(d)], dtype="torch.uint8",
+                                 spec=f"t{i}", path=path, nbytes=len(d), crc32=zlib.crc32(d)))
+    entries.append(SealEntry(key="empty", offset=[0], shape=[0], dtype="torch.uint8",
+                             spec="empty", path=None, nbytes=0))
+    seal = Seal(root=os.path.realpath(ROOT), rank=0, world=2, iteration=iteration,
+                manifest_crc32="00c0ffee", entries=entries)
+    write_seal(seal, shm_dir)
+    return read_seal(seal_path(shm_dir, ROOT, 0)), data
+
+
+def _wait(link: PartnerLink, key: str, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while link.stats.get(key, 0) < count:
+        assert time.monotonic() < deadline, link.stats
+        time.sleep(0.01)
+
+
+def test_a_copy_arrives_byte_exact_and_sealed_as_the_partners(two_nodes, capsys):
+    from megatron_ckpt_ext import shm_cli
+
+    dirs, (a, b) = two_nodes
+    seal, data = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    copy = read_seal(replica_path(dirs[1], ROOT, 0))
+    assert copy.replica_of == a.node and copy.iteration == 7 and copy.generation == seal.generation
+    assert [e.crc32 for e in copy.entries] == [e.crc32 for e in seal.entries]
+    for entry, want in zip(copy.entries, data):
+        assert os.path.dirname(entry.path) == dirs[1]
+        with open(entry.path, "rb") as fh:
+            assert fh.read() == want
+    assert copy.entries[-1].path is None
+    # a seal like any other for the sweep, shm list and shm clean; not rank 0's own seal there
+    assert {e.path for e in copy.entries if e.path} <= sealed_segments(dirs[1])
+    assert [s.replica_of for s in list_seals(dirs[1])] == [a.node]
+    assert read_seal(seal_path(dirs[1], ROOT, 0)) is None
+    shm_cli.run("list", shm_dir=dirs[1])
+    assert "rank 0/2" in capsys.readouterr().out.split("\n")[0]
+    shm_cli.run("list", shm_dir=dirs[1])
+    assert f"partner copy from {a.node}" in capsys.readouterr().out
+    assert a.stats["partner_bytes"] == seal.nbytes
+    # the next copy of rank 0 replaces it: one copy per rank, the old segments gone
+    newer, _ = _sealed(dirs[0], iteration=8)
+    a.replicate(newer, threading.Event())
+    _wait(a, "partner_copies", 2)
+    assert read_seal(replica_path(dirs[1], ROOT, 0)).iteration == 8
+    assert not any(os.path.exists(e.path) for e in copy.entries if e.path)
+
+
+def test_a_buffer_changed_after_its_seal_is_never_sealed_on_the_partner(two_nodes):
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    with open(seal.entries[0].path, "r+b") as fh:  # as the next save staging into it would
+        fh.write(b"\0" * 4096)
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_failures", 1)
+    assert "CRC-32" in a.stats["partner_last_error"]
+    assert os.listdir(dirs[1]) == []  # no seal, no segment left
+
+
+def test_a_cancelled_copy_is_never_sealed(two_nodes):
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    cancel = threading.Event()
+    cancel.set()  # the next save started staging into the buffers
+    a.replicate(seal, cancel)
+    _wait(a, "partner_failures", 1)
+    assert "staged into again" in a.stats["partner_last_error"]
+    assert os.listdir(dirs[1]) == []
+
+
+def test_another_jobs_rank_is_not_served(two_nodes):
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    node, host, port, _ = a.book[1]
+    a.book[1] = (node, host, port, "not-the-token")
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_failures", 1)
+    assert "token" in a.stats["partner_last_error"] and os.listdir(dirs[1]) == []
+
+
+def _reseed_both(links, iteration: int) -> list[dict]:
+    """Both links' reseed, each on a thread, over an in-process gather."""
+    barrier, box, calls = threading.Barrier(2), {}, [0, 0]
+    details = [{}, {}]
+
+    def gather_for(i):
+        def gather(obj):
+            n = calls[i]
+            calls[i] += 1
+            box[(n, i)] = obj
+            barrier.wait()
+            out = [box[(n, 0)], box[(n, 1)]]
+            barrier.wait()
+            return out
+        return gather
+
+    threads = [threading.Thread(target=link.reseed, kwargs=dict(
+        root=ROOT, iteration=iteration, world=2, gather=gather_for(i), detail=details[i]))
+        for i, link in enumerate(links)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return details
+
+
+def test_a_node_that_lost_its_seal_fetches_the_copy_back(two_nodes):
+    dirs, (a, b) = two_nodes
+    seal, data = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    for name in os.listdir(dirs[0]):  # node a's memory is lost
+        os.unlink(os.path.join(dirs[0], name))
+    details = _reseed_both((a, b), iteration=7)
+    assert details[0]["partner_fetch"]["ok"] and details[0]["partner_fetch"]["from"] == b.node
+    assert details[1] == {}
+    own = read_seal(seal_path(dirs[0], ROOT, 0))  # sealed again as rank 0's own, on node a
+    assert own.iteration == 7 and own.replica_of == "" and own.generation == seal.generation
+    for entry, want in zip(own.entries, data):
+        assert os.path.dirname(entry.path) == dirs[0]
+        with open(entry.path, "rb") as fh:
+            assert fh.read() == want
+
+
+def test_a_copy_of_another_iteration_is_not_fetched(two_nodes):
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0], iteration=7)
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    for name in os.listdir(dirs[0]):
+        os.unlink(os.path.join(dirs[0], name))
+    details = _reseed_both((a, b), iteration=8)  # the load asks for a newer one
+    assert details == [{}, {}] and os.listdir(dirs[0]) == []
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_close_frees_the_copies_held_unless_kept(two_nodes, keep):
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    b.close(keep=keep)
+    assert bool(os.listdir(dirs[1])) is keep
