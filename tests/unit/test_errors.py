@@ -125,6 +125,7 @@ DOCUMENTED_BUILTINS = {
     ("staging/partner.py", "PartnerError"): "internal: a partner copy or fetch that failed; "
                                             "caught there, said in the counters or the load's "
                                             "memory_detail (the load reads storage)",
+    ("staging/partner_wire.py", "PartnerError"): "internal: as staging/partner.py's",
     ("backend/replay.py", "ValueError"): "internal: a writer it cannot replay; caught there, "
                                          "the save is planned in full",
 }
