@@ -120,6 +120,7 @@ class Checkpointer(_SaveSteps):
         self._retention = Retention(options.most_recent_k, options.save_retain_interval)
         if save_dir is not None and self._retention.active and rank() == 0:
             finish_interrupted(Path(save_dir))  # deletions a crash interrupted
+        self._roots_saved: set[Path] = set()
         self._layout: list | None = None  # the staged tensors' layout (memory tier), per structure
         self.failed_saves: list[dict] = Recent()  # --ckpt-failure-policy warn: what was abandoned
         self._failures_in_a_row = 0
@@ -271,6 +272,9 @@ class Checkpointer(_SaveSteps):
                 self._save_steps(sharded_state_dict, record)
 
     def _save_steps(self, sharded_state_dict: Any, record: SaveRecord) -> None:
+        if self._cpu_shm and record.root not in self._roots_saved:  # an earlier run's snapshot
+            self._roots_saved.add(record.root)  # of this root that no load adopted: freed
+            discard_snapshot(self._stager, record.root)  # before this run stages (prepare()d)
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
         before = self.staging_stats()  # (the wait for prepare() in _open counts too)
@@ -297,8 +301,6 @@ class Checkpointer(_SaveSteps):
         """Stage once the directory is open: a new structure, or (C) the first staging, which
         runs the node admission first."""
         if self.admission is None and self._stager.owns_copies:  # (C) the first staging
-            if self._cpu_shm:  # an earlier run's snapshot of this root that nobody adopted
-                discard_snapshot(self._stager, record.root)
             tensors: list[Any] = []
             backend.map_sharded_tensors(state, lambda x: tensors.append(x) or x)
             self._admit(tensors)

@@ -75,10 +75,13 @@ def restore(rank: int, world: int, root: str, options: dict, iteration: int | No
                        "allocated_after_save": stats.get("bytes_allocated", -1)}, fh)
 
 
-def fresh_start(rank: int, world: int, root: str, options: dict) -> None:
-    """A run that starts from scratch into the same --save (no load): its first save."""
+def fresh_start(rank: int, world: int, root: str, options: dict, prepared: bool = False) -> None:
+    """A run that starts from scratch into the same --save (no load): its first save (with
+    ``prepared``, after prepare(), as the launcher calls it once the model is built)."""
     with Checkpointer(CkptOptions(**options)) as ck:
         live = {k: v.clone() for k, v in step_state(5, rank).items()}
+        if prepared:
+            ck.prepare(sharded(rank, world, live))
         ck.save(sharded(rank, world, live), root, iteration=5)
         ck.maybe_finalize(blocking=True)
 

@@ -169,8 +169,9 @@ def test_shm_clean_removes_a_sealed_snapshot(root):
     assert not [e.path for e in seal.entries if e.path and os.path.exists(e.path)]
 
 
-def test_a_fresh_start_into_the_same_save_frees_the_old_snapshot_before_staging(root):
+@pytest.mark.parametrize("prepared", [False, True])
+def test_a_fresh_start_into_the_same_save_frees_the_old_snapshot_before_staging(root, prepared):
     run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
     stale = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
-    run_ranks(w.fresh_start, args=(str(root), MODES["persistent"]))
+    run_ranks(w.fresh_start, args=(str(root), MODES["persistent"], prepared))
     assert not [e.path for s in stale for e in s.entries if e.path and os.path.exists(e.path)]
