@@ -30,8 +30,8 @@ import time
 from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
-from .partner_wire import (PartnerError, advertised_host, receive_file, recv_json, send_entries,
-                           send_json, unlink)
+from .partner_wire import (PartnerError, advertised_host, background_priority, receive_file,
+                           recv_json, send_entries, send_json, unlink)
 from .retained import Seal, SealEntry, discard, read_seal, seal_path, write_seal
 from .segments import _segment_path, is_mapped
 
@@ -141,6 +141,7 @@ class PartnerLink:
             self._wake.notify()
 
     def _send_loop(self) -> None:
+        background_priority()  # training first: a copy may take longer on a busy host
         while not self._stop.is_set():
             with self._wake:
                 self._wake.wait_for(lambda: self._pending is not None or self._stop.is_set())
@@ -272,6 +273,7 @@ class PartnerLink:
                 logger.debug("rank %d: a partner request failed: %s", self.rank, e)
 
     def _take_copy(self, conn: socket.socket, request: dict) -> dict:
+        background_priority()  # (this connection's thread; a fetch at a restart keeps its own)
         seal = _seal_from(request["seal"])
         target = replica_path(self.shm_dir, seal.root, seal.rank)
         old = read_seal(target)

@@ -10,13 +10,14 @@ import mmap
 import os
 import socket
 import struct
+import threading
 from typing import Callable
 
 from .._crc import crc32 as _crc32
 from .retained import SealEntry
 
-__all__ = ["PartnerError", "advertised_host", "receive_file", "recv_json", "send_entries",
-           "send_json", "unlink"]
+__all__ = ["PartnerError", "advertised_host", "background_priority", "receive_file", "recv_json",
+           "send_entries", "send_json", "unlink"]
 
 _PIECE = 16 << 20  # bytes summed (received) or checked for a cancel (sent) at a time
 _LENGTH = struct.Struct("!Q")
@@ -25,6 +26,15 @@ _MAX_HEADER = 256 << 20
 
 class PartnerError(RuntimeError):
     """A copy or fetch that did not complete (said why); nothing was sealed."""
+
+
+def background_priority() -> None:
+    """The calling thread at the lowest CPU priority (nice 19; Linux sets it per thread): the
+    copies after a save yield the cores to training."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
 
 
 def advertised_host() -> str:

@@ -101,6 +101,8 @@ def test_a_copy_arrives_byte_exact_and_sealed_as_the_partners(two_nodes, capsys)
     shm_cli.run("list", shm_dir=dirs[1])
     assert f"partner copy from {a.node}" in capsys.readouterr().out
     assert a.stats["partner_bytes"] == seal.nbytes
+    sender = next(t for t in a._threads if t.name == "mcx-partner-send")
+    assert os.getpriority(os.PRIO_PROCESS, sender.native_id) == 19  # training comes first
     # the next copy of rank 0 replaces it: one copy per rank, the old segments gone
     newer, _ = _sealed(dirs[0], iteration=8)
     a.replicate(newer, threading.Event())
