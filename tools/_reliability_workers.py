@@ -51,6 +51,13 @@ MODES: dict[str, dict[str, Any]] = {
                              "ckpt_memory_snapshot_sets": 2},
     "temporal-shm-2sets": {"async_save": True, "async_ckpt_use_cpu_shm": True,
                            "ckpt_memory_snapshot_sets": 2},
+    # the new stack with partner copies: each rank stands for a node of its own (its own
+    # shared-memory directory, the campaign's ``nodes``/node<rank>), its snapshot copied to
+    # the next rank's; the campaign may empty node 0's directory after a kill (a lost node)
+    "persistent-shm-partner": {"async_save": True, "use_persistent_ckpt_worker": True,
+                               "async_ckpt_use_cpu_shm": True,
+                               "ckpt_assume_constant_structure": True,
+                               "ckpt_memory_partner": True},
 }
 # Where a crash job holds (so the harness SIGKILLs it exactly there), in save order.
 PHASES = ("before_save", "staging", "write", "before_rename", "after_rename", "after_tracker")
@@ -108,8 +115,10 @@ def verify_committed(ck: Checkpointer, rank: int, world: int, root: Path) -> dic
             continue
         if it is None:  # the resume: from the node's sealed snapshot, or from storage
             out["tier"] = ck.load_reports[-1].get("tier")
-            out["summed_ahead"] = (ck.load_reports[-1].get("memory_detail") or {}).get(
-                "summed_ahead")  # what the restart's prepare_restore summed, if taken
+            detail = ck.load_reports[-1].get("memory_detail") or {}
+            out["summed_ahead"] = detail.get("summed_ahead")  # what the restart's
+            # prepare_restore summed, if taken; a snapshot fetched from the partner's copy:
+            out["fetched"] = (detail.get("partner_fetch") or {}).get("ok")
             out["memory_line"] = said.lines[-1] if said.lines else None
         want = trial_state(label, rank)
         if not all(torch.equal(got[k], want[k]) for k in want):
@@ -252,8 +261,15 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
     root, out = Path(spec["root"]), Path(spec["out"])
     progress = partial(_say_progress, out / f"progress_r{rank}.json")
     harness = Harness(progress)
-    with Checkpointer(options_for(spec["mode"]), job_id=spec["job_id"],
-                      hooks=harness) as ck:  # sweeps orphans
+    options = options_for(spec["mode"])
+    stager = None
+    if options.ckpt_memory_partner:  # this rank's "node": a shared-memory directory of its own
+        from megatron_ckpt_ext.staging import ShmStager
+
+        stager = ShmStager(job_id=spec["job_id"], rank=rank, shm_dir=node_dir(spec, rank),
+                           reuse=options.ckpt_assume_constant_structure)
+    with Checkpointer(options, job_id=spec["job_id"], hooks=harness,
+                      stager=stager) as ck:  # sweeps orphans
         verified = verify_committed(ck, rank, world, root)
         verified["shm_dead_owner_after_start"] = len(dead_owner_segments(spec["campaign"]))
         start = verified["tracker"] or 0
@@ -277,6 +293,10 @@ def crash_job(rank: int, world: int, spec: dict) -> None:
         progress("close", now["it"])
     if rank == 0:
         _write_json(out / "finished.json", {"tracker": read_tracker(root), "time": time.time()})
+
+
+def node_dir(spec: dict, rank: int) -> str:
+    return os.path.join(spec["nodes"], f"node{rank}")
 
 
 def run_saves(ck: Checkpointer, rank: int, world: int, root: Path, iterations: range, now: dict,

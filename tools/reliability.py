@@ -106,35 +106,75 @@ class CrashCampaign:
         self.tag = f"mcxrel{os.getpid()}"
         self.log = log
         self.flip_every = 0  # every Nth killed job: flip a byte of its sealed snapshot
+        self.lose_node_every = 0  # partner modes: every Nth killed job, node 0's memory lost
+        self.nodes = Path("/dev/shm") / f"{self.tag}_nodes"  # partner modes: node<rank> dirs
         self.step_s = 0.0  # a training step between saves (kills then land between saves too)
         self.kill = "all"  # or "one" (one rank, the rest torn down after grace_s) or "mixed"
         self.grace_s = 2.0
 
-    def _flip_sealed_byte(self) -> str | None:
-        """Damage the snapshot the killed job left (one byte of one buffer of one rank): the
-        next job must not restore it. Returns the segment flipped (None: nothing sealed)."""
+    def _flip_sealed_byte(self, partner: bool) -> dict | None:
+        """Damage the snapshot the killed job left (one byte of one buffer of one rank's seal,
+        or in partner modes of a seal or of a partner's copy): the next job must not restore
+        it. Returns what was flipped (None: nothing sealed)."""
+        from megatron_ckpt_ext.staging.partner import replica_path
         from megatron_ckpt_ext.staging.retained import read_seal, seal_path
 
-        seals = [read_seal(seal_path("/dev/shm", self.root, r)) for r in range(self.world)]
-        entries = [e for s in seals if s is not None for e in s.entries if e.path and e.nbytes]
+        held = [("own", r, seal_path(self._shm(r, partner), self.root, r))
+                for r in range(self.world)]
+        if partner:  # rank r's copy is on the next rank's node
+            held += [("copy", r, replica_path(self._shm((r + 1) % self.world, True), self.root,
+                                              r)) for r in range(self.world)]
+        entries = [(kind, r, e) for kind, r, path in held if (s := read_seal(path)) is not None
+                   for e in s.entries if e.path and e.nbytes]
         if not entries:
             return None
-        entry = self.rng.choice(entries)
+        kind, owner, entry = self.rng.choice(entries)
         at = self.rng.randrange(entry.nbytes)
         with open(entry.path, "r+b") as fh:
             fh.seek(at)
             byte = fh.read(1)
             fh.seek(at)
             fh.write(bytes([byte[0] ^ 0x01]))
-        return f"{entry.path}@{at}"
+        return {"kind": kind, "rank": owner, "at": f"{entry.path}@{at}"}
+
+    def _seals_or_copies_left(self) -> list[int | None]:
+        """Partner modes: per rank, the newest iteration held of it in memory, its own seal on
+        its node or its copy on the next (what a restart can restore it from)."""
+        from megatron_ckpt_ext.staging.partner import replica_path
+        from megatron_ckpt_ext.staging.retained import read_seal, seal_path
+
+        out = []
+        for r in range(self.world):
+            held = [read_seal(seal_path(self._shm(r, True), self.root, r)),
+                    read_seal(replica_path(self._shm((r + 1) % self.world, True), self.root, r))]
+            out.append(max((s.iteration for s in held if s is not None), default=None))
+        return out
+
+    def _shm(self, rank: int, partner: bool) -> str:
+        return str(self.nodes / f"node{rank}") if partner else "/dev/shm"
+
+    def _lose_node(self) -> int:
+        """Node 0 replaced: everything in its shared-memory directory gone (its ranks' seals and
+        segments, the copies it held). Returns how many files."""
+        node = self.nodes / "node0"
+        names = os.listdir(node)
+        for name in names:
+            os.unlink(node / name)
+        return len(names)
 
     def run(self, plan: list[tuple[str, str]]) -> dict:
-        trials = [self.trial(i, mode, phase) for i, (mode, phase) in enumerate(plan)]
-        final = self.trial(len(plan), plan[0][0] if plan else "temporal", "none", saves=0)
-        for i, t in enumerate(trials):  # what the next job found is this trial's outcome
-            t["after"] = (trials[i + 1] if i + 1 < len(trials) else final)["found"]
-            t["tracker_ok"] = self._tracker_ok(t)
-        leftover_shm = [str(p) for p in rw.shm_segments(self.tag)]
+        for r in range(self.world):
+            (self.nodes / f"node{r}").mkdir(parents=True, exist_ok=True)
+        try:
+            trials = [self.trial(i, mode, phase) for i, (mode, phase) in enumerate(plan)]
+            final = self.trial(len(plan), plan[0][0] if plan else "temporal", "none", saves=0)
+            for i, t in enumerate(trials):  # what the next job found is this trial's outcome
+                t["after"] = (trials[i + 1] if i + 1 < len(trials) else final)["found"]
+                t["tracker_ok"] = self._tracker_ok(t)
+            leftover_shm = [str(p) for p in rw.shm_segments(self.tag)]
+            leftover_shm += [str(p) for p in sorted(self.nodes.glob("node*/*"))]
+        finally:
+            shutil.rmtree(self.nodes, ignore_errors=True)
         return summarize(trials, final, leftover_shm)
 
     def trial(self, i: int, mode: str, phase: str, *, saves: int | None = None) -> dict:
@@ -142,6 +182,7 @@ class CrashCampaign:
         out.mkdir(parents=True)
         kind, victim = one.choose(self.rng, self.kill if phase != "none" else "all", self.world)
         spec = {"root": str(self.root), "out": str(out), "mode": mode, "phase": phase,
+                "nodes": str(self.nodes),
                 "job_id": f"{self.tag}t{i}", "campaign": self.tag, "saves": self.saves if saves is None else saves,
                 "kill_offset": self.rng.choice([2, 3]), "step_s": self.step_s,
                 "hook_rank": 0 if phase in ("before_rename", "after_rename", "after_tracker")
@@ -158,9 +199,14 @@ class CrashCampaign:
         if killer is not None:
             result.update(killer.record, hook_rank=spec["hook_rank"])
         result["orphans"] = self._reap_orphans(tag)
-        result["seals_left"] = one.seals_left(self.root, self.world)
+        partner = bool(rw.MODES[mode].get("ckpt_memory_partner"))
         if self.flip_every and i % self.flip_every == self.flip_every - 1:
-            result["flipped"] = self._flip_sealed_byte()
+            result["flipped"] = self._flip_sealed_byte(partner)
+        if partner and phase != "none" and self.lose_node_every and \
+                i % self.lose_node_every == self.lose_node_every - 1:
+            result["lost_node"] = self._lose_node()
+        result["seals_left"] = (self._seals_or_copies_left() if partner
+                                else one.seals_left(self.root, self.world))
         result["found"] = _found(out, self.world)
         ready = _read_json(out / "ready.json") or {}
         result["start"] = ready.get("start")
@@ -264,6 +310,7 @@ def _found(out: Path, world: int) -> dict:
             "shm_dead_owner_after_start": max(v["shm_dead_owner_after_start"] for v in per_rank),
             "tier": per_rank[0].get("tier"), "tiers": [v.get("tier") for v in per_rank],
             "summed_ahead": [v.get("summed_ahead") for v in per_rank],
+            "fetched": [v.get("fetched") for v in per_rank],
             "memory_line": per_rank[0].get("memory_line")}
 
 
@@ -273,7 +320,22 @@ def _trial_line(t: dict) -> str:
             f"hit={t.get('hit')} start={t['start']} kill_iter={t['kill_iter']} | job found "
             f"tracker={f.get('tracker')} tier={f.get('tier')} torn={f.get('torn')} "
             f"orphans={len(t['orphans'])}{' flipped' if t.get('flipped') else ''}"
+            f"{' node0-lost' if 'lost_node' in t else ''}"
+            f"{' fetched' if any(f.get('fetched') or []) else ''}"
             f"{one.trial_note(t)}")
+
+
+def _damage_restored(t: dict) -> bool:
+    """Whether the next job restored the bytes flipped after this trial's kill: a rank's own
+    seal restored where that rank did not fetch (a lost node 0 took its flipped seal with it),
+    or a partner's copy that its rank fetched."""
+    flipped, after = t.get("flipped"), t["after"]
+    if not flipped or after.get("tier") != "memory":
+        return False
+    fetched = bool((after.get("fetched") or [None] * (flipped["rank"] + 1))[flipped["rank"]])
+    if flipped["kind"] == "copy":
+        return fetched
+    return not fetched and not (flipped["rank"] == 0 and "lost_node" in t)
 
 
 def summarize(trials: list[dict], final: dict, leftover_shm: list[str]) -> dict:
@@ -297,8 +359,10 @@ def summarize(trials: list[dict], final: dict, leftover_shm: list[str]) -> dict:
         "resumes_from_memory": sum(o.get("tier") == "memory" for o in outcomes),
         "resumes_from_storage": sum(o.get("tier") == "storage" for o in outcomes),
         "sealed_snapshots_damaged": sum(bool(t.get("flipped")) for t in trials),
-        "damaged_snapshots_restored": sum(bool(t.get("flipped")) and t["after"].get("tier") == "memory"
-                                          for t in trials),
+        "damaged_snapshots_restored": sum(_damage_restored(t) for t in trials),
+        "nodes_lost": sum("lost_node" in t for t in trials),
+        "resumes_with_a_fetched_snapshot": sum(o.get("tier") == "memory"
+                                               and any(o.get("fetched") or []) for o in outcomes),
         "leftover_processes": sum(len(t["orphans"]) for t in trials),
         "shm_dead_owner_segments_after_next_start": sum(o.get("shm_dead_owner_after_start", 0)
                                                         for o in outcomes),
@@ -321,6 +385,7 @@ def cmd_crash(args: argparse.Namespace) -> dict:
     campaign = CrashCampaign(work, world=world_for(args.device, args.world), device=args.device,
                              saves=args.saves, seed=args.seed, random_window_s=args.random_window)
     campaign.flip_every, campaign.step_s = args.flip_every, args.step_s
+    campaign.lose_node_every = args.lose_node_every
     campaign.kill, campaign.grace_s = args.kill, args.grace
     t0 = time.perf_counter()
     result = campaign.run(plan)
@@ -670,6 +735,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--flip-every", type=int, default=0,
                    help="every Nth trial, flip a byte of the snapshot the killed job sealed in "
                    "/dev/shm (the next job must not restore it)")
+    c.add_argument("--lose-node-every", type=int, default=0,
+                   help="partner modes: every Nth trial, after the kill, empty node 0's "
+                   "shared-memory directory (a replaced node: its seals and the copies it held "
+                   "gone); the next job restores from the partner's copy or from storage")
     c.add_argument("--step-s", type=float, default=0.0,
                    help="seconds of 'training' after each save (the crash jobs save every step)")
     c.add_argument("--kill", choices=one.KILLS, default="all",

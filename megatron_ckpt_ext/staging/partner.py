@@ -98,7 +98,7 @@ class PartnerLink:
         self._pending: tuple[Seal, threading.Event] | None = None
         self._sending = False
         self._warned = False  # the first failed copy is a warning, later ones debug lines
-        self._held: set[str] = set()  # the copies this process sealed here
+        self._roots: set[str] = set()  # the save roots whose copies this node may hold
         self.host, self.port = advertised_host(), 0
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -136,6 +136,7 @@ class PartnerLink:
         copy under way stops when ``cancel`` is set: its buffers are about to change)."""
         if self.partner is None or self.book is None:
             return
+        self._roots.add(seal.root)
         with self._wake:
             self._pending = (seal, cancel)
             self._wake.notify()
@@ -194,6 +195,7 @@ class PartnerLink:
         ``detail`` gets this rank's ``partner_fetch``."""
         self.start()
         root = os.path.realpath(root)
+        self._roots.add(root)
         own = read_seal(seal_path(self.shm_dir, root, self.rank))
         has = own is not None and own.iteration == iteration and own.world == world
         held = {}
@@ -205,8 +207,8 @@ class PartnerLink:
         self._set_book(views)
         need = {v[0]: [u[0] for u in views if u[1] != v[1] and u[6].get(v[0]) == iteration]
                 for v in views if not v[5]}
-        if not any(need.values()):
-            return
+        if not need or not all(need.values()):
+            return  # every rank holds its seal, or one has no copy anywhere: all read storage
         result: dict[str, Any] = {}
         holders = need.get(self.rank)
         if holders:
@@ -281,14 +283,15 @@ class PartnerLink:
             discard(old, is_mapped=is_mapped)
         made: list[str] = []
         try:
-            entries = self._receive_entries(conn, seal.entries, "replica", seal.rank, made)
+            entries = self._receive_entries(conn, seal.entries, f"{self.job_id}copy", seal.rank,
+                                            made)
         except (OSError, PartnerError) as e:
             for path in made:
                 unlink(path)
             return {"ok": False, "why": str(e)}
         copy = replace(seal, entries=entries, file="", replica_of=request.get("from", ""))
         write_seal(copy, self.shm_dir, path=target)
-        self._held.add(target)
+        self._roots.add(seal.root)
         return {"ok": True}
 
     def _give_copy(self, conn: socket.socket, request: dict) -> None:
@@ -327,9 +330,10 @@ class PartnerLink:
 
     # -- the end ---------------------------------------------------------------------------------
     def close(self, *, keep: bool = False) -> None:
-        """Stop serving and sending; the copies this process sealed here are removed unless
-        ``keep`` (the same rule as the rank's own snapshot at close), which also lets the copy
-        of this rank's last seal finish first (at most the socket timeout)."""
+        """Stop serving and sending; unless ``keep`` (the same rule as the rank's own snapshot
+        at close), the copies this node holds of the save roots this link saved, loaded or
+        received (also those an earlier, killed run left) are removed. ``keep`` lets the copy of
+        this rank's last seal finish first (at most the socket timeout)."""
         deadline = time.monotonic() + _SOCKET_TIMEOUT_S
         while keep and (self._pending is not None or self._sending) and \
                 time.monotonic() < deadline:
@@ -343,11 +347,12 @@ class PartnerLink:
         for t in self._threads:
             t.join(timeout=5)
         if not keep:
-            for path in self._held:
-                copy = read_seal(path)
-                if copy is not None:
-                    discard(copy, is_mapped=is_mapped)
-        self._held.clear()
+            for root in self._roots:
+                for path in self._replica_files(root):
+                    copy = read_seal(path)
+                    if copy is not None:
+                        discard(copy, is_mapped=is_mapped)
+        self._roots.clear()
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)

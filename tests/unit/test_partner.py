@@ -53,21 +53,21 @@ def two_nodes():
 ROOT = "/tmp/mcx_unit_partner_root"
 
 
-def _sealed(shm_dir: str, iteration: int = 7) -> tuple[Seal, list[bytes]]:
+def _sealed(shm_dir: str, iteration: int = 7, rank: int = 0) -> tuple[Seal, list[bytes]]:
     data = [os.urandom((3 << 20) + 5), os.urandom(17)]
     entries = []
     for i, d in enumerate(data):
-        path = os.path.join(shm_dir, f"mcx_unit_0_{os.getpid()}_{i}{iteration}")
+        path = os.path.join(shm_dir, f"mcx_unit_{rank}_{os.getpid()}_{i}{iteration}")
         with open(path, "wb") as fh:
             fh.write(d)
         entries.append(SealEntry(key=f"t{i}", offset=[0], shape=[len(d)], dtype="torch.uint8",
                                  spec=f"t{i}", path=path, nbytes=len(d), crc32=zlib.crc32(d)))
     entries.append(SealEntry(key="empty", offset=[0], shape=[0], dtype="torch.uint8",
                              spec="empty", path=None, nbytes=0))
-    seal = Seal(root=os.path.realpath(ROOT), rank=0, world=2, iteration=iteration,
+    seal = Seal(root=os.path.realpath(ROOT), rank=rank, world=2, iteration=iteration,
                 manifest_crc32="00c0ffee", entries=entries)
     write_seal(seal, shm_dir)
-    return read_seal(seal_path(shm_dir, ROOT, 0)), data
+    return read_seal(seal_path(shm_dir, ROOT, rank)), data
 
 
 def _wait(link: PartnerLink, key: str, count: int) -> None:
@@ -174,6 +174,7 @@ def test_a_node_that_lost_its_seal_fetches_the_copy_back(two_nodes):
     seal, data = _sealed(dirs[0])
     a.replicate(seal, threading.Event())
     _wait(a, "partner_copies", 1)
+    _sealed(dirs[1], rank=1)  # node b holds rank 1's own seal
     for name in os.listdir(dirs[0]):  # node a's memory is lost
         os.unlink(os.path.join(dirs[0], name))
     details = _reseed_both((a, b), iteration=7)
@@ -206,3 +207,32 @@ def test_close_frees_the_copies_held_unless_kept(two_nodes, keep):
     _wait(a, "partner_copies", 1)
     b.close(keep=keep)
     assert bool(os.listdir(dirs[1])) is keep
+
+
+def test_close_frees_the_copies_an_earlier_killed_run_left_on_this_node(two_nodes):
+    """A holder killed with a copy sealed: the next run's link on that node, once it has dealt
+    with that save root (here its restart's reseed), frees it at a clean close."""
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    b._roots.clear()  # as a killed holder: nothing of its own close runs
+    reborn = PartnerLink(dirs[1], 1, job_id="unit")
+    try:
+        _reseed_both((a, reborn), iteration=7)  # both nodes hold their seal / the copy
+        assert read_seal(replica_path(dirs[1], ROOT, 0)) is not None
+    finally:
+        reborn.close()
+    assert os.listdir(dirs[1]) == []
+
+
+def test_nothing_is_fetched_where_another_rank_has_no_snapshot_anywhere(two_nodes):
+    """Rank 1 holds no seal of the iteration and no node a copy of it: every rank reads storage
+    anyway, so rank 0 does not fetch its copy (no network copy for nothing)."""
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    for name in os.listdir(dirs[0]):
+        os.unlink(os.path.join(dirs[0], name))
+    assert _reseed_both((a, b), iteration=7) == [{}, {}] and os.listdir(dirs[0]) == []
