@@ -44,6 +44,25 @@ def test_sigkill_at_every_phase_leaves_the_last_commit_loadable_and_nothing_behi
     assert s["leftover_shm_segments_at_end"] == 0
 
 
+@pytest.mark.timeout(300)
+def test_with_partner_copies_a_lost_node_restores_from_memory_and_a_damaged_copy_never(tmp_path):
+    # Each rank its own "node" (a shared-memory directory); killed before a save, between
+    # saves, node 0's directory emptied after every kill: the next job fetches rank 0's
+    # snapshot from node 1's copy (memory), bit-exact; with a flipped copy it reads storage.
+    plan = [("persistent-shm-partner", "before_save")] * 3
+    campaign = rel.CrashCampaign(tmp_path, world=world(), device=rw.device(), saves=6, seed=3,
+                                 random_window_s=0.8, log=lambda line: None)
+    campaign.step_s, campaign.lose_node_every, campaign.flip_every = 0.8, 1, 2
+    result = campaign.run(plan)
+    s = result["summary"]
+    details = [rel._trial_line(t) for t in result["trials"]]
+    assert s["torn_loads"] == 0 and s["unverified"] == 0 and s["tracker_mismatches"] == 0, details
+    assert s["nodes_lost"] == len(plan) and s["sealed_snapshots_damaged"] >= 1, details
+    assert s["resumes_with_a_fetched_snapshot"] >= 1, details
+    assert s["damaged_snapshots_restored"] == 0, details
+    assert s["failures"] == 0, details
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode,how", [("persistent-shm", "kill"), ("temporal", "kill"),
                                       ("persistent-shm", "kill_idle"), ("temporal", "enospc"),
