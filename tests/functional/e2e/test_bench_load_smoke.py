@@ -114,6 +114,32 @@ def test_memory_restore_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.functional
+def test_partner_benchmark_smoke(tmp_path):
+    """bench_partner.py --cpu-smoke under torchrun (two ranks as two nodes): a round without and
+    with partner copies, each copy sealed on the partner, twice the node memory with copies;
+    the restores bit-exact, the one after node 0's loss from memory with rank 0's copy
+    fetched."""
+    out = tmp_path / "partner.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(ROOT / "benchmarks" / "bench_partner.py"),
+                    "--cpu-smoke", "--out", str(tmp_path / "ckpt"), "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    data = json.loads(out.read_text())
+    assert {"device", "versions", "world_size", "command", "rounds", "restores",
+            "summary"} <= set(data) and data["world_size"] == 2
+    summary = data["summary"]
+    assert summary["copy_median_s"] > 0
+    assert 1.9 < summary["node_bytes"]["on"] / summary["node_bytes"]["off"] < 2.1
+    restores = {r["case"]: r for r in data["restores"]}
+    assert all(r["bit_exact"] for r in restores.values())
+    assert restores["memory, both nodes"]["tier"] == "memory"
+    assert restores["memory, both nodes"]["partner_fetch"] is None
+    lost = restores["memory, node 0 lost"]
+    assert lost["tier"] == "memory" and lost["partner_fetch"]["ok"], lost
+    assert restores["storage, warm"]["tier"] == "storage"
+
+
+@pytest.mark.functional
 def test_load_benchmark_times_only_the_sources_and_caches_asked(tmp_path):
     """--caches warm: no cold load and no cold floor (a cold pass over a node's checkpoint costs
     minutes); --load-threads 2 3: ours with each in turn, the other sources once, each run naming
