@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from .layout import DELETING, _fsync, leftovers, parse_iteration, read_tracker, suffixed
@@ -23,6 +24,10 @@ from .layout import DELETING, _fsync, leftovers, parse_iteration, read_tracker, 
 __all__ = ["DELETING", "Retention", "finish_interrupted", "to_delete"]
 
 logger = logging.getLogger(__name__)
+
+# Megatron-LM rewrites the tracker in place (open "w", then write) right after our commit: a
+# pass may read it empty; it reads again for up to this long before giving up on this commit
+_TRACKER_SETTLE_S = 2.0
 
 
 def to_delete(root: Path, *, most_recent_k: int, retain_interval: int | None) -> list[Path]:
@@ -85,8 +90,7 @@ class Retention:
     def _pass(self, root: Path) -> None:
         try:
             finish_interrupted(root)
-            gone = to_delete(root, most_recent_k=self.most_recent_k,
-                             retain_interval=self.retain_interval)
+            gone = self._window(root)
             for path in gone:
                 _delete(path)
                 self.deleted.append(path)
@@ -98,6 +102,23 @@ class Retention:
             self.errors.append(str(e))
             logger.error("retention could not delete an old checkpoint under %s: %s (it is "
                          "retried after the next commit)", root, e)
+        except ValueError as e:  # the tracker did not settle: nothing is deleted this time
+            self.errors.append(str(e))
+            logger.warning("retention deleted nothing after this commit under %s: %s (it runs "
+                           "again after the next commit)", root, e)
+
+    def _window(self, root: Path) -> list[Path]:
+        """:func:`to_delete`, read again while the tracker does not parse (being rewritten by
+        Megatron-LM's own save) for up to :data:`_TRACKER_SETTLE_S`."""
+        deadline = time.monotonic() + _TRACKER_SETTLE_S
+        while True:
+            try:
+                return to_delete(root, most_recent_k=self.most_recent_k,
+                                 retain_interval=self.retain_interval)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def wait(self) -> None:
         if self._thread is not None:

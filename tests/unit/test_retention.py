@@ -81,3 +81,26 @@ def test_load_never_takes_a_half_deleted_checkpoint(tmp_path):
     _tree(tmp_path, [1, 2, 3], tracker=3)
     os.rename(tmp_path / "iter_0000002", tmp_path / "iter_0000002.deleting")
     assert committed_before(tmp_path, 3) == [1]
+
+
+def test_a_pass_reads_a_tracker_being_rewritten_again_and_never_dies(tmp_path, monkeypatch):
+    """Megatron-LM rewrites the tracker in place right after our commit: the pass that reads it
+    empty reads it again and deletes as usual; one that never parses deletes nothing, says so
+    and leaves the next commit's pass to run (the thread does not die with a traceback)."""
+    import threading
+
+    _tree(tmp_path, range(1, 6), tracker=5)
+    (tmp_path / TRACKER).write_text("")  # truncated, the number not written yet
+    threading.Timer(0.2, lambda: (tmp_path / TRACKER).write_text("5\n")).start()
+    died = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    r = retention.Retention(2, None)
+    r.after_commit(tmp_path)
+    r.wait()
+    assert _names(r.deleted) == [1, 2, 3] and r.errors == [] and died == []
+    (tmp_path / TRACKER).write_text("garbage")
+    monkeypatch.setattr(retention, "_TRACKER_SETTLE_S", 0.1)
+    r.after_commit(tmp_path)
+    r.wait()
+    assert died == [] and "not an iteration number" in r.errors[-1]
+    assert _names(r.deleted) == [1, 2, 3]  # nothing more
