@@ -54,7 +54,7 @@ def node_dir(base: Path, rank: int) -> str:
 
 def checkpointer(base: Path, rank: int, **options) -> Checkpointer:
     stager = ShmStager(job_id="benchpartner", rank=rank, shm_dir=node_dir(base, rank), reuse=True)
-    return Checkpointer(CkptOptions(**CPU_SHM, **options), stager=stager)
+    return Checkpointer(CkptOptions(**CPU_SHM, most_recent_k=2, **options), stager=stager)
 
 
 def step(a: torch.Tensor, matmuls: int) -> float:
@@ -108,6 +108,8 @@ def restore(base: Path, root: Path, state: dict, rank: int, world: int, **option
         dist.barrier()
         t0 = time.perf_counter()
         got = ck.load(sharded(like, rank, world), root)
+        if any(v.is_cuda for v in got.values()):
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         report = ck.load_reports[-1]
     same = all(torch.equal(got[k], state[k]) for k in state)
@@ -131,6 +133,9 @@ def main() -> int:
     p.add_argument("--step-matmuls", type=int, default=40)
     p.add_argument("--out", default="/tmp/bench_partner")
     p.add_argument("--json", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the state lives (cuda: every rank on the one GPU, each its own "
+                   "share of it, gloo for the control plane)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state (CI)")
     args = p.parse_args()
     if args.cpu_smoke:
@@ -146,7 +151,11 @@ def main() -> int:
             shutil.rmtree(node_dir(base, r), ignore_errors=True)
             os.makedirs(node_dir(base, r))
     dist.barrier()
-    state = build_state(gpt_shape(args.gib * 2**30), device=torch.device("cpu"), rank=rank)
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    state = build_state(gpt_shape(args.gib * 2**30), device=device, rank=rank)
     rounds, it = [], 1
     try:
         for n in range(args.rounds):
@@ -189,9 +198,12 @@ def main() -> int:
         "node_bytes": {k: max(r["node_bytes"] for ranks in per_rank for r in ranks
                               if r["partner"] is v) for k, v in (("off", False), ("on", True))},
     }
-    out = {"device": "cpu", "versions": {"torch": torch.__version__,
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    out = {"device": f"{name}, {os.cpu_count()} cores", "versions": {"torch": torch.__version__,
                                          "megatron-core": caps.mcore_version},
-           "world_size": world, "command": " ".join(sys.argv), "bytes_per_rank":
+           "world_size": world, "ranks_per_device": world if args.device == "cuda" else None,
+           "command": "torchrun --nproc-per-node %d %s" % (world, " ".join(sys.argv)),
+           "bytes_per_rank":
            state_bytes(state), "rounds": per_rank, "restores": restores, "summary": summary}
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(json.dumps({"summary": summary, "restores": restores}, indent=1))
