@@ -10,8 +10,9 @@ copies on the copy's seconds (``partner_copy_s``: the sender's, from the seal to
 acknowledgement) and the time from the commit until the copy is sealed on the partner.
 Then restores of the last save (values compared bit for bit): from memory with both nodes
 intact, from memory after node 0's directory is emptied (rank 0 fetches its snapshot back from
-the copy on node 1), and from storage (memory tier off, its pages read first: the writer drops
-what it wrote from the page cache). Node memory: the bytes in
+the copy on node 1), and from storage (memory tier off): cold (its pages dropped, as on a
+replaced node) and warm (its pages read first: the writer drops what it wrote from the page
+cache). Node memory: the bytes in
 each node's directory with copies on and off.
 
 JSON: ``device``, ``versions``, ``world_size``, ``command``, ``bytes_per_rank``, ``rounds``
@@ -40,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._bench_modes import build_state, gpt_shape, sharded, state_bytes  # noqa: E402
-from benchmarks.bench_load import parallel_read_s  # noqa: E402
+from benchmarks.bench_load import drop_pages, parallel_read_s  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions, backend  # noqa: E402
 from megatron_ckpt_ext.save.layout import checkpoint_name, read_tracker  # noqa: E402
 from megatron_ckpt_ext.staging import ShmStager  # noqa: E402
@@ -169,10 +170,13 @@ def main() -> int:
         restores = []
         for case, options in (("memory, both nodes", {"ckpt_memory_partner": True}),
                               ("memory, node 0 lost", {"ckpt_memory_partner": True}),
+                              ("storage, cold", {"ckpt_memory_restore": False}),
                               ("storage, warm", {"ckpt_memory_restore": False})):
             if case == "memory, node 0 lost" and rank == 0:
                 for name in os.listdir(node_dir(base, 0)):
                     os.unlink(os.path.join(node_dir(base, 0), name))
+            if case == "storage, cold" and rank == 0:  # (a replaced node's page cache)
+                drop_pages(checkpoint_name(root, read_tracker(root)))
             if case == "storage, warm" and rank == 0:  # the writer dropped what it wrote from
                 parallel_read_s(checkpoint_name(root, read_tracker(root)), 8)  # the page cache
             dist.barrier()

@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_TAIL = ".replica.json"
 _SOCKET_TIMEOUT_S = 60.0  # a peer that stops sending or reading mid-copy
+_FETCH_STREAMS = 4  # connections a restart's fetch uses at once
 
 
 def partner_link(stager: Any) -> PartnerLink:
@@ -225,20 +227,24 @@ class PartnerLink:
                 for r, x in done))
 
     def _fetch(self, holder: int, root: str, iteration: int, own: Seal | None) -> dict:
-        node, host, port, token = self.book[holder]  # type: ignore[index]
+        """This rank's copy from ``holder``'s node: its seal first, then its buffers over
+        :data:`_FETCH_STREAMS` connections at once (a restart waits for them; one stream is
+        bound by writing the segments, ~2 GB/s a core), sealed here as this rank's own."""
+        node = self.book[holder][0]  # type: ignore[index]
         t0 = time.perf_counter()
         made: list[str] = []
         try:
-            with socket.create_connection((host, port), timeout=_SOCKET_TIMEOUT_S) as sock:
-                send_json(sock, {"op": "get", "token": token, "root": root, "rank": self.rank,
-                                  "iteration": iteration})
-                reply = recv_json(sock)
-                if "seal" not in reply:
-                    raise PartnerError(str(reply.get("why")))
-                seal = _seal_from(reply["seal"])
-                if own is not None:  # another iteration's: replaced by the one fetched
-                    discard(own, is_mapped=is_mapped)
-                entries = self._receive_entries(sock, seal.entries, self.job_id, self.rank, made)
+            seal, _ = self._get(holder, root, iteration, [])
+            if own is not None:  # another iteration's: replaced by the one fetched
+                discard(own, is_mapped=is_mapped)
+            groups = _split([e.nbytes for e in seal.entries], _FETCH_STREAMS)
+            entries: list[SealEntry | None] = [None] * len(seal.entries)
+            with ThreadPoolExecutor(max_workers=len(groups) or 1) as pool:
+                runs = [pool.submit(self._get, holder, root, iteration, g, seal.generation,
+                                    made) for g in groups]
+                for group, run in zip(groups, runs):
+                    for i, entry in zip(group, run.result()[1]):
+                        entries[i] = entry
             seal = replace(seal, entries=entries, file="", replica_of="")
             write_seal(seal, self.shm_dir)
         except (OSError, PartnerError, ValueError) as e:
@@ -247,6 +253,25 @@ class PartnerLink:
             return {"ok": False, "from": node, "why": str(e)}
         return {"ok": True, "from": node, "bytes": seal.nbytes,
                 "seconds": round(time.perf_counter() - t0, 6)}
+
+    def _get(self, holder: int, root: str, iteration: int, indices: list[int],
+             generation: str | None = None,
+             made: list[str] | None = None) -> tuple[Seal, list[SealEntry]]:
+        """One connection to ``holder``: the copy's seal and the buffers at ``indices``,
+        received into new segments (their paths added to ``made``)."""
+        _, host, port, token = self.book[holder]  # type: ignore[index]
+        with socket.create_connection((host, port), timeout=_SOCKET_TIMEOUT_S) as sock:
+            send_json(sock, {"op": "get", "token": token, "root": root, "rank": self.rank,
+                             "iteration": iteration, "entries": indices})
+            reply = recv_json(sock)
+            if "seal" not in reply:
+                raise PartnerError(str(reply.get("why")))
+            seal = _seal_from(reply["seal"])
+            if generation is not None and seal.generation != generation:
+                raise PartnerError("the copy was replaced while it was fetched")
+            wanted = [seal.entries[i] for i in indices]
+            return seal, self._receive_entries(sock, wanted, self.job_id, self.rank,
+                                               made if made is not None else [])
 
     # -- the server ------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -302,7 +327,7 @@ class PartnerLink:
                                      f"{request['rank']}, not {request['iteration']}"})
             return
         send_json(conn, {"seal": _seal_dict(copy)})
-        send_entries(conn, copy.entries, self._stop.is_set)
+        send_entries(conn, [copy.entries[i] for i in request["entries"]], self._stop.is_set)
 
     def _receive_entries(self, sock: socket.socket, entries: list[SealEntry], job: str,
                          rank: int, made: list[str]) -> list[SealEntry]:
@@ -358,6 +383,18 @@ class PartnerLink:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+
+def _split(sizes: list[int], parts: int) -> list[list[int]]:
+    """The indices of ``sizes`` in at most ``parts`` groups of about equal bytes (largest
+    first to the lightest group), each in index order; empty groups left out."""
+    groups: list[list[int]] = [[] for _ in range(max(1, parts))]
+    load = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = load.index(min(load))
+        groups[g].append(i)
+        load[g] += sizes[i]
+    return [sorted(g) for g in groups if g]
 
 
 def _seal_dict(seal: Seal) -> dict:

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from megatron_ckpt_ext.staging.partner import PartnerLink, partners, replica_path
+from megatron_ckpt_ext.staging.partner import PartnerLink, _split, partners, replica_path
 from megatron_ckpt_ext.staging.retained import (Seal, SealEntry, list_seals, read_seal,
                                                 sealed_segments, seal_path, write_seal)
 
@@ -236,3 +236,12 @@ def test_nothing_is_fetched_where_another_rank_has_no_snapshot_anywhere(two_node
     for name in os.listdir(dirs[0]):
         os.unlink(os.path.join(dirs[0], name))
     assert _reseed_both((a, b), iteration=7) == [{}, {}] and os.listdir(dirs[0]) == []
+
+
+def test_a_fetch_splits_the_buffers_into_streams_of_about_equal_bytes():
+    sizes = [100, 5, 60, 40, 0, 55, 1]
+    groups = _split(sizes, 3)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))  # each once
+    assert all(g == sorted(g) for g in groups)
+    assert max(sum(sizes[i] for i in g) for g in groups) <= 100  # the largest alone
+    assert _split([7], 4) == [[0]] and _split([], 4) == []

@@ -136,7 +136,7 @@ def test_partner_benchmark_smoke(tmp_path):
     assert restores["memory, both nodes"]["partner_fetch"] is None
     lost = restores["memory, node 0 lost"]
     assert lost["tier"] == "memory" and lost["partner_fetch"]["ok"], lost
-    assert restores["storage, warm"]["tier"] == "storage"
+    assert restores["storage, warm"]["tier"] == restores["storage, cold"]["tier"] == "storage"
 
 
 @pytest.mark.functional
