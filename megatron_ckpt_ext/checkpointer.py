@@ -166,14 +166,14 @@ class Checkpointer(_SaveSteps):
         this rank will stage (:func:`preflight.admit_node`). Synchronous saves stage nothing."""
         if self.admission is not None or not self._stager.owns_copies:
             return
+        if self._partner is not None and self._partner.book is None:
+            self._partner.connect(self._group.all_gather)  # (C) the addresses, once
+        copies = self._partner is not None and self._partner.partner is not None
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
-        nbytes *= getattr(self._stager, "snapshot_sets", 1) + bool(self._partner)  # a second
-        # set for the snapshot; the copy this node holds of a partner's (about as large)
+        nbytes *= getattr(self._stager, "snapshot_sets", 1) + copies  # + a partner's copy
         nbytes = max(0, nbytes - self._stager.host_bytes())  # a snapshot adopted at load
         try:
             limit = self.options.ckpt_node_memory_limit_mib
-            if self._partner is not None and self._partner.book is None:
-                self._partner.connect(self._group.all_gather)  # (C) the addresses, once
             self.admission = preflight.admit_node(
                 nbytes, shm=self._cpu_shm, gather=self._group.all_gather,
                 limit_bytes=None if limit is None else limit * 2**20)

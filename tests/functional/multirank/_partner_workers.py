@@ -48,6 +48,8 @@ def save_and_die(rank: int, world: int, root: str, nodes: str, options: dict,
     while not (os.path.exists(own) and getattr(read_seal(copy), "iteration", None) == saves):
         assert time.monotonic() < deadline, "the last save was not sealed and copied"
         time.sleep(0.02)
+    with open(os.path.join(nodes, f"admission{rank}.json"), "w") as fh:
+        json.dump(ck.admission, fh)
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)  # no close(): seals, copies and segments stay, as after a crash
