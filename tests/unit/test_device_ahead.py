@@ -16,6 +16,7 @@ from megatron_ckpt_ext.load import device_ahead, prepared
 from megatron_ckpt_ext.staging import sealing
 
 from tests._support.prepared_restore import OPTIONS as _OPTIONS, _like, _loaded_w, _memory_detail
+from tests._support.seals import flip_byte
 
 
 OPTIONS = dict(_OPTIONS, ckpt_restore_prefetch=True)
@@ -121,11 +122,7 @@ def test_a_flipped_byte_is_caught_by_the_copy_ahead_and_the_load_reads_storage(d
     root = sealed()
     seal = retained.read_seal(retained.seal_path("/dev/shm", root, 0))
     path = next(e.path for e in seal.entries if e.path and e.nbytes >= 4096 * 4)
-    with open(path, "r+b") as fh:
-        fh.seek(100)
-        byte = fh.read(1)
-        fh.seek(100)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, 100)
     flipped = next(i for i, e in enumerate(seal.entries) if e.path == path)
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         ck._stager.pin = True

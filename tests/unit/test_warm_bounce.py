@@ -16,6 +16,7 @@ from megatron_ckpt_ext.staging.retained import discard, read_seal
 
 from tests._support.prepared_restore import (OPTIONS, _join_release, _like, _loaded_w,
                                              _memory_detail)
+from tests._support.seals import flip_byte
 
 
 def test_a_warm_pool_is_built_in_the_background_and_taken_once(pool):
@@ -82,11 +83,7 @@ def test_a_restore_prepared_ahead_only_copies_what_was_summed(sealed):
 def test_a_buffer_damaged_before_the_prepare_is_summed_again_and_refused(sealed):
     root = sealed()
     seal = read_seal(retained.seal_path("/dev/shm", root, 0))
-    with open(seal.entries[0].path, "r+b") as fh:  # one byte of the sealed buffer flipped
-        fh.seek(100)
-        byte = fh.read(1)
-        fh.seek(100)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(seal.entries[0].path, 100)  # one byte of the sealed buffer flipped
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         assert ck.prepare_restore(root)
         state = ck.load(_like(), str(root))

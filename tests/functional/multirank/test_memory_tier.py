@@ -17,6 +17,7 @@ from megatron_ckpt_ext.staging.retained import read_seal, seal_path
 
 from . import _memory_workers as w
 from tests._support.dist import device, run_ranks, world
+from tests._support.seals import flip_byte
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
@@ -134,11 +135,7 @@ def test_a_flipped_byte_in_a_snapshot_reads_storage(root, tmp_path, caplog):
     run_ranks(w.save_and_die, args=(str(root), MODES["persistent"], 2))
     seal = read_seal(seal_path("/dev/shm", root, world() - 1))
     target = next(e for e in seal.entries if e.nbytes > 64)
-    with open(target.path, "r+b") as fh:
-        fh.seek(37)
-        byte = fh.read(1)
-        fh.seek(37)
-        fh.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(target.path, 37, 0x10)
     run_ranks(w.restore, args=(str(root), MODES["persistent"], None, 2, "storage", str(tmp_path)))
     assert not os.path.exists(seal.file)  # a damaged snapshot is removed, not offered again
 

@@ -19,6 +19,7 @@ from megatron_ckpt_ext.staging.retained import read_seal
 
 from . import _partner_workers as w
 from tests._support.dist import run_ranks, world
+from tests._support.seals import flip_byte
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
@@ -84,11 +85,7 @@ def test_a_damaged_partner_copy_is_refused_and_storage_is_read(nodes, tmp_path):
     run_ranks(w.save_and_die, args=(str(root), str(nodes), OPTIONS, 2))
     copy = read_seal(replica_path(w.node_dir(str(nodes), 1), root, 0))
     target = next(e for e in copy.entries if e.nbytes > 64)
-    with open(target.path, "r+b") as fh:
-        fh.seek(40)
-        byte = fh.read(1)
-        fh.seek(40)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(target.path, 40)
     _lose_node(nodes, 0)
     run_ranks(w.restore, args=(str(root), str(nodes), OPTIONS, 2, str(tmp_path)))
     reports = _reports(tmp_path)
