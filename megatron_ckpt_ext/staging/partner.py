@@ -296,7 +296,8 @@ class PartnerLink:
                     send_json(conn, self._take_copy(conn, request))
                 elif request.get("op") == "get":
                     self._give_copy(conn, request)
-            except (OSError, PartnerError, ValueError) as e:
+            except (OSError, PartnerError, ValueError, LookupError, TypeError,
+                    AttributeError) as e:  # whatever a peer sent: this request ends, not the server
                 logger.debug("rank %d: a partner request failed: %s", self.rank, e)
 
     def _take_copy(self, conn: socket.socket, request: dict) -> dict:

@@ -245,3 +245,28 @@ def test_a_fetch_splits_the_buffers_into_streams_of_about_equal_bytes():
     assert all(g == sorted(g) for g in groups)
     assert max(sum(sizes[i] for i in g) for g in groups) <= 100  # the largest alone
     assert _split([7], 4) == [[0]] and _split([], 4) == []
+
+
+def test_a_malformed_request_ends_that_connection_and_the_server_goes_on(two_nodes,
+                                                                        monkeypatch):
+    import json
+    import socket
+    import struct
+
+    died = []  # a connection's thread that ends on an exception (a traceback on stderr)
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    dirs, (a, b) = two_nodes
+    for body in (b"[1, 2]", b"{not json", json.dumps({"token": b.token, "op": "get"}).encode(),
+                 json.dumps({"token": b.token, "op": "put", "seal": {}}).encode()):
+        with socket.create_connection((b.host, b.port), timeout=5) as sock:
+            sock.sendall(struct.pack("!Q", len(body)) + body)
+            sock.settimeout(5)
+            try:
+                sock.recv(1 << 16)  # a reply or the connection closed, never a hang
+            except OSError:
+                pass
+    seal, _ = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)  # still served
+    assert all(t.is_alive() for t in b._threads if t.name == "mcx-partner-serve")
+    assert died == []
