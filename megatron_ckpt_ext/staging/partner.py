@@ -32,9 +32,9 @@ from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
 from .partner_wire import (PartnerError, advertised_host, background_priority, receive_file,
-                           recv_json, send_entries, send_json, unlink)
+                           recv_json, send_entries, send_json)
 from .retained import Seal, SealEntry, discard, read_seal, seal_path, write_seal
-from .segments import _segment_path, is_mapped
+from .segments import _segment_path, _unlink, is_mapped
 
 __all__ = ["PartnerLink", "partner_link", "partners", "replica_path"]
 
@@ -249,7 +249,7 @@ class PartnerLink:
             write_seal(seal, self.shm_dir)
         except (OSError, PartnerError, ValueError) as e:
             for path in made:
-                unlink(path)
+                _unlink(path)
             return {"ok": False, "from": node, "why": str(e)}
         return {"ok": True, "from": node, "bytes": seal.nbytes,
                 "seconds": round(time.perf_counter() - t0, 6)}
@@ -292,28 +292,40 @@ class PartnerLink:
                 if request.get("token") != self.token:
                     send_json(conn, {"ok": False, "why": "not this job's token"})
                 elif request.get("op") == "put":
-                    send_json(conn, {"ready": True})
-                    send_json(conn, self._take_copy(conn, request))
+                    seal = _seal_from(request["seal"])
+                    why = self._make_room(seal)  # said before any byte comes
+                    send_json(conn, {"ok": False, "why": why} if why else {"ready": True})
+                    if not why:
+                        send_json(conn, self._take_copy(conn, request, seal))
                 elif request.get("op") == "get":
                     self._give_copy(conn, request)
             except (OSError, PartnerError, ValueError, LookupError, TypeError,
                     AttributeError) as e:  # whatever a peer sent: this request ends, not the server
                 logger.debug("rank %d: a partner request failed: %s", self.rank, e)
 
-    def _take_copy(self, conn: socket.socket, request: dict) -> dict:
-        background_priority()  # (this connection's thread; a fetch at a restart keeps its own)
-        seal = _seal_from(request["seal"])
-        target = replica_path(self.shm_dir, seal.root, seal.rank)
-        old = read_seal(target)
-        if old is not None:  # one copy per rank: the old one goes before the new one arrives
+    def _make_room(self, seal: Seal) -> str:
+        """Before a copy of ``seal`` arrives: the node's previous copy of that rank removed (one
+        copy per rank); why it cannot be taken ('' if it can): the shared memory's free room."""
+        old = read_seal(replica_path(self.shm_dir, seal.root, seal.rank))
+        if old is not None:
             discard(old, is_mapped=is_mapped)
+        fs = os.statvfs(self.shm_dir)
+        free = fs.f_bavail * fs.f_frsize
+        if free < seal.nbytes:
+            return (f"{self.shm_dir} on {self.node.split(':')[0]} has {free / 1e9:.2f} GB free, "
+                    f"the copy needs {seal.nbytes / 1e9:.2f} GB")
+        return ""
+
+    def _take_copy(self, conn: socket.socket, request: dict, seal: Seal) -> dict:
+        background_priority()  # (this connection's thread; a fetch at a restart keeps its own)
+        target = replica_path(self.shm_dir, seal.root, seal.rank)
         made: list[str] = []
         try:
             entries = self._receive_entries(conn, seal.entries, f"{self.job_id}copy", seal.rank,
                                             made)
         except (OSError, PartnerError) as e:
             for path in made:
-                unlink(path)
+                _unlink(path)
             return {"ok": False, "why": str(e)}
         copy = replace(seal, entries=entries, file="", replica_of=request.get("from", ""))
         write_seal(copy, self.shm_dir, path=target)

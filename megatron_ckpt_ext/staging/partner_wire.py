@@ -16,9 +16,9 @@ from .._crc import crc32 as _crc32
 from .retained import SealEntry
 
 __all__ = ["PartnerError", "advertised_host", "background_priority", "receive_file", "recv_json",
-           "send_entries", "send_json", "unlink"]
+           "send_entries", "send_json"]
 
-_PIECE = 16 << 20  # bytes summed (received) or checked for a cancel (sent) at a time
+_PIECE = 16 << 20  # bytes sent between two checks for a cancel
 _LENGTH = struct.Struct("!Q")
 _MAX_HEADER = 256 << 20
 
@@ -134,10 +134,3 @@ def _receive_buffer() -> memoryview:
     if buffer is None:
         buffer = _local.buffer = memoryview(bytearray(_RECEIVE_PIECE))
     return buffer
-
-
-def unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -270,3 +270,49 @@ def test_a_malformed_request_ends_that_connection_and_the_server_goes_on(two_nod
     _wait(a, "partner_copies", 1)  # still served
     assert all(t.is_alive() for t in b._threads if t.name == "mcx-partner-serve")
     assert died == []
+
+
+def test_a_copy_replaced_while_it_is_fetched_is_refused(two_nodes):
+    """The fetch asks for the copy's seal, then for its buffers over several connections: a
+    connection that finds another generation (a newer copy sealed meanwhile) fails the fetch."""
+    from megatron_ckpt_ext.staging.partner_wire import PartnerError
+
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_copies", 1)
+    copy = read_seal(replica_path(dirs[1], ROOT, 0))
+    got, entries = a._get(1, os.path.realpath(ROOT), 7, [0], copy.generation, [])
+    assert got.generation == copy.generation and len(entries) == 1
+    made: list[str] = []
+    with pytest.raises(PartnerError, match="replaced while it was fetched"):
+        a._get(1, os.path.realpath(ROOT), 7, [0], "another-generation", made)
+    assert made == []
+
+
+def test_a_partner_whose_shared_memory_is_full_refuses_the_copy_and_keeps_nothing(
+        two_nodes, monkeypatch):
+    """The partner says why before any byte comes (the sender's warning names the room); one
+    that runs out while writing (the room taken meanwhile) keeps nothing either."""
+    import errno
+    import types
+
+    from megatron_ckpt_ext.staging import partner, partner_wire
+
+    dirs, (a, b) = two_nodes
+    seal, _ = _sealed(dirs[0])
+    monkeypatch.setattr(partner.os, "statvfs",
+                        lambda path: types.SimpleNamespace(f_bavail=1, f_frsize=4096))
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_failures", 1)
+    assert "GB free, the copy needs" in a.stats["partner_last_error"], a.stats
+    assert os.listdir(dirs[1]) == []
+    monkeypatch.undo()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(partner_wire.os, "posix_fallocate", full)
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_failures", 2)
+    assert os.listdir(dirs[1]) == []
