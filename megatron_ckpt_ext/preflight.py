@@ -182,7 +182,7 @@ def cap_budget(budget: HostBudget, limit_bytes: int | None) -> HostBudget:
 
 def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
                budget: HostBudget | None = None, host: str | None = None,
-               limit_bytes: int | None = None) -> dict:
+               limit_bytes: int | None = None, held: tuple[int, int] | None = None) -> dict:
     """Collective (``gather``: every rank's value, in rank order): admit the first save's
     staging of ``nbytes`` on this rank against its node's memory. The ranks are grouped by host
     name; a node's staging is the sum over its ranks; it must fit in the node's MemAvailable
@@ -190,17 +190,24 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
     when given (``--ckpt-node-memory-limit-mib``). Raises on every rank (all see the
     same figures) when any node does not fit, naming the node, its ranks, the bytes and the
     fix; else returns the figures of the fullest node (``node_staging_bytes``, its budget,
-    ``nodes``, ``limit_bytes``), logged on rank 0."""
+    ``nodes``, ``limit_bytes``), logged on rank 0. ``held``: (seals, bytes) of the sealed
+    snapshots that runs now ended left in this rank's /dev/shm (``retained.held_by_ended_runs``),
+    named in a refusal: ``shm clean`` frees them (None: /dev/shm's, with ``shm``)."""
+    if held is None:
+        from .staging.retained import held_by_ended_runs
+
+        held = held_by_ended_runs("/dev/shm") if shm else (0, 0)
     mine = (host or socket.gethostname(), int(nbytes),
-            tuple(budget if budget is not None else host_budget()))
+            tuple(budget if budget is not None else host_budget()), tuple(held))
     nodes: dict[str, dict] = {}
-    for r, (name, n, measured) in enumerate(gather(mine)):
+    for r, (name, n, measured, seals) in enumerate(gather(mine)):
         b = cap_budget(HostBudget(*measured), limit_bytes)  # the same limit on every rank
         node = nodes.setdefault(name, {"ranks": [], "bytes": 0, "budget": HostBudget(*b),
-                                       "max_rank_bytes": 0})
+                                       "max_rank_bytes": 0, "held": (0, 0)})
         node["ranks"].append(r)
         node["bytes"] += n
         node["max_rank_bytes"] = max(node["max_rank_bytes"], n)
+        node["held"] = max(node["held"], tuple(seals), key=lambda h: h[1])  # one /dev/shm
         # the tightest figure any of the node's ranks measured (they measured the same machine)
         node["budget"] = HostBudget(*(min(x, y) if x >= 0 and y >= 0 else max(x, y)
                                       for x, y in zip(node["budget"], b)))
@@ -258,6 +265,11 @@ def _node_shortfall(name: str, node: dict, *, shm: bool) -> tuple[bool, str] | N
         missing.append(f"/dev/shm has {_size(b.shm_free)} free")
     if not missing:
         return None
+    seals, held = node.get("held", (0, 0))
+    if held > 0:  # a node whose /dev/shm outlived a job: what holds it, and how to free it
+        missing[-1] += (f" ({seals} sealed snapshot(s) left by runs that have ended hold "
+                        f"{_size(held)} of its shared memory: 'python -m megatron_ckpt_ext shm "
+                        "list' shows whose, 'shm clean' frees them)")
     return (len(missing) == 1 and missing[0].startswith("/dev/shm"),
             f"{what}, but {' and '.join(missing)}.")
 

@@ -30,7 +30,7 @@ from .._threads import cores_per_local_rank
 from .restore_copy import _bytes, _nbytes, _pieces, _populate
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
-           "list_seals", "presum_pieces", "read_seal", "remove_seal", "seal_path",
+           "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal", "remove_seal", "seal_path",
            "sealed_segments", "write_seal"]
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,37 @@ def sealed_segments(shm_dir: str, *, now: float | None = None,
             continue
         kept.update(e.path for e in seal.entries if e.path)
     return kept
+
+
+def held_by_ended_runs(shm_dir: str) -> tuple[int, int]:
+    """(seals, bytes): the sealed snapshots in ``shm_dir`` whose sealing process on this host
+    has ended, and the shared memory their segments hold (node admission names them when the
+    node's /dev/shm is short: ``shm clean`` frees them)."""
+    host, count, paths = socket.gethostname(), 0, set()
+    for seal in list_seals(shm_dir):
+        if seal.host == host and _alive(seal.pid):
+            continue
+        count += 1
+        paths.update(e.path for e in seal.entries if e.path)
+    held = 0
+    for path in paths:
+        try:
+            held += os.stat(path).st_blocks * 512
+        except OSError:
+            pass
+    return count, held
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[list[str], list[str]]:

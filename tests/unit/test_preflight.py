@@ -21,9 +21,10 @@ def _budget(shm_free: int = 64 * GiB, mem_available: int = 100 * GiB) -> tuple:
     return tuple(preflight.HostBudget(shm_free, mem_available, -1))
 
 
-def _cluster(*ranks: tuple[str, int, tuple]):
-    """A gather that answers with these ranks' (host, bytes, budget), as the all-gather would."""
-    return lambda mine: list(ranks)
+def _cluster(*ranks: tuple):
+    """A gather that answers with these ranks' (host, bytes, budget[, held]), as the all-gather
+    would (held: the sealed snapshots of ended runs in the rank's /dev/shm, none if left out)."""
+    return lambda mine: [r if len(r) == 4 else (*r, (0, 0)) for r in ranks]
 
 
 def test_a_node_whose_ranks_together_exceed_its_memory_fails_naming_node_bytes_and_fix():
@@ -72,7 +73,27 @@ def test_this_rank_sends_its_own_host_bytes_and_budget():
     sent = []
     preflight.admit_node(123, shm=False, gather=lambda mine: sent.append(mine) or [mine],
                          budget=preflight.HostBudget(1, 2 * GiB, 3), host="here")
-    assert sent == [("here", 123, (1, 2 * GiB, 3))]
+    assert sent == [("here", 123, (1, 2 * GiB, 3), (0, 0))]
+
+
+def test_a_refusal_names_the_snapshots_that_ended_runs_left_in_the_nodes_shared_memory():
+    """A node whose /dev/shm outlived a job: the sealed snapshots its ended runs left hold part of
+    it; the refusal says how much and how to free it (one node's ranks see one /dev/shm: the
+    figure is the node's, not their sum); a node that fits is not refused for them."""
+    held = (3, 6 * GiB)
+    gather = _cluster(*[("n", 3 * GiB, _budget(shm_free=10 * GiB), held)] * 4)
+    with pytest.raises(InsufficientSharedMemory) as e:
+        preflight.admit_node(0, shm=True, gather=gather)
+    msg = str(e.value)
+    assert "/dev/shm has 10.00 GiB (10737418240 bytes) free (3 sealed snapshot(s) left by " \
+           "runs that have ended hold 6.00 GiB" in msg, msg
+    assert "shm list' shows whose, 'shm clean' frees them" in msg, msg
+    fits = _cluster(*[("n", 2 * GiB, _budget(shm_free=10 * GiB), held)] * 4)
+    assert preflight.admit_node(0, shm=True, gather=fits)["node_staging_bytes"] == 8 * GiB
+    none_held = _cluster(*[("n", 3 * GiB, _budget(shm_free=10 * GiB), (0, 0))] * 4)
+    with pytest.raises(InsufficientSharedMemory) as e:
+        preflight.admit_node(0, shm=True, gather=none_held)
+    assert "sealed snapshot" not in str(e.value)
 
 
 def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_it():
@@ -90,7 +111,7 @@ def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_
     got = preflight.admit_node(5, shm=True, gather=lambda mine: sent.append(mine) or [mine],
                                budget=preflight.HostBudget(-1, 50 * GiB, 3),
                                limit_bytes=10 * GiB, host="h")
-    assert sent == [("h", 5, (-1, 50 * GiB, 3))]  # measured figures; capped after the gather
+    assert sent == [("h", 5, (-1, 50 * GiB, 3), (0, 0))]  # measured figures; capped after the gather
     assert (got["shm_free"], got["mem_available"]) == (10 * GiB, 10 * GiB)  # unknown shm: limit
     assert got["limit_bytes"] == 10 * GiB
     roomy = preflight.admit_node(0, shm=True, gather=gather, limit_bytes=1000 * GiB)
@@ -206,3 +227,34 @@ def test_a_save_directory_that_is_a_file_is_named_as_such(tmp_path):
         with pytest.raises(CkptOptionsError) as e:
             preflight.check_writable(target)
         assert f"--save {target}: {culprit} is a file, not a directory. Fix:" in str(e.value)
+
+
+def test_held_by_ended_runs_counts_the_seals_whose_sealing_process_has_ended(tmp_path):
+    """What the refusal names: a seal written by a process that has ended (or on another host)
+    counts with the bytes its segments hold in /dev/shm; a live process's seal does not."""
+    import json
+    import subprocess
+
+    from megatron_ckpt_ext.staging.retained import (Seal, SealEntry, held_by_ended_runs,
+                                                    write_seal)
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+
+    def seal(name: str, nbytes: int, pid: int | None = None, host: str | None = None) -> None:
+        path = tmp_path / f"mcxseg_{name}"
+        path.write_bytes(b"x" * nbytes)
+        entry = SealEntry(key=name, offset=[0], shape=[nbytes], dtype="torch.uint8", spec=name,
+                          path=str(path), nbytes=nbytes)
+        file = write_seal(Seal(root=f"/ckpt/{name}", rank=0, world=1, iteration=1,
+                               manifest_crc32=None, entries=[entry]), str(tmp_path))
+        data = json.loads(open(file).read())
+        data.update({k: v for k, v in (("pid", pid), ("host", host)) if v is not None})
+        open(file, "w").write(json.dumps(data))
+
+    seal("live", 1 << 20)  # this process's
+    assert held_by_ended_runs(str(tmp_path)) == (0, 0)
+    seal("dead", 3 << 20, pid=ended.pid)
+    seal("elsewhere", 2 << 20, host="another-host")
+    count, held = held_by_ended_runs(str(tmp_path))
+    assert count == 2 and held >= 5 << 20 and held < 6 << 20, (count, held)
