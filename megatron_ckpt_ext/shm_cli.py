@@ -1,6 +1,7 @@
 """``python -m megatron_ckpt_ext shm list|clean``: the sealed memory snapshots this node holds
-(whose, which iteration, how old, how many bytes) and our other /dev/shm segments; ``clean``
-removes the snapshots and the segments of dead runs that no live process maps."""
+(whose, which iteration, how old, how many bytes, whether a running job maps it) and our other
+/dev/shm segments; ``clean`` removes the snapshots of runs that have ended and the segments no
+live process maps (a running job's snapshot is left to it: a prolog or epilog may run it)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ __all__ = ["run"]
 
 def run(action: str, *, shm_dir: str = SHM_DIR) -> int:
     if action == "clean":
-        seals, segments = clean(shm_dir, is_mapped=is_mapped)
+        seals, segments, in_use = clean(shm_dir, is_mapped=is_mapped)
         orphans = sweep_orphans(shm_dir=shm_dir)
         print(f"removed {len(seals)} sealed snapshot(s), {len(segments)} of their segments and "
-              f"{len(orphans)} orphaned segment(s) from {shm_dir}")
+              f"{len(orphans)} orphaned segment(s) from {shm_dir}"
+              + (f"; left {len(in_use)} sealed snapshot(s) of running jobs (their segments are "
+                 f"mapped: {', '.join(sorted({s.root for s in in_use}))})" if in_use else ""))
         return 0
     seals = list_seals(shm_dir)
     now = time.time()
@@ -28,13 +31,18 @@ def run(action: str, *, shm_dir: str = SHM_DIR) -> int:
         print(f"{seal.root}  iteration {seal.iteration}  rank {seal.rank}/{seal.world}  "
               f"{seal.nbytes / 1e6:.1f} MB  age {now - seal.created:.0f} s  "
               f"sealed by pid {seal.pid} on {seal.host}  segments {present}/{len(seal.entries)}"
-              + (f"  partner copy from {seal.replica_of}" if seal.replica_of else ""))
+              + (f"  partner copy from {seal.replica_of}" if seal.replica_of else "")
+              + ("  in use (a running job maps it)" if _in_use(seal) else ""))
     sealed = {e.path for s in seals for e in s.entries if e.path}
     others = _other_segments(shm_dir, sealed)
     print(f"{len(seals)} sealed snapshot(s), {sum(s.nbytes for s in seals) / 1e6:.1f} MB; "
           f"{len(others)} other segment(s) of ours, {sum(others.values()) / 1e6:.1f} MB "
           f"(staging of live runs, or leftovers the next start sweeps) in {shm_dir}")
     return 0
+
+
+def _in_use(seal) -> bool:
+    return any(e.path and os.path.exists(e.path) and is_mapped(e.path) for e in seal.entries)
 
 
 def _other_segments(shm_dir: str, sealed: set[str]) -> dict[str, int]:

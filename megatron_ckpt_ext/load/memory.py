@@ -28,6 +28,7 @@ from ..save.planner import copy_structure, structure_digest, structure_key, stru
 from ..staging import restore_copy
 from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
 from ..staging.retained import Seal, read_seal, seal_path
+from ..staging.sealing import SnapshotInUse
 from . import prepared as _prepared
 from .report import LoadRecord
 
@@ -182,6 +183,8 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
         return list(zip(ahead.buffers, seal.entries)), "", seal, ahead
     try:
         buffers = stager.adopt(seal)
+    except SnapshotInUse as e:  # a running job's snapshot: left to it
+        return None, f"the snapshot is in use: {e}", seal, None
     except (OSError, ValueError) as e:
         stager.discard_stale(seal)
         return None, f"its segments cannot be mapped ({e})", seal, None

@@ -185,14 +185,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[list[str], list[str]]:
-    """``shm clean``: remove every seal and the segments it names that no live process maps
-    (``is_mapped``). Returns (seals removed, segments removed)."""
-    seals, segments = [], []
+def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]
+          ) -> tuple[list[str], list[str], list[Seal]]:
+    """``shm clean``: remove every seal whose segments no live process maps (``is_mapped``),
+    and those segments; a running job's seal (a segment mapped) is left to it, so a node's
+    prolog or epilog may clean while a job runs there. Returns (seals removed, segments
+    removed, seals left in use)."""
+    seals, segments, in_use = [], [], []
     for seal in list_seals(shm_dir):
+        if any(e.path and os.path.exists(e.path) and is_mapped(e.path) for e in seal.entries):
+            in_use.append(seal)
+            continue
         segments += discard(seal, is_mapped=is_mapped)
         seals.append(seal.file)
-    return seals, segments
+    return seals, segments, in_use
 
 
 def discard(seal: Seal, *, is_mapped: Callable[[str], bool]) -> list[str]:

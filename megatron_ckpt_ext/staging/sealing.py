@@ -16,7 +16,20 @@ from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
 from .retained import Seal, SealEntry, crc32_all, discard, remove_seal, write_seal
 from .segments import _register, is_mapped
 
-__all__: list[str] = []
+__all__ = ["SnapshotInUse", "mapped_elsewhere"]
+
+
+class SnapshotInUse(OSError):
+    """A sealed snapshot whose segments another live process maps (the job that sealed it still
+    runs, or its writer): never adopted (this job would stage into that job's buffers) and never
+    discarded by this job; the load reads storage."""
+
+
+def mapped_elsewhere(seal: Seal) -> bool:
+    """Whether a live process maps any of ``seal``'s segments (holds its shared flock; asked
+    only while this process maps none of them)."""
+    paths = {e.path for e in seal.entries if e.path}
+    return any(os.path.exists(p) and is_mapped(p) for p in paths)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +147,10 @@ class _Sealing:
         own = self._own_sealed(seal)
         if own is not None:  # a load in the run that sealed it: its own buffers
             return own
+        if mapped_elsewhere(seal):  # another job loading this root while its own job runs
+            raise SnapshotInUse(f"its buffers are mapped by another live process (the job that "
+                                f"sealed it, pid {seal.pid} on {seal.host}, still runs, or its "
+                                "writer)")
         buffers: dict[_Spec, _Buffer] = {}
         keys: list[_Spec] = []
         try:
@@ -205,6 +222,8 @@ class _Sealing:
         so it does not hold /dev/shm while this run allocates its own staging. Not this run's
         own sealed buffers."""
         if self._sealed is not None and self._sealed[1] == seal.root:
+            return
+        if mapped_elsewhere(seal):  # the live snapshot of a job that still runs: not ours
             return
         discard(seal, is_mapped=is_mapped)
 

@@ -133,3 +133,39 @@ def restore_and_count_validations(rank: int, world: int, root: str, options: dic
     with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
         json.dump({"report": report, "prepare_validations": len(calls),
                    "first_save_validated": first_save.get("validated_sharding")}, fh)
+
+
+def save_and_hold(rank: int, world: int, root: str, options: dict, saves: int,
+                  flag_dir: str) -> None:
+    """A job still running: ``saves`` committed saves into ``root``, the last one sealed, then
+    it keeps its Checkpointer (and so its snapshot's segments) open until ``flag_dir/done``
+    appears (``flag_dir/ready<rank>`` says it got there), and closes without keeping it."""
+    live = step_state(0, rank)
+    with Checkpointer(CkptOptions(**options), save_dir=root) as ck:
+        for step in range(1, saves + 1):
+            for k, v in step_state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(sharded(rank, world, live), root, iteration=step)
+            ck.maybe_finalize(blocking=True)
+        _wait_sealed(root, rank)
+        open(os.path.join(flag_dir, f"ready{rank}"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(flag_dir, "done")):
+            assert time.monotonic() < deadline, "the other job never finished"
+            time.sleep(0.02)
+
+
+def load_anothers_and_save(rank: int, world: int, root: str, options: dict, want_step: int,
+                           own_root: str, out: str) -> None:
+    """Another job on the node: loads the running job's latest checkpoint from its ``root``
+    (values bit-exact), saves twice into its own ``own_root``; its load report written."""
+    with Checkpointer(CkptOptions(**options), save_dir=own_root) as ck:
+        got = load_back(ck, rank, world, root, None)
+        assert_equal(got, step_state(want_step, rank), f"loaded iteration {want_step}")
+        report = ck.load_reports[-1]
+        for step in (7, 8):
+            live = {k: v.clone() for k, v in step_state(step, rank).items()}
+            ck.save(sharded(rank, world, live), own_root, iteration=step)
+            ck.maybe_finalize(blocking=True)
+        with open(os.path.join(out, f"other{rank}.json"), "w") as fh:
+            json.dump(report, fh)

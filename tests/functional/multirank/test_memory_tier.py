@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -172,3 +173,58 @@ def test_a_fresh_start_into_the_same_save_frees_the_old_snapshot_before_staging(
     stale = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
     run_ranks(w.fresh_start, args=(str(root), MODES["persistent"], prepared))
     assert not [e.path for s in stale for e in s.entries if e.path and os.path.exists(e.path)]
+
+
+def test_another_job_loading_a_running_jobs_checkpoint_never_takes_its_snapshot(root, tmp_path):
+    """A second job on the node loads the latest checkpoint of a job that is still running (an
+    evaluation, a fine-tune starting from it): the running job's sealed snapshot is mapped by
+    that job, so the second reads storage (adopting it would make the second job's saves stage
+    into the first job's buffers); the running job's seal stays, its buffers unchanged; `shm
+    list` shows it in use and `shm clean` (a node's prolog) leaves it."""
+    import threading
+    import zlib
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    options = MODES["persistent-constant"]
+    failed: list = []
+
+    def running_job() -> None:
+        try:
+            run_ranks(w.save_and_hold, args=(str(root), options, 2, str(flags)), timeout=120)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            failed.append(e)
+
+    first = threading.Thread(target=running_job)
+    first.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not all((flags / f"ready{r}").exists() for r in range(world())):
+            assert time.monotonic() < deadline and not failed, failed
+            time.sleep(0.05)
+        seals = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
+        # a node's prolog cleaning /dev/shm meanwhile leaves the running job's snapshot alone
+        cli = [sys.executable, "-m", "megatron_ckpt_ext", "shm"]
+        listed = subprocess.run(cli + ["list"], capture_output=True, text=True, check=True).stdout
+        assert listed.count("in use (a running job maps it)") >= world(), listed
+        cleaned = subprocess.run(cli + ["clean"], capture_output=True, text=True,
+                                 check=True).stdout
+        assert f"left {world()} sealed snapshot(s) of running jobs" in cleaned, cleaned
+        # with the memory tier, and without it (which frees a snapshot of the load's root that
+        # it will not adopt, but not one a live job maps)
+        for n, opts in enumerate((options, {**options, "ckpt_memory_restore": False})):
+            run_ranks(w.load_anothers_and_save, args=(str(root), opts, 2,
+                                                      str(tmp_path / f"other{n}"), str(tmp_path)))
+            reports = [json.loads((tmp_path / f"other{r}.json").read_text())
+                       for r in range(world())]
+            assert all(rep["tier"] == "storage" for rep in reports), (n, reports)
+            for r, seal in enumerate(seals):
+                assert read_seal(seal_path("/dev/shm", root, r)) == seal, n  # left as it was
+                for e in seal.entries:
+                    if e.path:
+                        with open(e.path, "rb") as fh:
+                            assert zlib.crc32(fh.read(e.nbytes)) == e.crc32, (n, e.key)
+    finally:
+        (flags / "done").touch()
+        first.join(150)
+    assert not failed, failed
