@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
@@ -26,8 +27,11 @@ class SnapshotInUse(OSError):
 
 
 def mapped_elsewhere(seal: Seal) -> bool:
-    """Whether a live process maps any of ``seal``'s segments (holds its shared flock; asked
-    only while this process maps none of them)."""
+    """Whether another live process maps any of ``seal``'s segments (holds its shared flock). A
+    seal this process wrote is its own (an in-process restart: a closed Checkpointer's mappings
+    may still be alive here); for any other, asked while this process maps none of them."""
+    if seal.pid == os.getpid() and seal.host == socket.gethostname():
+        return False
     paths = {e.path for e in seal.entries if e.path}
     return any(os.path.exists(p) and is_mapped(p) for p in paths)
 
