@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
-from .retained import Seal, SealEntry, crc32_all, discard, remove_seal, write_seal
+from .retained import Seal, SealEntry, _alive, crc32_all, discard, remove_seal, write_seal
 from .segments import _register, is_mapped
 
 __all__ = ["SnapshotInUse", "mapped_elsewhere"]
@@ -26,14 +26,25 @@ class SnapshotInUse(OSError):
     discarded by this job; the load reads storage."""
 
 
-def mapped_elsewhere(seal: Seal) -> bool:
+SETTLE_S = 2.0  # how long a dead sealer's children (its writer) may take to let go of its segments
+
+
+def mapped_elsewhere(seal: Seal, *, settle_s: float = SETTLE_S) -> bool:
     """Whether another live process maps any of ``seal``'s segments (holds its shared flock). A
     seal this process wrote is its own (an in-process restart: a closed Checkpointer's mappings
-    may still be alive here); for any other, asked while this process maps none of them."""
-    if seal.pid == os.getpid() and seal.host == socket.gethostname():
+    may still be alive here); for any other, asked while this process maps none of them. Where
+    the process that sealed it has ended, its writer may still be dying (it gets SIGKILL when
+    its trainer dies): up to ``settle_s`` is given for the segments to be let go."""
+    here = seal.host == socket.gethostname()
+    if here and seal.pid == os.getpid():
         return False
     paths = {e.path for e in seal.entries if e.path}
-    return any(os.path.exists(p) and is_mapped(p) for p in paths)
+    deadline = time.monotonic() + (0.0 if here and _alive(seal.pid) else settle_s)
+    while any(os.path.exists(p) and is_mapped(p) for p in paths):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 logger = logging.getLogger(__name__)
 
