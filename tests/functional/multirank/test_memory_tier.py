@@ -200,7 +200,9 @@ def test_another_job_loading_a_running_jobs_checkpoint_never_takes_its_snapshot(
     try:
         deadline = time.monotonic() + 90
         while not all((flags / f"ready{r}").exists() for r in range(world())):
-            assert time.monotonic() < deadline and not failed, failed
+            if failed:  # the running job's own failure, whole
+                raise failed[0]
+            assert time.monotonic() < deadline, "the running job never got to its seal"
             time.sleep(0.05)
         seals = [read_seal(seal_path("/dev/shm", root, r)) for r in range(world())]
         # a node's prolog cleaning /dev/shm meanwhile leaves the running job's snapshot alone
