@@ -23,11 +23,5 @@ MODELS=1b SOURCES=${SOURCES:-ours} KILL=${KILL:-1} RESUME_COLD=1 RESUME_WARM=${R
   | tee "$OUT/${CARD}_1b_${LABEL}_printed.txt" | grep '"save"\|"load"\|identical\|rc=\|killed\|Error\|error\|No space'
 echo "driver rc=${PIPESTATUS[0]}"
 kill $DF 2>/dev/null
-if [ -f $R/real_client.json ]; then
-  cp $R/real_client.json "$OUT/${CARD}_1b_$LABEL.json"
-  cp $R/logs.tgz "$OUT/${CARD}_1b_${LABEL}_logs.tgz"
-else
-  echo "no real_client.json: the run did not finish"
-  tar -czf "$OUT/${CARD}_1b_${LABEL}_partial_logs.tgz" -C $R . 2>/dev/null
-fi
+collect_run $R "${CARD}_1b_$LABEL"
 df -h /tmp /dev/shm; rm -rf "$W"

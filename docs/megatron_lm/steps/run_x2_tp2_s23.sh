@@ -17,11 +17,5 @@ NPROC=2 LAYOUT=tp2 PAR_ARGS="--tensor-model-parallel-size 2" RESUME_STEP=200 \
   RUN_TIMEOUT=${RUN_TIMEOUT:-150} OUT=$R WORK=$W timeout ${BUDGET:-560} bash scripts/gpu_real_client.sh 2>&1 \
   | tee "$OUT/${CARD}x2_134m_${LABEL}_printed.txt" | grep '"save"\|"load"\|identical\|differ\|rc=\|killed\|Error\|error\|No space'
 echo "driver rc=${PIPESTATUS[0]}"
-if [ -f $R/real_client.json ]; then
-  cp $R/real_client.json "$OUT/${CARD}x2_134m_$LABEL.json"
-  cp $R/logs.tgz "$OUT/${CARD}x2_134m_${LABEL}_logs.tgz"
-else
-  echo "no real_client.json: the run did not finish"
-  tar -czf "$OUT/${CARD}x2_134m_${LABEL}_partial_logs.tgz" -C $R . 2>/dev/null
-fi
+collect_run $R "${CARD}x2_134m_$LABEL"
 rm -rf "$W"
