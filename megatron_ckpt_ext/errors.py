@@ -41,6 +41,7 @@ __all__ = [
     "InsufficientSharedMemory",
     "MegatronAdapterError",
     "SaveDirectoryInUse",
+    "SnapshotInUse",
     "StagingFailed",
 ]
 
@@ -100,6 +101,12 @@ class CheckpointNotFound(CkptError, FileNotFoundError):
 class SaveDirectoryInUse(CkptError, RuntimeError):
     """Another job holds the ``--save`` directory (its lock file names the host, pid and start
     time): two jobs saving into one directory replace each other's checkpoints."""
+
+
+class SnapshotInUse(CkptError, OSError):
+    """A sealed memory snapshot another live process maps (the job that sealed it still runs, or
+    its writer): another job never adopts it (its saves would stage into that job's buffers) nor
+    frees it; its load reads storage instead (the reason goes into the load's tier line)."""
 
 
 class StagingFailed(CkptError, RuntimeError):

@@ -21,14 +21,13 @@ from typing import Any, Callable
 from .. import backend
 from .._runtime import rank
 from ..collectives import Group
-from ..errors import CheckpointIntegrityError
+from ..errors import CheckpointIntegrityError, SnapshotInUse
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure, structure_digest, structure_key, structure_objects
 from ..staging import restore_copy
 from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
 from ..staging.retained import Seal, read_seal, seal_path
-from ..staging.sealing import SnapshotInUse
 from . import prepared as _prepared
 from .report import LoadRecord
 

@@ -13,17 +13,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from ..errors import SnapshotInUse
 from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
 from .retained import Seal, SealEntry, _alive, crc32_all, discard, remove_seal, write_seal
 from .segments import _register, is_mapped
 
-__all__ = ["SnapshotInUse", "mapped_elsewhere"]
-
-
-class SnapshotInUse(OSError):
-    """A sealed snapshot whose segments another live process maps (the job that sealed it still
-    runs, or its writer): never adopted (this job would stage into that job's buffers) and never
-    discarded by this job; the load reads storage."""
+__all__ = ["mapped_elsewhere"]
 
 
 SETTLE_S = 2.0  # how long a dead sealer's children (its writer) may take to let go of its segments

@@ -30,6 +30,7 @@ BUILTIN_BASE = {
     errors.MegatronAdapterError: RuntimeError,
     errors.CheckpointNotFound: FileNotFoundError,
     errors.SaveDirectoryInUse: RuntimeError,
+    errors.SnapshotInUse: OSError,
 }
 
 
@@ -60,7 +61,7 @@ def test_public_api_exports_the_base_and_the_errors_a_loop_catches():
 def test_shm_shortfall_raises_insufficient_shared_memory_not_an_options_error():
     budget = tuple(preflight.HostBudget(2**20, 2**40, -1))  # 1 MiB of /dev/shm free
     with pytest.raises(errors.InsufficientSharedMemory) as e:
-        preflight.admit_node(0, shm=True, gather=lambda mine: [("n", 2**21, budget)])
+        preflight.admit_node(0, shm=True, gather=lambda mine: [("n", 2**21, budget, (0, 0))])
     assert isinstance(e.value, errors.InsufficientHostMemory)
     assert not isinstance(e.value, errors.CkptOptionsError)
     assert "--shm-size" in str(e.value) and "drop --async-ckpt-use-cpu-shm" in str(e.value)
