@@ -30,8 +30,8 @@ from .._threads import cores_per_local_rank
 from .restore_copy import _bytes, _nbytes, _pieces, _populate
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
-           "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal", "remove_seal", "seal_path",
-           "sealed_segments", "write_seal"]
+           "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal", "remove_seal",
+           "seal_path", "sealed_segments", "write_seal"]
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from .segments import _register, is_mapped
 __all__ = ["mapped_elsewhere"]
 
 
-SETTLE_S = 2.0  # how long a dead sealer's children (its writer) may take to let go of its segments
+SETTLE_S = 2.0  # how long a dead sealer's children (its writer) may take to let go of them
 
 
 def mapped_elsewhere(seal: Seal, *, settle_s: float = SETTLE_S) -> bool:

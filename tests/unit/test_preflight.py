@@ -111,7 +111,7 @@ def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_
     got = preflight.admit_node(5, shm=True, gather=lambda mine: sent.append(mine) or [mine],
                                budget=preflight.HostBudget(-1, 50 * GiB, 3),
                                limit_bytes=10 * GiB, host="h")
-    assert sent == [("h", 5, (-1, 50 * GiB, 3), (0, 0))]  # measured figures; capped after the gather
+    assert sent == [("h", 5, (-1, 50 * GiB, 3), (0, 0))]  # measured; capped after the gather
     assert (got["shm_free"], got["mem_available"]) == (10 * GiB, 10 * GiB)  # unknown shm: limit
     assert got["limit_bytes"] == 10 * GiB
     roomy = preflight.admit_node(0, shm=True, gather=gather, limit_bytes=1000 * GiB)

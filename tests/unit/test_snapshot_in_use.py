@@ -17,7 +17,8 @@ from megatron_ckpt_ext.staging.sealing import mapped_elsewhere
 pytestmark = pytest.mark.timeout(60)
 
 _HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
-         "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(float(sys.argv[2]))")
+         "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); "
+         "time.sleep(float(sys.argv[2]))")
 
 
 def _holder(path: str, seconds: float) -> subprocess.Popen:
