@@ -9,7 +9,7 @@ import os
 import time
 
 from .staging import SHM_DIR, sweep_orphans
-from .staging.retained import clean, list_seals
+from .staging.retained import any_mapped, clean, list_seals
 from .staging.segments import SEGMENT_PREFIX, is_mapped
 
 __all__ = ["run"]
@@ -32,17 +32,13 @@ def run(action: str, *, shm_dir: str = SHM_DIR) -> int:
               f"{seal.nbytes / 1e6:.1f} MB  age {now - seal.created:.0f} s  "
               f"sealed by pid {seal.pid} on {seal.host}  segments {present}/{len(seal.entries)}"
               + (f"  partner copy from {seal.replica_of}" if seal.replica_of else "")
-              + ("  in use (a running job maps it)" if _in_use(seal) else ""))
+              + ("  in use (a running job maps it)" if any_mapped(seal, is_mapped) else ""))
     sealed = {e.path for s in seals for e in s.entries if e.path}
     others = _other_segments(shm_dir, sealed)
     print(f"{len(seals)} sealed snapshot(s), {sum(s.nbytes for s in seals) / 1e6:.1f} MB; "
           f"{len(others)} other segment(s) of ours, {sum(others.values()) / 1e6:.1f} MB "
           f"(staging of live runs, or leftovers the next start sweeps) in {shm_dir}")
     return 0
-
-
-def _in_use(seal) -> bool:
-    return any(e.path and os.path.exists(e.path) and is_mapped(e.path) for e in seal.entries)
 
 
 def _other_segments(shm_dir: str, sealed: set[str]) -> dict[str, int]:

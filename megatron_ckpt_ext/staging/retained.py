@@ -26,12 +26,13 @@ from typing import Callable, Sequence
 import torch
 
 from .._crc import crc32 as _crc32
+from .._runtime import pid_alive
 from .._threads import cores_per_local_rank
 from .restore_copy import _bytes, _nbytes, _pieces, _populate
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
-           "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal", "remove_seal",
-           "seal_path", "sealed_segments", "write_seal"]
+           "any_mapped", "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal",
+           "remove_seal", "seal_path", "sealed_segments", "sealer_alive", "write_seal"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +159,9 @@ def held_by_ended_runs(shm_dir: str) -> tuple[int, int]:
     """(seals, bytes): the sealed snapshots in ``shm_dir`` whose sealing process on this host
     has ended, and the shared memory their segments hold (node admission names them when the
     node's /dev/shm is short: ``shm clean`` frees them)."""
-    host, count, paths = socket.gethostname(), 0, set()
+    count, paths = 0, set()
     for seal in list_seals(shm_dir):
-        if seal.host == host and _alive(seal.pid):
+        if sealer_alive(seal):
             continue
         count += 1
         paths.update(e.path for e in seal.entries if e.path)
@@ -173,16 +174,14 @@ def held_by_ended_runs(shm_dir: str) -> tuple[int, int]:
     return count, held
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+def sealer_alive(seal: Seal) -> bool:
+    """Whether the process that wrote ``seal`` still runs on this host."""
+    return seal.host == socket.gethostname() and seal.pid > 0 and pid_alive(seal.pid)
+
+
+def any_mapped(seal: Seal, is_mapped: Callable[[str], bool]) -> bool:
+    """Whether a live process maps any of ``seal``'s segments (``is_mapped``: its flock)."""
+    return any(os.path.exists(p) and is_mapped(p) for p in {e.path for e in seal.entries if e.path})
 
 
 def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]
@@ -193,7 +192,7 @@ def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]
     removed, seals left in use)."""
     seals, segments, in_use = [], [], []
     for seal in list_seals(shm_dir):
-        if any(e.path and os.path.exists(e.path) and is_mapped(e.path) for e in seal.entries):
+        if any_mapped(seal, is_mapped):
             in_use.append(seal)
             continue
         segments += discard(seal, is_mapped=is_mapped)

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import SnapshotInUse
 from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
-from .retained import Seal, SealEntry, _alive, crc32_all, discard, remove_seal, write_seal
+from .retained import (Seal, SealEntry, any_mapped, crc32_all, discard, remove_seal,
+                       sealer_alive, write_seal)
 from .segments import _register, is_mapped
 
 __all__ = ["mapped_elsewhere"]
@@ -30,12 +31,10 @@ def mapped_elsewhere(seal: Seal, *, settle_s: float = SETTLE_S) -> bool:
     may still be alive here); for any other, asked while this process maps none of them. Where
     the process that sealed it has ended, its writer may still be dying (it gets SIGKILL when
     its trainer dies): up to ``settle_s`` is given for the segments to be let go."""
-    here = seal.host == socket.gethostname()
-    if here and seal.pid == os.getpid():
+    if seal.host == socket.gethostname() and seal.pid == os.getpid():
         return False
-    paths = {e.path for e in seal.entries if e.path}
-    deadline = time.monotonic() + (0.0 if here and _alive(seal.pid) else settle_s)
-    while any(os.path.exists(p) and is_mapped(p) for p in paths):
+    deadline = time.monotonic() + (0.0 if sealer_alive(seal) else settle_s)
+    while any_mapped(seal, is_mapped):
         if time.monotonic() >= deadline:
             return True
         time.sleep(0.05)
