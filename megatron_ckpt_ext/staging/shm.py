@@ -185,12 +185,8 @@ class ShmStager(_Sealing, _CopyStreams):
             return self._ready_flag_locked()
 
     def _ready_flag_locked(self) -> torch.Tensor:
-        if self._flag is None:
-            pin, self.pin = self.pin, False  # nothing is copied into it by the device
-            try:
-                self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64))
-            finally:
-                self.pin = pin
+        if self._flag is None:  # not pinned: nothing is copied into it by the device
+            self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64), pin=False)
             self._flag.tensor.zero_()
         return self._flag.tensor
 
@@ -347,7 +343,9 @@ class ShmStager(_Sealing, _CopyStreams):
                 self._free_all(buffer_set.buffers.values())
 
     # -- one buffer ------------------------------------------------------------------------------
-    def _allocate(self, spec: _Spec) -> _Buffer:
+    def _allocate(self, spec: _Spec, *, pin: bool | None = None) -> _Buffer:
+        """One segment for ``spec``, pinned with CUDA (``pin``: the stager's own setting unless
+        given; never by changing it, which other threads read)."""
         _, shape, dtype = spec
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
@@ -359,7 +357,7 @@ class ShmStager(_Sealing, _CopyStreams):
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         buffer = _Buffer(tensor, path)
         t1 = time.perf_counter()
-        if self.pin:
+        if self.pin if pin is None else pin:
             buffer.registered = _register(tensor, nbytes)
         self.stats["register_s"] += time.perf_counter() - t1
         self.stats["allocate_s"] += t1 - t0

@@ -90,3 +90,37 @@ def test_close_waits_for_the_pinning_before_unpinning(tmp_path, pins):
     stager.pin_adopted()
     stager.close()  # while the pinning runs
     assert len(done) == len(adopted) and sorted(unpinned) == sorted(p for p, _ in done)
+
+
+def test_a_prepare_allocating_the_ready_flag_meanwhile_does_not_skip_the_pinning(tmp_path, pins,
+                                                                                  monkeypatch):
+    """As Checkpointer.load calls them: prepare() in the background (its thread allocates the
+    writer's unpinned ready flag), then pin_adopted() on the loading thread while that
+    allocation runs. The flag's allocation once turned the stager's ``pin`` off for its
+    duration, so the pinning found it off and never ran (found on an H200: the adopted buffers
+    staged the next saves unpinned)."""
+    from megatron_ckpt_ext.staging import shm
+
+    done, _ = pins
+    root = tmp_path / "ckpt"
+    state = _sealed_snapshot(tmp_path, root)
+    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    inside, go = threading.Event(), threading.Event()
+    segment = shm._shared_segment
+
+    def held_flag(path: str, nbytes: int, *, key: str):  # the flag's allocation, held open
+        if key == "mcx-ready-flag":
+            inside.set()
+            assert go.wait(10)
+        return segment(path, nbytes, key=key)
+
+    monkeypatch.setattr(shm, "_shared_segment", held_flag)
+    stager.prepare(state, keys=["w", "b"], background=True)
+    assert inside.wait(10)  # the prepare's thread is allocating the flag now
+    stager.pin_adopted()
+    go.set()
+    stager.stage([s + 1 for s in state], keys=["w", "b"])  # waits for prepare and pinning
+    assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)
+    stager.close()

@@ -92,6 +92,17 @@ def restore_prepared(rank: int, world: int, root: str, options: dict, want_step:
     is built (``build_s`` stands in for the build), then the load; values bit-exact, the report
     written for the test. With CUDA every buffer pinned ahead is copied whole."""
     with Checkpointer(CkptOptions(**options)) as ck:
+        stager, seen = ck._stager, []
+        pin_adopted = stager.pin_adopted
+
+        def noted() -> None:  # what the load's pin_adopted() found (said if a buffer stays
+            sealed = stager._sealed  # unregistered)
+            seen.append({"sealed": sealed is not None, "unregistered": None if sealed is None
+                         else sum(not b.registered for b in sealed[0].buffers.values()
+                                  if b.path)})
+            pin_adopted()
+
+        stager.pin_adopted = noted
         assert ck.prepare_restore(root)
         time.sleep(build_s)
         got = load_back(ck, rank, world, root, None)
@@ -100,9 +111,12 @@ def restore_prepared(rank: int, world: int, root: str, options: dict, want_step:
         live = {k: v.clone() for k, v in step_state(9, rank).items()}
         ck.save(sharded(rank, world, live), root, iteration=9)  # into the adopted buffers
         ck.maybe_finalize(blocking=True)
-        if getattr(ck._stager, "pin", False):  # pinned ahead, or after the load: no buffer twice
-            assert all(b.registered for s in ck._stager._sets
-                       for b in s.buffers.values() if b.path)
+        if stager.pin:  # pinned ahead, or after the load: no buffer twice
+            sets = [(len(s.buffers), sum(not b.registered for b in s.buffers.values() if b.path))
+                    for s in stager._sets]
+            assert all(unregistered == 0 for _, unregistered in sets), (
+                f"(buffers, unregistered) per set {sets}; pin_adopted saw {seen}; "
+                f"stats {stager.stats}")
         with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
             json.dump({"report": report}, fh)
 
