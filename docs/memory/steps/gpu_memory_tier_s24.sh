@@ -2,7 +2,8 @@
 # Twenty-fourth session, one H200: the memory-tier functional tests with CUDA tensors at one rank
 # (the file the twenty-third session left with two failures: the prefetch restore's unregistered
 # buffers and one killed-job restart), its log and junit XML under $OUT.
-# Run from the repository root with .whl carried: OUT=$OUT bash docs/memory/steps/gpu_memory_tier_s24.sh [pytest args]
+# Run from the repository root with .whl carried:
+#   OUT=$OUT bash docs/memory/steps/gpu_memory_tier_s24.sh [pytest args]
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 export MCX_TEST_DEVICE=cuda MCX_TEST_WORLD=1
