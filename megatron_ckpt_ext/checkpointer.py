@@ -397,7 +397,8 @@ class Checkpointer(_SaveSteps):
         return state
 
     def close(self, *, after_error: bool = False) -> None:
-        """Drain pending saves, stop the worker, free staging buffers. Idempotent.
+        """Drain pending saves (after an error only those every rank has written, each
+        collective bounded: ``_drain``), stop the worker, free staging buffers. Idempotent.
 
         The sealed snapshot of the last committed save (the memory tier) is freed at a clean
         close, unless ``--ckpt-keep-memory-snapshot``; it is kept when the close follows an
@@ -410,9 +411,8 @@ class Checkpointer(_SaveSteps):
         try:
             self.drop_ahead()  # copies issued ahead of a save that never came
             self._publisher.close()  # its copies land before the buffers can be freed
-            self.maybe_finalize(blocking=True)
-            drained = True
-            if self._preemption is not None:
+            drained = self._drain(after_error=after_error)  # (bounded after an error)
+            if drained and self._preemption is not None:
                 self._preemption.report_durable()
         finally:  # prepare()'s planning ahead done first: it saves through the writers' queues
             self._stager.wait_prepared()

@@ -15,11 +15,12 @@ every call is local.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import pickle
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -44,6 +45,7 @@ class Group:
         self._control: Any = _UNSET
         self._world_control: Any = _UNSET
         self._background: Any = _UNSET
+        self._cap_s: float | None = None  # capped(): the bound of every wait inside
 
     @staticmethod
     def initialized() -> bool:
@@ -90,10 +92,24 @@ class Group:
         if self.initialized() and self.size() > 1:
             self.wait(torch.distributed.barrier(group=self.control(), async_op=True))
 
+    @contextlib.contextmanager
+    def capped(self, seconds: float | None) -> Iterator[None]:
+        """Every wait inside at most ``seconds`` (None: no cap), or less where
+        ``--distributed-timeout-minutes`` is: the collectives of a close after an error, where
+        the ranks may have left their common order of collectives (docs/RELIABILITY.md)."""
+        earlier, self._cap_s = self._cap_s, seconds
+        try:
+            yield
+        finally:
+            self._cap_s = earlier
+
     def wait(self, work: Any) -> None:
         """Wait for one of our collectives, at most ``--distributed-timeout-minutes`` when set
-        (else the process group's own timeout)."""
+        (else the process group's own timeout), or :meth:`capped`'s bound."""
         timeout = self.options.distributed_timeout()
+        if self._cap_s is not None:
+            cap = datetime.timedelta(seconds=self._cap_s)
+            timeout = cap if timeout is None else min(timeout, cap)
         if timeout is None:
             work.wait()
             return
@@ -106,6 +122,11 @@ class Group:
 
     def _timed_out(self, error: RuntimeError) -> CheckpointWriteError | CheckpointLoadError:
         """The error of a wait that ran out: a load's or a save's, by what this thread runs."""
+        if self._cap_s is not None:
+            return CheckpointWriteError(
+                f"a checkpoint collective of a close after an error did not complete within "
+                f"{self._cap_s:g} s: some rank did not reach it (it left the ranks' common order "
+                f"of collectives when the error came, or has not come to its close) ({error})")
         within = (f"within --distributed-timeout-minutes {self.options.distributed_timeout_minutes}"
                   " (config key 'distributed_timeout_minutes')")
         stack = "its stack shows where: py-spy dump --pid <pid>; please report it"

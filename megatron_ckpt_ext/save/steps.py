@@ -35,6 +35,9 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
+# close() after an error: the bound of each collective of its drain (Group.capped)
+AFTER_ERROR_WAIT_S = 20.0
+
 
 class _SaveSteps:
     """Mixed into :class:`~megatron_ckpt_ext.checkpointer.Checkpointer`, whose roles (writers,
@@ -353,6 +356,33 @@ class _SaveSteps:
                           world=self._group.size(), layout=record.extra.get("layout", []),
                           manifest_crc32=(manifest or {}).get("manifest_crc32"),
                           structure=record.extra.get("structure", ("", [])))
+
+    def _drain(self, *, after_error: bool) -> bool:
+        """close()'s commit of the saves in flight (collective); whether none is left. After an
+        error only those every rank has written are committed, each collective waiting at most
+        ``AFTER_ERROR_WAIT_S``: the ranks may have left their common order of collectives (a
+        Ctrl-C reaches each rank at another point), and the drain that waited for every write
+        held the job's exit until the distributed timeout or --ckpt-timeout. The rest is
+        abandoned (never committed: the last committed checkpoint stays the latest), said on
+        rank 0; the error that closed the Checkpointer stays the one raised."""
+        if not after_error:
+            self.maybe_finalize(blocking=True)
+            return True
+        try:
+            with self._group.capped(AFTER_ERROR_WAIT_S):
+                self.maybe_finalize()
+        except Exception as e:  # noqa: BLE001 - the error being handled is the one to raise
+            self._say_abandoned(f"{type(e).__name__}: {e}")
+            return False
+        if self._writers.pending:
+            self._say_abandoned("their writes had not finished")
+        return not self._writers.pending
+
+    @staticmethod
+    def _say_abandoned(why: str) -> None:
+        (logger.warning if rank() == 0 else logger.debug)(
+            "closing after an error: the saves in flight are abandoned (%s); the last committed "
+            "checkpoint stays the latest", why)
 
     def _failed(self, error: CheckpointWriteError) -> None:
         """A save failed on every rank (the writers already abandoned it): raise, or under
