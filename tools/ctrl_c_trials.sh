@@ -5,11 +5,18 @@
 # (varied per trial), then: how long until every process of the job was gone, the tracker's
 # iteration, and `python -m megatron_ckpt_ext verify` of it. A job alive after LIMIT seconds
 # gets its ranks' Python stacks dumped (faulthandler on SIGUSR1) into its log, then SIGKILL.
+# Each trial's close after the interrupt keeps its last sealed snapshot in /dev/shm, as any close
+# after an error does (the memory tier); the tool ends with `python -m megatron_ckpt_ext shm
+# clean`, which frees every snapshot on the node that no live process maps.
 #   bash tools/ctrl_c_trials.sh [N] [OUT_DIR]      (docs/RELIABILITY.md, "Ctrl-C")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-10}; OUT=${2:-$(mktemp -d)}; LIMIT=${LIMIT:-28}
-mkdir -p "$OUT/site" && printf 'import faulthandler, signal, sys\nfaulthandler.register(signal.SIGUSR1, all_threads=True, file=sys.stderr)\n' > "$OUT/site/sitecustomize.py"
+mkdir -p "$OUT/site"
+cat > "$OUT/site/sitecustomize.py" <<'PY'
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True, file=sys.stderr)
+PY
 for t in $(seq 1 "$N"); do
   D=$OUT/t$t; mkdir -p "$D"
   PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH} setsid python -m torch.distributed.run \
@@ -28,6 +35,8 @@ for t in $(seq 1 "$N"); do
     took=">$LIMIT"
   fi
   tracker=$(cat "$D/ckpt/latest_checkpointed_iteration.txt" 2>/dev/null || echo none)
-  verdict=$([ "$tracker" = none ] || python -m megatron_ckpt_ext verify "$D/ckpt" 2>&1 | grep -c '^OK')
+  verdict=$([ "$tracker" = none ] ||
+    python -m megatron_ckpt_ext verify "$D/ckpt" 2>&1 | grep -c '^OK')
   echo "trial $t: gone after ${took} s, tracker $tracker, verified ${verdict:-n/a}"
 done
+python -m megatron_ckpt_ext shm clean 2>&1 | tail -1
