@@ -94,9 +94,9 @@ class Group:
 
     @contextlib.contextmanager
     def capped(self, seconds: float | None) -> Iterator[None]:
-        """Every wait inside at most ``seconds`` (None: no cap), or less where
-        ``--distributed-timeout-minutes`` is: the collectives of a close after an error, where
-        the ranks may have left their common order of collectives (docs/RELIABILITY.md)."""
+        """Every wait of this group meanwhile (on any thread) at most ``seconds`` (None: no
+        cap), or less where ``--distributed-timeout-minutes`` is: the collectives of a close
+        after an error, where the ranks may have left their common order (docs/RELIABILITY.md)."""
         earlier, self._cap_s = self._cap_s, seconds
         try:
             yield
