@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import _clock
 from .._runtime import rank
 from .layout import REPORT
 
@@ -88,6 +89,7 @@ class SaveRecord:
     root: Path
     started: float
     held: Held = field(default_factory=Held)
+    running_at_start: float = field(default_factory=_clock.running)  # --ckpt-timeout's start
     new_structure: bool = True  # some rank's structure is new: re-plan
     validate: bool = True  # some rank's sharding is not validated yet (prepare() may have)
     # the report's figures

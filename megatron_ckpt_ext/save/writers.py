@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .. import backend, preflight
+from .. import _clock, backend, preflight
 from .._runtime import (ForkStarts, die_with_parent, forks_die_with_this_process, rank,
                         warn_once)
 from ..collectives import Group
@@ -92,10 +92,10 @@ class WriterPool:
         self.startup: dict[str, float] = {}
         self.froze_gc = False  # gc.freeze() was ours alone: close() unfreezes
         self.fork_starts = ForkStarts() if is_async else None
-        self._start_watch: tuple[int, float] | None = None  # (pid, fork time) not yet started
+        self._start_watch: tuple[int, float] | None = None  # (pid, fork's _clock time) not started
         self._start_failure = ""  # why a writer was stopped for never starting
         self._reforks = 0
-        self._started = time.perf_counter()
+        self._started = _clock.running()
         self._queue: Any = self._make_queue() if is_async else None
         if is_async:
             _OPEN_POOLS.add(self)
@@ -183,7 +183,7 @@ class WriterPool:
         if not self.is_async:
             return
         if self._queue is None:
-            self._started = time.perf_counter()
+            self._started = _clock.running()
             self._queue = self._make_queue()
         elif self.persistent:
             self.agree(before=(iteration, root))
@@ -225,7 +225,7 @@ class WriterPool:
         state, detail = backend.async_writer_state(self._queue)
         if state == "dead" and self._start_failure:
             detail = self._start_failure
-        timed_out = state == "running" and time.perf_counter() > self._head_deadline()
+        timed_out = state == "running" and _clock.running() > self._head_deadline()
         dead = state == "dead"
         running, any_dead, any_late, which = self.group.all_max(
             [float(state == "running"), float(dead), float(timed_out),
@@ -240,7 +240,7 @@ class WriterPool:
 
     # -- writers that never started (ForkStarts) ---------------------------------------------
     def _watch_start(self, pid: int | None) -> None:
-        self._start_watch = None if pid is None else (pid, time.monotonic())
+        self._start_watch = None if pid is None else (pid, _clock.running())
 
     def _never_started(self) -> tuple[Any, Any, bool] | None:
         """(caller, process, persistent) of the watched writer when it is alive and has not started
@@ -254,7 +254,7 @@ class WriterPool:
             self._start_watch = None
             self._reforks = 0
             return None
-        return found if time.monotonic() - watch[1] > WRITER_START_TIMEOUT_S else None
+        return found if _clock.running() - watch[1] > WRITER_START_TIMEOUT_S else None
 
     def _gave_up_on_start(self) -> bool:
         """For the hand-over's watcher: the persistent worker never started (it is then
@@ -280,7 +280,7 @@ class WriterPool:
             # only its start-up request waits on it: a new worker loses nothing
             self._reforks += 1
             self.kill()
-            self._started = time.perf_counter()
+            self._started = _clock.running()
             self._queue = self._make_queue()
             logger.warning("%s; stopped it and started a new persistent worker (pid %s)", why,
                            backend.newest_writer_pid(self._queue))
@@ -320,7 +320,8 @@ class WriterPool:
 
     def _head_deadline(self) -> float:
         record = next(iter(self.pending.values()), None) if self.pending else None
-        started = record.started if record is not None else self._started
+        # the running clock: a job stopped whole (suspended) is not a slow write (_clock.py)
+        started = record.running_at_start if record is not None else self._started
         return started + self.options.ckpt_timeout
 
     # -- failure and end -------------------------------------------------------------------------

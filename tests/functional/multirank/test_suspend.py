@@ -1,0 +1,72 @@
+"""A job suspended and resumed while a save is being written (SLURM's ``scontrol suspend`` and
+preemption by suspension, a container's pause: every process of the job stopped, the cgroup
+frozen or SIGSTOP, then continued): the time the job stood still is not the save's time, so the
+save commits after the resume instead of failing ``--ckpt-timeout`` (docs/RELIABILITY.md,
+"A suspended job")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ckpt_ext.save.layout import read_tracker
+
+from . import _suspend_workers as w
+from tests._support.dist import _tree, run_ranks, world
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(150)]
+
+MODES = {
+    "temporal": {"async_save": True},
+    "persistent-cpu-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
+                           "async_ckpt_use_cpu_shm": True,
+                           "ckpt_assume_constant_structure": True},
+}
+
+
+def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict) -> None:
+    """The cluster's part: once every rank's writer is writing save 2, stop every process of
+    the job (ranks and writers), wait ``stop_s``, continue them."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if all((out / f"writing_r{r}").exists() for r in range(ranks)):
+            break
+        time.sleep(0.02)
+    else:
+        return
+    pids = [p for r in range(ranks) for p in _tree(int((out / f"pid_r{r}").read_text()))]
+    for sig in (signal.SIGSTOP, signal.SIGCONT):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        if sig == signal.SIGSTOP:
+            seen["stopped"] = len(pids)
+            time.sleep(stop_s)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_save_in_flight_across_a_suspension_longer_than_the_timeout_commits(mode, tmp_path):
+    root, ranks = tmp_path / "ckpt", world()
+    options = {**MODES[mode], "ckpt_timeout": 3}
+    hold_s, stop_s = 1.5, 6.0  # a healthy write well inside the timeout; a stop twice as long
+    seen: dict = {}
+    cluster = threading.Thread(target=_suspend_while_writing,
+                               args=(tmp_path, ranks, stop_s, seen), daemon=True)
+    cluster.start()
+    run_ranks(w.save_across_a_suspend, args=(str(root), options, hold_s, str(tmp_path)))
+    cluster.join(timeout=30)
+    assert seen.get("stopped", 0) >= ranks * 2  # every rank and its writer were stopped
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["committed"] and r["loaded_iteration_2"], r
+        assert r["save_to_end_s"] > stop_s, r  # the save was in flight across the stop
+    assert read_tracker(root) == 2
