@@ -271,7 +271,8 @@ class _KnobTable:
         help="Seconds an async save may take from save() to its commit before every rank raises "
         "(the writer is then stopped). A writer that dies is reported at the next "
         "maybe_finalize() whatever this is; this bounds a writer that is alive but stuck, so set "
-        "it above your longest healthy write.",
+        "it above your longest healthy write. Time the job stood suspended (stopped whole) does "
+        "not count.",
     )
 
     # -- operations ----------------------------------------------------------------------------
