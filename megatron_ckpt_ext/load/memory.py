@@ -93,18 +93,22 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         why = "the snapshot was unsealed or replaced while it was copied"
     t = _step(steps, "seal_recheck_s", t)
     key = structure_key(sharded_state_dict) if not why and seal.structure else None
-    same = key is not None and seal.structure == structure_digest(key)
-    if key is not None and not same:
+    left_out = _sealed_less_objects(seal, key)
+    if key is not None and left_out is None:
         record.memory_detail["structure_differs"] = _objects_differ(seal.objects, key)
+    elif left_out:  # Megatron-LM's load leaves out its rerun state machine's object
+        record.memory_detail["objects_not_loaded"] = list(left_out)
     try:
-        views = group.all_gather((socket.gethostname(), why, same))
+        views = group.all_gather((socket.gethostname(), why, left_out))
         t = _step(steps, "agree_s", t)
         record.memory_steps = steps
         if any(w for _, w, _ in views):
             _say(views, iteration, used=False)
             record.phase("memory_s", t0)
             return None
-        same = record.memory_detail["structure_proven"] = all(s for *_, s in views)
+        # proven: every rank's structure is its sealed one, less the same whole objects
+        same = all(o is not None for *_, o in views) and len({o for *_, o in views}) == 1
+        record.memory_detail["structure_proven"] = same
         state = _load_rest_and_fill(sharded_state_dict, path, load_strategy,  # while the
                                     validate=not same, detail=record.memory_detail)  # copies land
         t = _step(steps, "rest_from_storage_s", t)
@@ -262,6 +266,31 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
     with backend.metadata_read_once():  # (0.19 loads the common state apart: one unpickle)
         return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data,
                                               validate=validate)
+
+
+def _sealed_less_objects(seal: Seal, key: tuple | None) -> tuple[str, ...] | None:
+    """Whether ``key`` (this rank's structure) is the structure ``seal`` names, which
+    megatron-core validated in the run that saved it, less every item of some keys that are not
+    ShardedTensors (a load may leave out what only a save writes: Megatron-LM's rerun state
+    machine's object unless it was running): those keys, () for the very structure; None when
+    it is not (a tensor differs, an item was added, a key only partly left out)."""
+    if key is None:
+        return None
+    if seal.structure == structure_digest(key):
+        return ()
+    sealed = [_as_item(o) for o in seal.objects]
+    mine = [i for i in key if i[0] != "ShardedTensor"]
+    gone = [i for i in sealed if i not in mine]
+    names = {i[1] for i in gone}
+    if not gone or any(i not in sealed or i[1] in names for i in mine):
+        return None
+    whole = tuple(sorted([*key, *gone]))  # the key the seal's digest was taken of, if so
+    return tuple(sorted(names)) if structure_digest(whole) == seal.structure else None
+
+
+def _as_item(value: Any) -> Any:
+    """A structure item as :func:`structure_key` makes it, from its JSON form (lists)."""
+    return tuple(_as_item(v) for v in value) if isinstance(value, list) else value
 
 
 def _objects_differ(sealed: list, key: tuple) -> str:

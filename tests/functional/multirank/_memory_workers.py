@@ -26,19 +26,30 @@ def _wait_sealed(root: str, rank: int) -> None:
     torch.distributed.barrier()
 
 
+def with_rerun_object(rank: int, state: dict) -> dict:
+    """``state`` plus a ShardedObject as Megatron-LM's save adds its rerun state machine's (one
+    shard, every rank a replica); its load leaves it out unless that machine was running."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    return {**state, "rerun": ShardedObject("rerun_state_machine_state", {"state": 0}, (1,),
+                                            (0,), replica_id=rank)}
+
+
 def save_and_die(rank: int, world: int, root: str, options: dict, saves: int,
-                 in_the_next_save: bool = False) -> None:
+                 in_the_next_save: bool = False, rerun_object: bool = False) -> None:
     """``saves`` saves, every one committed and the last one sealed, then the process ends
     without close() (as a crash would: no cleanup runs); ``in_the_next_save``: after one more
     save staged and handed to the writer but never committed (no maybe_finalize), as a kill in
-    the middle of a save leaves it."""
+    the middle of a save leaves it; ``rerun_object``: every save holds :func:`with_rerun_object`."""
     live = step_state(0, rank)
     ck = Checkpointer(CkptOptions(**options))
-    ck.prepare(sharded(rank, world, live))
+    state = (lambda: with_rerun_object(rank, sharded(rank, world, live))) if rerun_object else (
+        lambda: sharded(rank, world, live))
+    ck.prepare(state())
     for step in range(1, saves + 1 + in_the_next_save):
         for k, v in step_state(step, rank).items():
             live[k].copy_(v)
-        ck.save(sharded(rank, world, live), root, iteration=step)
+        ck.save(state(), root, iteration=step)
         if step <= saves:  # the one after them is never finalized (so never committed)
             ck.maybe_finalize(blocking=step == saves)
         if step == saves:
@@ -122,31 +133,43 @@ def restore_prepared(rank: int, world: int, root: str, options: dict, want_step:
 
 
 def restore_and_count_validations(rank: int, world: int, root: str, options: dict,
-                                  out: str) -> None:
+                                  out: str, rerun_object_on: tuple = ()) -> None:
     """As a restarted Megatron-LM job through the launcher: load, prepare() again with the
     state of the first step, then the first save; how many times megatron-core's sharding
-    validation ran in prepare() (``backend.validate_sharding``) and whether the first save
-    validated (its report's ``validated_sharding``), written for the test."""
+    validation ran in the load (``validate_access_integrity``) and in prepare()
+    (``backend.validate_sharding``) and whether the first save validated (its report's
+    ``validated_sharding``), written for the test. The ranks in ``rerun_object_on`` load
+    :func:`with_rerun_object` (the others leave it out)."""
+    from megatron.core import dist_checkpointing
+
     from megatron_ckpt_ext import backend
 
-    calls = []
-    original = backend.validate_sharding
+    calls, loads = [], []
+    original, load = backend.validate_sharding, dist_checkpointing.load
     backend.validate_sharding = lambda *a, **k: calls.append(1) or original(*a, **k)
+    dist_checkpointing.load = lambda *a, **k: loads.append(
+        k.get("validate_access_integrity", True)) or load(*a, **k)
     try:
         with Checkpointer(CkptOptions(**options)) as ck:
-            got = load_back(ck, rank, world, root, None)
+            like = sharded(rank, world, {k: torch.zeros_like(v)
+                                         for k, v in step_state(0, rank).items()})
+            got = ck.load(with_rerun_object(rank, like) if rank in rerun_object_on else like,
+                          root)
             assert_equal(got, step_state(2, rank), "restored iteration 2")
             live = {k: v.clone() for k, v in step_state(9, rank).items()}
-            ck.prepare(sharded(rank, world, live))
-            ck.save(sharded(rank, world, live), root, iteration=9)
+            state = sharded(rank, world, live)  # the structure each rank loaded
+            state = with_rerun_object(rank, state) if rank in rerun_object_on else state
+            ck.prepare(state)
+            ck.save(state, root, iteration=9)
             ck.maybe_finalize(blocking=True)
             report = ck.load_reports[-1]
             first_save = ck.reports[-1]["stage_detail"]
     finally:
-        backend.validate_sharding = original
+        backend.validate_sharding, dist_checkpointing.load = original, load
     with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
         json.dump({"report": report, "prepare_validations": len(calls),
-                   "first_save_validated": first_save.get("validated_sharding")}, fh)
+                   "load_validated": loads, "first_save_validated":
+                   first_save.get("validated_sharding")}, fh)
 
 
 def save_and_hold(rank: int, world: int, root: str, options: dict, saves: int,

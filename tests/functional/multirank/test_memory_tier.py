@@ -102,31 +102,40 @@ def test_a_job_killed_in_the_middle_of_a_save_restores_memory_only_with_two_sets
         assert rep["report"]["tier"] == tier and rep["report"]["iteration"] == 2
 
 
-@pytest.mark.parametrize("one_seal_names_another_structure", [False, True])
-def test_a_restore_from_memory_does_not_validate_the_sharding_again(
-        root, tmp_path, one_seal_names_another_structure):
+@pytest.mark.parametrize("case", ["same", "one_seal_names_another_structure",
+                                  "every_rank_leaves_out_an_object", "one_rank_loads_it"])
+def test_a_restore_from_memory_does_not_validate_the_sharding_again(root, tmp_path, case):
     """The seal names the structure megatron-core validated in the run that saved it: a
     restore whose every rank has that structure runs no sharding validation, neither in the
-    prepare() after the load, nor in one the launcher makes after the first step, nor in the
-    first save. Where one rank's seal names another structure, every rank validates (once)."""
-    run_ranks(w.save_and_die, args=(str(root), MODES["persistent-constant"], 2))
-    if one_seal_names_another_structure:
+    load, nor in the prepare() after the load, nor in one the launcher makes after the first
+    step, nor in the first save; nor where every rank leaves out the same whole object the
+    save held (as Megatron-LM's load leaves out its rerun state machine's). Where one rank's
+    seal names another structure, or one rank loads the object the others leave out, every
+    rank validates (once in the load, once in prepare())."""
+    rerun = case in ("every_rank_leaves_out_an_object", "one_rank_loads_it")
+    run_ranks(w.save_and_die, args=(str(root), MODES["persistent-constant"], 2, False, rerun))
+    if case == "one_seal_names_another_structure":
         path = seal_path("/dev/shm", root, world() - 1)
         data = json.loads(Path(path).read_text())
         assert data["structure"]  # the save named its structure
         data["structure"] = "0" * 40
         data["objects"].append(["ShardedObject", "gone", [1], [0], "", []])
         Path(path).write_text(json.dumps(data))
+    loading = (0,) if case == "one_rank_loads_it" else ()
     run_ranks(w.restore_and_count_validations,
-              args=(str(root), MODES["persistent-constant"], str(tmp_path)))
+              args=(str(root), MODES["persistent-constant"], str(tmp_path), loading))
     reports = _reports(tmp_path)
-    if one_seal_names_another_structure:  # that rank's report says what differs
+    if case == "one_seal_names_another_structure":  # that rank's report says what differs
         assert "removed [['ShardedObject', 'gone'" in reports[-1]["report"]["memory_detail"][
             "structure_differs"]
-    for rep in reports:
+    proven = case in ("same", "every_rank_leaves_out_an_object")
+    for r, rep in enumerate(reports):
+        detail = rep["report"]["memory_detail"]
         assert rep["report"]["tier"] == "memory"
-        proven = not one_seal_names_another_structure
-        assert rep["report"]["memory_detail"]["structure_proven"] is proven
+        assert detail["structure_proven"] is proven
+        if rerun and r not in loading:
+            assert detail["objects_not_loaded"] == ["rerun_state_machine_state"]
+        assert rep["load_validated"] == [not proven]
         assert rep["prepare_validations"] == (0 if proven else 1)
         # validated by the seal or by prepare() (None: planned ahead, not a new structure)
         assert rep["first_save_validated"] is not True
