@@ -14,6 +14,15 @@ from megatron_ckpt_ext.staging import ShmStager
 
 from tests._support.dist import device, sharded
 
+# The two async writers a training loop meets: one forked per save, and the persistent worker
+# with shared-memory staging of a constant structure (test_close_after_error, test_suspend).
+ASYNC_MODES = {
+    "temporal": {"async_save": True},
+    "persistent-cpu-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
+                           "async_ckpt_use_cpu_shm": True,
+                           "ckpt_assume_constant_structure": True},
+}
+
 
 def step_state(step: int, rank: int) -> dict[str, torch.Tensor]:
     """Distinct values per step and rank; a mix of shapes and dtypes; on the test device."""

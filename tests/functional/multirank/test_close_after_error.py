@@ -14,25 +14,19 @@ from megatron_ckpt_ext.save.layout import read_tracker
 from megatron_ckpt_ext.verify_cli import run as verify
 
 from . import _close_workers as w
+from ._ckpt_workers import ASYNC_MODES
 from tests._support.dist import run_ranks, world
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
 
-MODES = {
-    "temporal": {"async_save": True},
-    "persistent-cpu-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
-                           "async_ckpt_use_cpu_shm": True,
-                           "ckpt_assume_constant_structure": True},
-}
 
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(ASYNC_MODES))
 def test_a_rank_closing_on_an_error_is_not_held_by_a_peer_that_is_elsewhere(mode, tmp_path):
     if world() < 2:
         pytest.skip("needs two ranks")
     root = tmp_path / "ckpt"
     late_s, cap_s = 12.0, 1.0
-    run_ranks(w.error_at_another_point, args=(str(root), MODES[mode], late_s, cap_s,
+    run_ranks(w.error_at_another_point, args=(str(root), ASYNC_MODES[mode], late_s, cap_s,
                                               str(tmp_path)))
     first = json.loads((tmp_path / "rank0.json").read_text())
     assert first["raised"] == "rank 0"  # the loop's own error, not the close's

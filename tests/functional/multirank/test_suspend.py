@@ -18,16 +18,10 @@ import pytest
 from megatron_ckpt_ext.save.layout import read_tracker
 
 from . import _suspend_workers as w
+from ._ckpt_workers import ASYNC_MODES
 from tests._support.dist import _tree, run_ranks, world
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(150)]
-
-MODES = {
-    "temporal": {"async_save": True},
-    "persistent-cpu-shm": {"async_save": True, "use_persistent_ckpt_worker": True,
-                           "async_ckpt_use_cpu_shm": True,
-                           "ckpt_assume_constant_structure": True},
-}
 
 
 def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict) -> None:
@@ -52,10 +46,10 @@ def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict) -> 
             time.sleep(stop_s)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(ASYNC_MODES))
 def test_a_save_in_flight_across_a_suspension_longer_than_the_timeout_commits(mode, tmp_path):
     root, ranks = tmp_path / "ckpt", world()
-    options = {**MODES[mode], "ckpt_timeout": 3}
+    options = {**ASYNC_MODES[mode], "ckpt_timeout": 3}
     hold_s, stop_s = 1.5, 6.0  # a healthy write well inside the timeout; a stop twice as long
     seen: dict = {}
     cluster = threading.Thread(target=_suspend_while_writing,
