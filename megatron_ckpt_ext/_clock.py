@@ -19,7 +19,7 @@ import os
 import threading
 import time
 
-__all__ = ["BEAT_S", "STOP_MIN_S", "running", "stopped_s"]
+__all__ = ["BEAT_S", "STOP_MIN_S", "running"]
 
 BEAT_S = 0.5
 STOP_MIN_S = 3.0
@@ -76,9 +76,3 @@ def running() -> float:
     stopped, beat = _marks
     now = time.monotonic()
     return now - stopped - _late(beat, now)
-
-
-def stopped_s() -> float:
-    """Seconds this process was seen stopped since the clock's first use (for reports)."""
-    stopped, beat = _marks
-    return stopped + (_late(beat, time.monotonic()) if _beating is not None else 0.0)
