@@ -27,12 +27,14 @@ JSON: ``device``, ``versions``, ``world_size``, ``command``, ``bytes_per_rank``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -69,7 +71,11 @@ def step(a: torch.Tensor, matmuls: int) -> float:
 
 
 def dir_bytes(path: str) -> int:
-    return sum(os.stat(os.path.join(path, n)).st_size for n in os.listdir(path))
+    total = 0
+    for name in os.listdir(path):  # a seal's temporary file may be renamed meanwhile
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(os.path.join(path, name)).st_size
+    return total
 
 
 def save_round(args, base: Path, root: Path, state: dict, rank: int, world: int,
@@ -182,10 +188,13 @@ def main() -> int:
             dist.barrier()
             restores.append({"case": case, **restore(base, root, state, rank, world, **options)})
         all_rounds = dist_gather(rounds)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(base, ignore_errors=True)
+    except BaseException:  # no barrier: the other rank may never reach one; torchrun ends it
+        traceback.print_exc()
+        shutil.rmtree(node_dir(base, rank), ignore_errors=True)
+        raise
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
     if rank != 0:
         dist.destroy_process_group()
         return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext.staging.retained import discard, read_seal

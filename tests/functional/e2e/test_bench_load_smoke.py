@@ -5,11 +5,12 @@ bit-exact, ours verifies, every rank's load is timed. No timing is asserted (sha
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._support.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -18,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_load_benchmark_smoke(tmp_path):
     out = tmp_path / "load.json"
     # as a plain script (a world of one), as the README shows it; torchrun works alike
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"),
+    run_job([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"),
                     "--cpu-smoke", "--repeats", "1", "--out", str(tmp_path / "ckpt"),
-                    "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+                    "--json", str(out)], cwd=ROOT)
     data = json.loads(out.read_text())
     assert {"device", "versions", "floors", "runs"} <= set(data)
     assert set(data["floors"]) == {"h2d_pinned_gbps", "read_warm_gbps", "read_cold_gbps",
@@ -57,12 +58,12 @@ def test_load_benchmark_with_four_ranks_sharing_the_host(tmp_path):
     """4 ranks (--ranks-per-device 4): every load timed on every rank, started together; the
     floors read every rank's share of the files at once; the layout and command recorded."""
     out = tmp_path / "load4.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "4", str(ROOT / "benchmarks" / "bench_load.py"),
                     "--cpu-smoke", "--ranks-per-device", "4", "--repeats", "1",
                     "--chunk-mib", "1",  # the storage read in 1 MiB pieces: items split
                     "--out", str(tmp_path / "ckpt"), "--json", str(out)],
-                   check=True, cwd=ROOT, timeout=150)
+                   cwd=ROOT, timeout=150)
     data = json.loads(out.read_text())
     assert data["world_size"] == 4 and data["ranks_per_device"] == 4
     assert data["layout"]["process_group"] == "gloo"
@@ -94,9 +95,9 @@ def test_memory_restore_benchmark_smoke(tmp_path):
     in each of two repeats (the storage loads between them must leave it alone), every load is
     bit-exact and takes the tier it should; the JSON has the documented fields."""
     out = tmp_path / "restore.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
+    run_job([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
                     "--cpu-smoke", "--repeats", "2", "--out", str(tmp_path / "ckpt"),
-                    "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+                    "--json", str(out)], cwd=ROOT)
     data = json.loads(out.read_text())
     assert {"device", "versions", "world_size", "command", "floors", "runs"} <= set(data)
     assert set(data["floors"]) == {"h2d_pinned_gbps"}
@@ -120,10 +121,10 @@ def test_partner_benchmark_smoke(tmp_path):
     the restores bit-exact, the one after node 0's loss from memory with rank 0's copy
     fetched."""
     out = tmp_path / "partner.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", str(ROOT / "benchmarks" / "bench_partner.py"),
                     "--cpu-smoke", "--out", str(tmp_path / "ckpt"), "--json", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
+                   cwd=ROOT)
     data = json.loads(out.read_text())
     assert {"device", "versions", "world_size", "command", "rounds", "restores",
             "summary"} <= set(data) and data["world_size"] == 2
@@ -145,11 +146,11 @@ def test_load_benchmark_times_only_the_sources_and_caches_asked(tmp_path):
     minutes); --load-threads 2 3: ours with each in turn, the other sources once, each run naming
     its threads, the targets the first value's and each value's beside them."""
     out = tmp_path / "load.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--cpu-smoke",
+    run_job([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--cpu-smoke",
                     "--repeats", "1", "--sources", "ours", "megatron", "--caches", "warm",
                     "--load-threads", "2", "3",
                     "--out", str(tmp_path / "ckpt"), "--json", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
+                   cwd=ROOT)
     data = json.loads(out.read_text())
     assert [(r["variant"], r["cache"], r["load_threads"]) for r in data["runs"]] == [
         ("ours", "warm", 2), ("megatron", "warm", None), ("ours", "warm", 3)]
@@ -175,10 +176,10 @@ def test_memory_restore_benchmark_times_only_the_cases_asked(tmp_path):
     """--cases ours-memory ours-storage-warm (the A/B runs): each repeat times those two loads
     and no other."""
     out = tmp_path / "restore.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
+    run_job([sys.executable, str(ROOT / "benchmarks" / "bench_memory_restore.py"),
                     "--cpu-smoke", "--repeats", "2", "--cases", "ours-memory",
                     "ours-storage-warm", "--out", str(tmp_path / "ckpt"), "--json", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
+                   cwd=ROOT)
     runs = json.loads(out.read_text())["runs"]
     assert [(r["source"], r["expected_tier"], r["cache"]) for r in runs] == [
         ("ours", "memory", None), ("ours", "storage", "warm")] * 2
@@ -234,10 +235,10 @@ def test_load_variants_probe_applies_each_variant_and_loads_exact(tmp_path):
     interval of a load varied in one process): each variant's settings are the ones its loads
     ran with, and every load is bit-exact (the probe exits non-zero otherwise)."""
     out = tmp_path / "variants.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_load_variants.py"),
+    run_job([sys.executable, str(ROOT / "benchmarks" / "probe_load_variants.py"),
                     "--cpu-smoke", "--repeats", "1", "--loop-chunks", "32",
                     "--variants", "T2_C32_F1", "T2_C64_F2_S500", "--out", str(tmp_path / "ckpt"),
-                    "--json", str(out)], check=True, cwd=ROOT, timeout=300)
+                    "--json", str(out)], cwd=ROOT)
     data = json.loads(out.read_text())
     assert set(data["host_loops_s"]) == {"T8_C32", "T16_C32"}
     applied = {x["variant"]: x["applied"] for x in data["loads"]}

@@ -7,11 +7,12 @@ measured with every rank at once. No timing is asserted (shared CI cores)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._support.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -28,8 +29,7 @@ def result(tmp_path_factory) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "benchmarks" / "bench_ckpt.py"), "--cpu-smoke", "--saves", str(SAVES),
            "--out", str(out / "ckpt"), "--json", str(out / "bench.json"), "--mem-sample-s", "0.2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_job(cmd, cwd=ROOT)
     assert "[bench" in r.stdout and "save 1/2" in r.stdout  # progress lines, rank 0
     assert not (out / "ckpt" / bm.MODES[0].name).exists()  # checkpoints deleted after each mode
     return json.loads((out / "bench.json").read_text())
@@ -142,8 +142,7 @@ def four_ranks(tmp_path_factory) -> dict:
            str(ROOT / "benchmarks" / "bench_ckpt.py"), "--cpu-smoke", "--saves", str(SAVES),
            "--ranks-per-device", "4", "--modes", *FOUR_MODES, "--out", str(out / "ckpt"),
            "--json", str(out / "bench.json"), "--mem-sample-s", "0.2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_job(cmd, timeout=150, cwd=ROOT)
     return json.loads((out / "bench.json").read_text())
 
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._support.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(tmp_path, **env: str) -> dict:
     out = tmp_path / "handover.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "handover_cost.py"), "--saves", "3",
-                    "--layers", "2", "--json", str(out)], check=True, cwd=ROOT, timeout=300,
-                   env={**os.environ, **env})
+    run_job([sys.executable, str(ROOT / "benchmarks" / "handover_cost.py"), "--saves", "3",
+             "--layers", "2", "--json", str(out)], cwd=ROOT, env={**os.environ, **env})
     return json.loads(out.read_text())
 
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 import pytest
 
+from tests._support.jobs import run_job
+
 from megatron_ckpt_ext import backend
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -94,8 +96,7 @@ def _launch(tmp_path: Path, *argv: str, prefix: tuple[str, ...] = (), **env: str
     full_env.update(PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES="",
                     STANDIN_RECORD=str(tmp_path / "record.json"), **env)
     cmd = [sys.executable, *prefix, "-m", "megatron_ckpt_ext.launch", *argv]
-    return subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True,
-                          timeout=TIMEOUT, check=False)
+    return run_job(cmd, cwd=tmp_path, env=full_env, timeout=TIMEOUT, check=False)
 
 
 def _record(tmp_path: Path, rank: int = 0) -> dict:

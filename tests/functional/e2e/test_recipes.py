@@ -9,15 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests._support import load_script
+from tests._support.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def run(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "run_recipe.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_job([sys.executable, str(ROOT / "scripts" / "run_recipe.py"), *args],
+                   timeout=timeout, check=False, cwd=ROOT)
 
 
 @pytest.mark.functional
@@ -59,12 +61,12 @@ def _pretrain(*args: str, timeout: int = 200, nproc: int = 1) -> subprocess.Comp
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                           "--nproc-per-node", str(nproc),
-                           "--master-port", str(port), str(ROOT / "scripts" / "pretrain_gpt.py"),
-                           "--train-iters", "2", "--num-layers", "1", "--hidden-size", "32",
-                           "--num-attention-heads", "2", "--seq-length", "16", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_job([sys.executable, "-m", "torch.distributed.run",
+                    "--nproc-per-node", str(nproc),
+                    "--master-port", str(port), str(ROOT / "scripts" / "pretrain_gpt.py"),
+                    "--train-iters", "2", "--num-layers", "1", "--hidden-size", "32",
+                    "--num-attention-heads", "2", "--seq-length", "16", *args],
+                   timeout=timeout, check=False, cwd=ROOT)
 
 
 @pytest.mark.functional

@@ -3,7 +3,6 @@ commit, interop with stock megatron-core and plain torch DCP, clean close."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

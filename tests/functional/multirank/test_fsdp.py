@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from tests._support import ROOT
+from tests._support.jobs import run_job
 from tests._support.mcore0192 import FSDP_SRC, needs_0192, subprocess_env
 
 SCRIPT = ROOT / "tools" / "check_fsdp_symm_mem.py"
@@ -21,11 +21,11 @@ def test_fsdp_checkpoint_round_trip_on_two_cpu_ranks(tmp_path):
     bias and LayerNorm vectors); model + AdamW state go through the Checkpointer (async), are
     overwritten, loaded back bit-exact, and whole parameters loaded on every rank equal the
     all-gathered ones."""
-    r = subprocess.run(
+    r = run_job(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
          str(SCRIPT), "--out", str(tmp_path), "--checkpoint-only", "--hidden", "48",
          "--layers", "2", "--phase-timeout", "150"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        timeout=240, check=False, cwd=ROOT,
         env=subprocess_env(PYTHONPATH=os.pathsep.join([str(FSDP_SRC), str(ROOT)])))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     result = json.loads((tmp_path / "fsdp_symm_mem.json").read_text())
