@@ -7,7 +7,8 @@ what each holds (key, global offset, shape, dtype), its CRC-32, the iteration, t
 the manifest CRC of the committed checkpoint it equals. It is written (atomically) only once every
 buffer's CRC is computed after the commit, and removed before the next save writes into the
 buffers, so a crash in the middle of staging leaves no sealed torn set. The orphan sweep leaves
-the segments of a seal alone until the seal is older than :data:`MAX_AGE_S`.
+the segments of a seal alone until the seal is older than :data:`MAX_AGE_S`, and removes the
+half-written seal file (``.json.tmp<pid>``) of a process killed between the write and the rename.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 SEAL_PREFIX = "mcxseal_"
 MAX_AGE_S = 24 * 3600.0  # a seal older than this no longer protects its segments from the sweep
+PARTIAL_AGE_S = 60.0  # a seal is written in milliseconds: an older temporary file's writer died
+_PARTIAL = re.compile(r"\.json\.tmp(\d+)$")  # write_seal's temporary file: <seal>.json.tmp<pid>
 _FORMAT = "megatron-ckpt-ext/seal/1"
 _CRC_CHUNK = 64 << 20
 _SEAL_SUM_THREADS = 4  # a seal's summing threads, at most the rank's share of the host's cores
@@ -143,9 +147,13 @@ def sealed_segments(shm_dir: str, *, now: float | None = None,
     except OSError:
         return kept
     for name in names:
-        if not name.startswith(SEAL_PREFIX) or not name.endswith(".json"):
+        if not name.startswith(SEAL_PREFIX):
             continue
         path = os.path.join(shm_dir, name)
+        if not name.endswith(".json"):
+            if expire and _abandoned_partial(path, name, now):
+                _unlink(path)
+            continue
         seal = read_seal(path)
         if seal is None or now - seal.created > MAX_AGE_S:
             if expire:
@@ -153,6 +161,20 @@ def sealed_segments(shm_dir: str, *, now: float | None = None,
             continue
         kept.update(e.path for e in seal.entries if e.path)
     return kept
+
+
+def _abandoned_partial(path: str, name: str, now: float) -> bool:
+    """Whether ``name`` is a seal file half-written by a process that was killed (between
+    :func:`write_seal`'s write and its rename): its pid gone and older than
+    :data:`PARTIAL_AGE_S` (the age guards a live writer's file against a pid of another pid
+    namespace)."""
+    match = _PARTIAL.search(name)
+    if match is None or pid_alive(int(match.group(1))):
+        return False
+    try:
+        return now - os.stat(path).st_mtime > PARTIAL_AGE_S
+    except OSError:
+        return False
 
 
 def held_by_ended_runs(shm_dir: str) -> tuple[int, int]:

@@ -406,6 +406,27 @@ def test_sweep_keeps_a_dead_owners_segment_that_is_still_mapped_and_ignores_othe
                 os.unlink(p)
 
 
+def test_the_sweep_removes_a_killed_sealers_half_written_seal_file_only(tmp_path):
+    """A process killed between a seal's write and its rename leaves ``<seal>.json.tmp<pid>``:
+    the sweep (start-up, ``shm clean``) removes it once its pid is gone and it is older than a
+    seal's write could take; a live writer's, a fresh one and a dry run keep theirs."""
+    from megatron_ckpt_ext.staging.retained import PARTIAL_AGE_S, SEAL_PREFIX
+
+    dead, old = _dead_pid(), time.time() - 2 * PARTIAL_AGE_S
+    files = {"dead_old": f"{SEAL_PREFIX}ab_0.json.tmp{dead}",
+             "dead_replica_old": f"{SEAL_PREFIX}ab_1.replica.json.tmp{dead}",
+             "dead_fresh": f"{SEAL_PREFIX}cd_0.json.tmp{dead}",
+             "live_old": f"{SEAL_PREFIX}ef_0.json.tmp{os.getpid()}"}
+    for key, name in files.items():
+        (tmp_path / name).write_text("{")
+        if key.endswith("old"):
+            os.utime(tmp_path / name, (old, old))
+    sweep_orphans(shm_dir=str(tmp_path), dry_run=True)
+    assert {p.name for p in tmp_path.iterdir()} == set(files.values())
+    sweep_orphans(shm_dir=str(tmp_path))
+    assert {p.name for p in tmp_path.iterdir()} == {files["dead_fresh"], files["live_old"]}
+
+
 def test_a_new_stager_sweeps_orphans_at_start():
     job = f"start{uuid.uuid4().hex[:6]}"
     orphan = f"/dev/shm/mcx_{job}_0_{_dead_pid()}_0"
