@@ -182,7 +182,8 @@ def cap_budget(budget: HostBudget, limit_bytes: int | None) -> HostBudget:
 
 def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
                budget: HostBudget | None = None, host: str | None = None,
-               limit_bytes: int | None = None, held: tuple[int, int] | None = None) -> dict:
+               limit_bytes: int | None = None, held: tuple[int, int] | None = None,
+               reclaim: Callable[[], tuple[int, int]] | None = None) -> dict:
     """Collective (``gather``: every rank's value, in rank order): admit the first save's
     staging of ``nbytes`` on this rank against its node's memory. The ranks are grouped by host
     name; a node's staging is the sum over its ranks; it must fit in the node's MemAvailable
@@ -191,37 +192,63 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
     same figures) when any node does not fit, naming the node, its ranks, the bytes and the
     fix; else returns the figures of the fullest node (``node_staging_bytes``, its budget,
     ``nodes``, ``limit_bytes``), logged on rank 0. ``held``: (seals, bytes) of the sealed
-    snapshots that runs now ended left in this rank's /dev/shm (``retained.held_by_ended_runs``),
-    named in a refusal: ``shm clean`` frees them (None: /dev/shm's, with ``shm``)."""
-    if held is None:
-        from .staging.retained import held_by_ended_runs
+    snapshots that runs now ended left in this rank's /dev/shm (``retained.held_by_ended_runs``;
+    None: /dev/shm's, with ``shm``). A node that fits once they are freed is not refused: its
+    ranks free them (``reclaim``, default ``retained.reclaim_ended_runs`` of /dev/shm: those
+    no live process maps), with one rank-0 warning, before any rank stages. A snapshot kept for
+    a restart is a cache, storage the fallback: it never keeps a job from running. A node that
+    does not fit even so is refused, the refusal naming them."""
+    if held is None or (reclaim is None and shm):
+        from .staging.retained import held_by_ended_runs, reclaim_ended_runs
+        from .staging.segments import is_mapped
 
-        held = held_by_ended_runs("/dev/shm") if shm else (0, 0)
+        if held is None:
+            held = held_by_ended_runs("/dev/shm") if shm else (0, 0)
+        if reclaim is None and shm:
+            reclaim = lambda: reclaim_ended_runs("/dev/shm", is_mapped=is_mapped)  # noqa: E731
     mine = (host or socket.gethostname(), int(nbytes),
             tuple(budget if budget is not None else host_budget()), tuple(held))
     nodes: dict[str, dict] = {}
     for r, (name, n, measured, seals) in enumerate(gather(mine)):
         b = cap_budget(HostBudget(*measured), limit_bytes)  # the same limit on every rank
         node = nodes.setdefault(name, {"ranks": [], "bytes": 0, "budget": HostBudget(*b),
-                                       "max_rank_bytes": 0, "held": (0, 0)})
+                                       "max_rank_bytes": 0, "held": (0, 0),
+                                       "measured": HostBudget(*measured)})
         node["ranks"].append(r)
         node["bytes"] += n
         node["max_rank_bytes"] = max(node["max_rank_bytes"], n)
         node["held"] = max(node["held"], tuple(seals), key=lambda h: h[1])  # one /dev/shm
         # the tightest figure any of the node's ranks measured (they measured the same machine)
-        node["budget"] = HostBudget(*(min(x, y) if x >= 0 and y >= 0 else max(x, y)
-                                      for x, y in zip(node["budget"], b)))
-    short = [_node_shortfall(name, node, shm=shm) for name, node in nodes.items()]
-    short = [s for s in short if s]
-    if short:
-        error = InsufficientSharedMemory if all(s[0] for s in short) else InsufficientHostMemory
-        raise error(" ".join(s[1] for s in short) + _limit_text(limit_bytes) + " Fix: "
-                    + _FIX + (_FIX_SHM if shm else "") + _fix_limit(limit_bytes))
+        node["budget"], node["measured"] = (
+            HostBudget(*(min(x, y) if x >= 0 and y >= 0 else max(x, y) for x, y in zip(a, c)))
+            for a, c in ((node["budget"], b), (node["measured"], HostBudget(*measured))))
+    short = {name: _node_shortfall(name, node, shm=shm) for name, node in nodes.items()}
+    short = {name: s for name, s in short.items() if s}
+    freeing = short and reclaim is not None and all(
+        _fits_once_freed(nodes[name], limit_bytes, shm=shm) for name in short)
+    if short and not freeing:
+        error = (InsufficientSharedMemory if all(s[0] for s in short.values())
+                 else InsufficientHostMemory)
+        raise error(" ".join(s[1] for s in short.values()) + _limit_text(limit_bytes)
+                    + " Fix: " + _FIX + (_FIX_SHM if shm else "") + _fix_limit(limit_bytes))
+    if freeing:  # (C) every rank: the short nodes' ranks free, then all wait for them
+        if mine[0] in short:
+            reclaim()
+        gather(None)
+        if rank() == 0:
+            logger.warning(
+                "staging did not fit beside the sealed snapshots that runs now ended left in "
+                "/dev/shm of %s: freed them, so a restart of those runs there reads its "
+                "checkpoint from storage (a snapshot kept for a restart never keeps a job from "
+                "running)", ", ".join(
+                    f"node {n} ({nodes[n]['held'][0]} snapshot(s), {_size(nodes[n]['held'][1])})"
+                    for n in sorted(short)))
     name, node = max(nodes.items(), key=lambda kv: kv[1]["bytes"])
     budget_used = node["budget"]
     result = {"nodes": len(nodes), "node": name, "node_ranks": len(node["ranks"]),
               "node_staging_bytes": node["bytes"], **budget_used._asdict(),
-              "limit_bytes": limit_bytes}
+              "limit_bytes": limit_bytes,
+              "freed_snapshots": {n: nodes[n]["held"][0] for n in short} if freeing else {}}
     if rank() == 0:
         logger.info("staging admitted: %d node(s); the fullest, %s, stages %s over %d ranks "
                     "(MemAvailable %s%s)", len(nodes), name, _size(node["bytes"]),
@@ -272,6 +299,19 @@ def _node_shortfall(name: str, node: dict, *, shm: bool) -> tuple[bool, str] | N
                         "list' shows whose, 'shm clean' frees them)")
     return (len(missing) == 1 and missing[0].startswith("/dev/shm"),
             f"{what}, but {' and '.join(missing)}.")
+
+
+def _fits_once_freed(node: dict, limit_bytes: int | None, *, shm: bool) -> bool:
+    """Whether the node's staging fits once the snapshots of ended runs are freed (their pages
+    count in its /dev/shm and, being shared memory, against its MemAvailable)."""
+    seals, held = node["held"]
+    if held <= 0:
+        return False
+    b = node["measured"]
+    freed = cap_budget(b._replace(
+        shm_free=b.shm_free + held if b.shm_free >= 0 else -1,
+        mem_available=b.mem_available + held if b.mem_available >= 0 else -1), limit_bytes)
+    return _node_shortfall("", {**node, "budget": freed}, shm=shm) is None
 
 
 def _ranks_text(ranks: list[int]) -> str:

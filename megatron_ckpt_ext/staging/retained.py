@@ -34,7 +34,8 @@ from .restore_copy import _bytes, _nbytes, _pieces, _populate
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
            "any_mapped", "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal",
-           "remove_seal", "seal_path", "sealed_segments", "sealer_alive", "write_seal"]
+           "reclaim_ended_runs", "remove_seal", "seal_path", "sealed_segments", "sealer_alive",
+           "write_seal"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,26 @@ def held_by_ended_runs(shm_dir: str) -> tuple[int, int]:
         except OSError:
             pass
     return count, held
+
+
+def reclaim_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[int, int]:
+    """Free what :func:`held_by_ended_runs` counts (node admission, when a job's staging does
+    not fit beside it): each seal whose sealing process has ended and whose segments no live
+    process maps, with its segments. Returns (seals, bytes) freed."""
+    count = freed = 0
+    for seal in list_seals(shm_dir):
+        if sealer_alive(seal) or any_mapped(seal, is_mapped):
+            continue
+        sizes = {}
+        for path in {e.path for e in seal.entries if e.path}:
+            try:
+                sizes[path] = os.stat(path).st_blocks * 512
+            except OSError:
+                pass
+        removed = discard(seal, is_mapped=is_mapped)
+        count += 1
+        freed += sum(sizes.get(p, 0) for p in removed)
+    return count, freed
 
 
 def sealer_alive(seal: Seal) -> bool:

@@ -76,24 +76,61 @@ def test_this_rank_sends_its_own_host_bytes_and_budget():
     assert sent == [("here", 123, (1, 2 * GiB, 3), (0, 0))]
 
 
+def _reclaims(calls: list) -> callable:
+    return lambda: calls.append("reclaim") or (3, 6 * GiB)
+
+
 def test_a_refusal_names_the_snapshots_that_ended_runs_left_in_the_nodes_shared_memory():
     """A node whose /dev/shm outlived a job: the sealed snapshots its ended runs left hold part of
-    it; the refusal says how much and how to free it (one node's ranks see one /dev/shm: the
-    figure is the node's, not their sum); a node that fits is not refused for them."""
-    held = (3, 6 * GiB)
-    gather = _cluster(*[("n", 3 * GiB, _budget(shm_free=10 * GiB), held)] * 4)
+    it; a node that does not fit even once they are freed is refused, saying how much they hold
+    and how to free them (one node's ranks see one /dev/shm: the figure is the node's, not their
+    sum), and nothing is freed; a node that fits is not refused for them."""
+    held, calls = (3, 6 * GiB), []
+    gather = _cluster(*[("n", 5 * GiB, _budget(shm_free=10 * GiB), held)] * 4)
     with pytest.raises(InsufficientSharedMemory) as e:
-        preflight.admit_node(0, shm=True, gather=gather)
+        preflight.admit_node(0, shm=True, gather=gather, reclaim=_reclaims(calls))
     msg = str(e.value)
     assert "/dev/shm has 10.00 GiB (10737418240 bytes) free (3 sealed snapshot(s) left by " \
            "runs that have ended hold 6.00 GiB" in msg, msg
     assert "shm list' shows whose, 'shm clean' frees them" in msg, msg
+    assert calls == []
     fits = _cluster(*[("n", 2 * GiB, _budget(shm_free=10 * GiB), held)] * 4)
-    assert preflight.admit_node(0, shm=True, gather=fits)["node_staging_bytes"] == 8 * GiB
+    got = preflight.admit_node(0, shm=True, gather=fits, reclaim=_reclaims(calls))
+    assert got["node_staging_bytes"] == 8 * GiB and got["freed_snapshots"] == {} and calls == []
     none_held = _cluster(*[("n", 3 * GiB, _budget(shm_free=10 * GiB), (0, 0))] * 4)
     with pytest.raises(InsufficientSharedMemory) as e:
-        preflight.admit_node(0, shm=True, gather=none_held)
-    assert "sealed snapshot" not in str(e.value)
+        preflight.admit_node(0, shm=True, gather=none_held, reclaim=_reclaims(calls))
+    assert "sealed snapshot" not in str(e.value) and calls == []
+
+
+def test_a_node_that_fits_once_the_ended_runs_snapshots_are_freed_frees_them_and_stages(caplog):
+    """Their snapshots are a cache (a restart of those runs reads storage without them): a job
+    whose staging fits only without them frees them on the short node's ranks, all ranks waiting
+    (a second collective) before any stages, one rank-0 warning; a rank on a node that fits
+    frees nothing; the memory limit still caps the node."""
+    held = (3, 6 * GiB)
+    sent: list = []
+
+    def gather(mine):
+        sent.append(mine)
+        return [("a", 3 * GiB, _budget(shm_free=10 * GiB), held)] * 4 + [
+            ("b", 1 * GiB, _budget(shm_free=10 * GiB), (0, 0))] if mine is not None else [None] * 5
+
+    for host, expect in (("a", ["reclaim"]), ("b", [])):
+        calls, sent[:] = [], []
+        with caplog.at_level("WARNING", logger="megatron_ckpt_ext.preflight"):
+            got = preflight.admit_node(3 * GiB, shm=True, gather=gather, host=host,
+                                       budget=preflight.HostBudget(10 * GiB, 100 * GiB, -1),
+                                       held=held, reclaim=_reclaims(calls))
+        assert calls == expect and sent[-1] is None and len(sent) == 2
+        assert got["freed_snapshots"] == {"a": 3} and got["node_staging_bytes"] == 12 * GiB
+    assert "freed them" in caplog.text and "node a (3 snapshot(s), 6.00 GiB" in caplog.text
+    calls = []
+    capped = _cluster(*[("a", 3 * GiB, _budget(shm_free=10 * GiB), held)] * 4)
+    with pytest.raises(InsufficientHostMemory):  # 11 GiB allowed: freeing would not help
+        preflight.admit_node(0, shm=True, gather=capped, limit_bytes=11 * GiB,
+                             reclaim=_reclaims(calls))
+    assert calls == []
 
 
 def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_it():
@@ -235,8 +272,12 @@ def test_held_by_ended_runs_counts_the_seals_whose_sealing_process_has_ended(tmp
     import json
     import subprocess
 
+    import fcntl
+    import os
+
     from megatron_ckpt_ext.staging.retained import (Seal, SealEntry, held_by_ended_runs,
-                                                    write_seal)
+                                                    reclaim_ended_runs, write_seal)
+    from megatron_ckpt_ext.staging.segments import is_mapped
 
     ended = subprocess.Popen(["true"])
     ended.wait()
@@ -258,3 +299,16 @@ def test_held_by_ended_runs_counts_the_seals_whose_sealing_process_has_ended(tmp
     seal("elsewhere", 2 << 20, host="another-host")
     count, held = held_by_ended_runs(str(tmp_path))
     assert count == 2 and held >= 5 << 20 and held < 6 << 20, (count, held)
+    # what admission frees when a job does not fit beside them: those, and not one a live
+    # process maps (its flock), whoever sealed it
+    seal("mapped", 1 << 20, pid=ended.pid)
+    fd = os.open(tmp_path / "mcxseg_mapped", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        freed = reclaim_ended_runs(str(tmp_path), is_mapped=is_mapped)
+    finally:
+        os.close(fd)
+    assert freed[0] == 2 and 5 << 20 <= freed[1] < 6 << 20, freed
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("mcxseg_")) == [
+        "mcxseg_live", "mcxseg_mapped"]
+    assert held_by_ended_runs(str(tmp_path))[0] == 1  # the mapped one, left to its user

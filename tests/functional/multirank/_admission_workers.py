@@ -66,3 +66,34 @@ def admit(rank: int, world: int, root: str, mode: str, mem_available: int,
         like = {k: torch.zeros_like(v) for k, v in _state(rank).items()}
         got = ck.load(_owned(like), root, iteration=1)
         assert all(torch.equal(got[k], v) for k, v in _state(rank).items())
+
+
+def seal_and_end(rank: int, world: int, root: str) -> None:
+    """A run that saves, waits for its node's seal and ends keeping it (as a job killed after a
+    commit leaves it: the sealing process gone, the snapshot in /dev/shm)."""
+    import time
+
+    from megatron_ckpt_ext.staging.retained import read_seal, seal_path
+
+    options = CkptOptions(**MODES["persistent-shm"], ckpt_keep_memory_snapshot=True)
+    with Checkpointer(options) as ck:
+        ck.save(_owned(_state(rank)), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        deadline = time.monotonic() + 60
+        while getattr(read_seal(seal_path("/dev/shm", root, rank)), "iteration", None) != 1:
+            assert time.monotonic() < deadline, f"rank {rank}: no seal after the commit"
+            time.sleep(0.02)
+
+
+def admit_beside_ended_snapshots(rank: int, world: int, root: str, short_by: int) -> None:
+    """A job whose node has ``short_by`` bytes too little /dev/shm for its staging unless the
+    snapshots ended runs left there are freed: it frees them and saves."""
+    need = staging_bytes(world)
+    preflight.host_budget = lambda *a, **k: preflight.HostBudget(need - short_by, 2**40, -1)
+    with Checkpointer(CkptOptions(**MODES["persistent-shm"])) as ck:
+        ck.save(_owned(_state(rank)), root, iteration=1)
+        ck.maybe_finalize(blocking=True)
+        assert ck.admission["freed_snapshots"], ck.admission
+        like = {k: torch.zeros_like(v) for k, v in _state(rank).items()}
+        got = ck.load(_owned(like), root, iteration=1)
+        assert all(torch.equal(got[k], v) for k, v in _state(rank).items())

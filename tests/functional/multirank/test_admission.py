@@ -5,6 +5,8 @@ InsufficientHostMemory and nothing is written; within it, the save commits; with
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests._support.dist import run_ranks, world
@@ -29,3 +31,19 @@ def test_over_budget_with_the_sync_fallback_saves_synchronously(tmp_path, mode):
     need = aw.staging_bytes(world())
     run_ranks(aw.admit, timeout=120, args=(str(tmp_path), mode, need - 1, "sync"))
     assert (tmp_path / "iter_0000002").is_dir()
+
+
+@pytest.mark.timeout(150)
+def test_a_job_that_fits_only_without_an_ended_runs_snapshot_frees_it_and_saves(tmp_path):
+    """A node whose /dev/shm outlived a job: the job after it (another save root) would not fit
+    beside the snapshot that run kept; a snapshot kept for a restart never keeps a job from
+    running, so its ranks free it (one warning) and save. Before: refused on every rank."""
+    from megatron_ckpt_ext.staging.retained import seal_path
+
+    old, new, ranks = tmp_path / "ended_run", tmp_path / "next_job", world()
+    run_ranks(aw.seal_and_end, timeout=120, args=(str(old),))
+    seals = [seal_path("/dev/shm", old, r) for r in range(ranks)]
+    assert all(os.path.exists(s) for s in seals)
+    run_ranks(aw.admit_beside_ended_snapshots, timeout=120, args=(str(new), 4096))
+    assert not any(os.path.exists(s) for s in seals)
+    assert (new / "iter_0000001").is_dir()
