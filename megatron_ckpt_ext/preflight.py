@@ -203,7 +203,7 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
         from .staging.segments import is_mapped
 
         if held is None:
-            held = held_by_ended_runs("/dev/shm") if shm else (0, 0)
+            held = held_by_ended_runs("/dev/shm", is_mapped=is_mapped) if shm else (0, 0)
         if reclaim is None and shm:
             reclaim = lambda: reclaim_ended_runs("/dev/shm", is_mapped=is_mapped)  # noqa: E731
     mine = (host or socket.gethostname(), int(nbytes),

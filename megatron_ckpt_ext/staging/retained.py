@@ -178,13 +178,15 @@ def _abandoned_partial(path: str, name: str, now: float) -> bool:
         return False
 
 
-def held_by_ended_runs(shm_dir: str) -> tuple[int, int]:
+def held_by_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool] | None = None
+                       ) -> tuple[int, int]:
     """(seals, bytes): the sealed snapshots in ``shm_dir`` whose sealing process on this host
-    has ended, and the shared memory their segments hold (node admission names them when the
-    node's /dev/shm is short: ``shm clean`` frees them)."""
+    has ended, and the shared memory their segments hold (node admission frees them when only
+    they are in the way, else names them: ``shm clean`` frees them). With ``is_mapped``, not
+    those a live process maps (a restore adopted them): what :func:`reclaim_ended_runs` frees."""
     count, paths = 0, set()
     for seal in list_seals(shm_dir):
-        if sealer_alive(seal):
+        if sealer_alive(seal) or (is_mapped is not None and any_mapped(seal, is_mapped)):
             continue
         count += 1
         paths.update(e.path for e in seal.entries if e.path)
