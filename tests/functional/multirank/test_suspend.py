@@ -2,7 +2,8 @@
 preemption by suspension, a container's pause: every process of the job stopped, the cgroup
 frozen or SIGSTOP, then continued): the time the job stood still is not the save's time, so the
 save commits after the resume instead of failing ``--ckpt-timeout`` (docs/RELIABILITY.md,
-"A suspended job")."""
+"A suspended job"). Both ways a cluster stops a job: SIGSTOP to every process (SLURM's
+``scontrol suspend``) and a frozen cgroup (SLURM's cgroup plugin, ``docker pause``: no signal)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from megatron_ckpt_ext.save.layout import read_tracker
 from . import _suspend_workers as w
 from ._ckpt_workers import ASYNC_MODES
 from tests._support.dist import _tree, run_ranks, world
+from tests._support.freezer import frozen, unavailable
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(150)]
 
 
-def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict) -> None:
+def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict, how: str) -> None:
     """The cluster's part: once every rank's writer is writing save 2, stop every process of
-    the job (ranks and writers), wait ``stop_s``, continue them."""
+    the job (ranks and writers) ``how`` (SIGSTOP, or their cgroup frozen), wait ``stop_s``,
+    continue them."""
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if all((out / f"writing_r{r}").exists() for r in range(ranks)):
@@ -35,6 +38,11 @@ def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict) -> 
     else:
         return
     pids = [p for r in range(ranks) for p in _tree(int((out / f"pid_r{r}").read_text()))]
+    if how == "freezer":
+        with frozen(pids) as moved:
+            seen["stopped"] = moved
+            time.sleep(stop_s)
+        return
     for sig in (signal.SIGSTOP, signal.SIGCONT):
         for pid in pids:
             try:
@@ -46,14 +54,18 @@ def _suspend_while_writing(out: Path, ranks: int, stop_s: float, seen: dict) -> 
             time.sleep(stop_s)
 
 
+@pytest.mark.parametrize("how", ["sigstop", "freezer"])
 @pytest.mark.parametrize("mode", list(ASYNC_MODES))
-def test_a_save_in_flight_across_a_suspension_longer_than_the_timeout_commits(mode, tmp_path):
+def test_a_save_in_flight_across_a_suspension_longer_than_the_timeout_commits(mode, how,
+                                                                             tmp_path):
+    if how == "freezer" and unavailable():
+        pytest.skip(unavailable())
     root, ranks = tmp_path / "ckpt", world()
     options = {**ASYNC_MODES[mode], "ckpt_timeout": 3}
     hold_s, stop_s = 1.5, 6.0  # a healthy write well inside the timeout; a stop twice as long
     seen: dict = {}
     cluster = threading.Thread(target=_suspend_while_writing,
-                               args=(tmp_path, ranks, stop_s, seen), daemon=True)
+                               args=(tmp_path, ranks, stop_s, seen, how), daemon=True)
     cluster.start()
     run_ranks(w.save_across_a_suspend, args=(str(root), options, hold_s, str(tmp_path)))
     cluster.join(timeout=30)
