@@ -5,7 +5,8 @@ unfinished ones, with no error. So the first save into a root (or ``Checkpointer
 takes the root's lock file: a POSIX (``fcntl``) lock on an open file that records its holder
 (host, pid, start time, world size, command). A second job fails on every rank before it writes
 anything, naming the holder. The kernel drops the lock when its holder dies, however it dies, so
-the lock of a killed job is taken over, with one warning; a clean ``close()`` removes the file.
+the lock of a killed job is taken over, with one warning, and the unfinished saves it left are
+removed (``layout.remove_torn_saves``); a clean ``close()`` removes the file.
 A POSIX lock (unlike ``flock``) is not inherited by the processes the trainer forks (writers,
 data-loader workers), so none of them can keep a dead job's lock.
 
@@ -33,7 +34,7 @@ from typing import Any
 
 from .._runtime import pid_alive, rank, world_size
 from ..errors import SaveDirectoryInUse
-from .layout import INCOMPLETE
+from .layout import INCOMPLETE, remove_torn_saves
 
 __all__ = ["LOCK", "JobLock"]
 
@@ -98,14 +99,17 @@ def _acquire(root: Path, key: str, *, world: int) -> str | None:
         path = root / LOCK
         try:
             root.mkdir(parents=True, exist_ok=True)
-            fd, previous = _lock(path)
+            fd, previous, locked = _lock(path)
         except _InUse as e:
             return _in_use_message(root, path, e.holder)
         except OSError as e:  # an unwritable root: the save's own checks name it
             logger.debug("no job lock in %s: %s", root, e)
             return None
-        if previous:
-            _warn_stale(path, previous)
+        if previous:  # a job killed or crashed: no process of ours writes here now (the lock;
+            # where its host was another, locks may be node-local: only saves it cannot finish)
+            here = previous.get("host") == socket.gethostname()
+            _warn_stale(path, previous,
+                        remove_torn_saves(root, all_of_them=here) if locked else None)
         _write(fd, world)
         _HELD[key] = _Held(fd, path)
         return None
@@ -117,8 +121,9 @@ class _InUse(Exception):
         self.holder = holder
 
 
-def _lock(path: Path) -> tuple[int, dict]:
-    """Open and lock ``path``: (its fd, the record it held: a dead holder's, or {})."""
+def _lock(path: Path) -> tuple[int, dict, bool]:
+    """Open and lock ``path``: (its fd, the record it held: a dead holder's, or {}, whether the
+    file system took the lock)."""
     for _ in range(5):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -131,13 +136,13 @@ def _lock(path: Path) -> tuple[int, dict]:
             if e.errno not in _NO_LOCKS:
                 os.close(fd)
                 raise
-            return _without_locks(fd, path)
+            return (*_without_locks(fd, path), False)
         try:  # the holder may have removed the file between our open and our lock
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
             same = False
         if same:
-            return fd, _read(fd)
+            return fd, _read(fd), True
         os.close(fd)
     raise OSError(errno.EAGAIN, f"{path} kept being replaced")
 
@@ -228,12 +233,15 @@ def _in_use_message(root: Path, path: Path, holder: dict) -> str:
             "written. Fix: give this job its own --save directory, or stop that job first.")
 
 
-def _warn_stale(path: Path, previous: dict) -> None:
+def _warn_stale(path: Path, previous: dict, torn: list[str] | None) -> None:
+    """``torn``: its unfinished saves, being removed (None: left, where locks are not taken)."""
     other_host = previous.get("host") not in (None, socket.gethostname())
     logger.warning(
         "%s: taking over the lock of a job that ended without closing its checkpointer (%s): "
-        "it was killed or crashed; its unfinished saves (iter_*%s) are ignored.%s",
-        path, _describe(previous), INCOMPLETE,
+        "it was killed or crashed; %s.%s", path, _describe(previous),
+        f"its unfinished saves (iter_*{INCOMPLETE}) are ignored" if torn is None else
+        f"its unfinished saves {torn} are removed (in the background)" if torn else
+        "it left no unfinished save",
         f" It ran on {previous.get('host')}: where this file system's locks are node-local "
         "(Lustre mounted with localflock), a job still running there is not seen; make sure it "
         "has stopped." if other_host else "")

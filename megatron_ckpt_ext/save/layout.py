@@ -23,8 +23,8 @@ from ..manifest import MANIFEST, write_manifest, write_marker
 
 __all__ = ["DELETING", "INCOMPLETE", "METADATA", "OLD", "REPORT", "TRACKER", "checkpoint_name",
            "commit_on_disk", "has_metadata", "incomplete_name", "is_committed", "leftovers",
-           "open_workdir", "parse_iteration", "read_tracker", "suffixed", "tracker_text",
-           "warn_incomplete"]
+           "open_workdir", "parse_iteration", "read_tracker", "remove_torn_saves", "suffixed",
+           "tracker_text", "warn_incomplete"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,37 @@ def _make_workdir(record: Any, workdir: Path) -> OSError | None:
     except OSError as e:
         return e
     return None
+
+
+def remove_torn_saves(root: Path, *, all_of_them: bool = True) -> list[str]:
+    """The unfinished saves (``iter_N.incomplete``) a killed job left under ``root``, each
+    renamed aside and removed on a background thread, and the removals a crash interrupted
+    (``*.deleting``); the unfinished ones' names. Only while no process of ours writes there: at
+    the take-over of a killed job's lock (``save/joblock.py``). Without it a save that never
+    recurs (an exit checkpoint cut short by the scheduler's kill) stays on storage for good.
+    ``all_of_them`` False: only those older than the tracker's iteration (a later save committed
+    after them, so no writer of theirs is left), and no removal in progress."""
+    try:
+        latest = read_tracker(root)
+    except (OSError, ValueError):
+        latest = None
+    if not all_of_them and latest is None:
+        return []
+    interrupted = [p for p in leftovers(root, DELETING) if p.is_dir() and not p.is_symlink()
+                   and all_of_them]
+    torn = [p for p in leftovers(root, INCOMPLETE) if p.is_dir() and not p.is_symlink()
+            and (all_of_them or _iteration_of(p.name, INCOMPLETE) < latest)]
+    for path in torn:
+        _remove_torn(path)
+    for path in interrupted:
+        threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                         name="mcx-remove-torn", daemon=True).start()
+    return [p.name for p in torn]
+
+
+def _iteration_of(name: str, suffix: str) -> float:
+    it = parse_iteration(name[:-len(suffix)]) if name.endswith(suffix) else None
+    return float("inf") if it is None else it
 
 
 def _remove_torn(workdir: Path) -> None:

@@ -104,3 +104,29 @@ def test_a_pass_reads_a_tracker_being_rewritten_again_and_never_dies(tmp_path, m
     r.wait()
     assert died == [] and "not an iteration number" in r.errors[-1]
     assert _names(r.deleted) == [1, 2, 3]  # nothing more
+
+
+@pytest.mark.parametrize("all_of_them", [True, False])
+def test_a_killed_jobs_unfinished_saves_are_removed_at_the_take_over(tmp_path, all_of_them):
+    """``layout.remove_torn_saves`` (run where a killed job's lock is taken over): its unfinished
+    saves go (renamed aside, then removed in the background), as does a removal it was doing.
+    Where its host was another (locks may be node-local: it may still be writing), only the
+    unfinished saves older than the tracker's iteration go, which no writer can finish."""
+    import time
+
+    from megatron_ckpt_ext.save.layout import remove_torn_saves
+
+    (tmp_path / TRACKER).write_text("40")
+    names = ["iter_0000037.incomplete", "iter_0000045.incomplete",
+             "iter_0000030.incomplete.deleting", "iter_0000040"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"x" * 4096)
+    removed = remove_torn_saves(tmp_path, all_of_them=all_of_them)
+    assert removed == (["iter_0000037.incomplete", "iter_0000045.incomplete"] if all_of_them
+                       else ["iter_0000037.incomplete"])
+    left = {"iter_0000040", TRACKER} | (set() if all_of_them else set(names[1:3]))
+    deadline = time.monotonic() + 30
+    while {p.name for p in tmp_path.iterdir()} != left and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert {p.name for p in tmp_path.iterdir()} == left

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,12 @@ def test_a_second_job_fails_naming_the_holder_and_a_killed_ones_lock_is_taken_ov
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
         assert (root / LOCK).is_file()  # a killed job leaves its record behind
+        # and its unfinished saves: one cut short (an exit checkpoint killed by the scheduler:
+        # that iteration never comes again) and a removal it was doing when killed
+        torn, aside = root / "iter_0000037.incomplete", root / "iter_0000030.incomplete.deleting"
+        for d in (torn / "sub", aside):
+            d.mkdir(parents=True)
+            (d / "__0_0.distcp").write_bytes(b"x" * 4096)
         with caplog.at_level(logging.WARNING):  # its forked child lives on, without the lock
             with Checkpointer(CkptOptions(), save_dir=root):
                 pass
@@ -56,7 +63,12 @@ def test_a_second_job_fails_naming_the_holder_and_a_killed_ones_lock_is_taken_ov
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "taking over" in warnings[0], warnings
     assert f"pid {holder.pid}" in warnings[0] and "holder-job" in warnings[0], warnings
+    assert "unfinished saves ['iter_0000037.incomplete'] are removed" in warnings[0], warnings
     assert not (root / LOCK).exists()  # a clean close removes it
+    deadline = time.monotonic() + 30  # removed on a background thread
+    while sorted(p.name for p in root.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(p.name for p in root.iterdir()) == []
 
 
 def test_checkpointers_of_one_process_share_the_lock(tmp_path):
