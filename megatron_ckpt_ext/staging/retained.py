@@ -186,7 +186,8 @@ def held_by_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool] | None 
     those a live process maps (a restore adopted them): what :func:`reclaim_ended_runs` frees."""
     count, paths = 0, set()
     for seal in list_seals(shm_dir):
-        if sealer_alive(seal) or (is_mapped is not None and any_mapped(seal, is_mapped)):
+        if sealer_alive(seal) or (is_mapped is not None and (
+                any_mapped(seal, is_mapped) or not _ours_to_remove(seal.file))):
             continue
         count += 1
         paths.update(e.path for e in seal.entries if e.path)
@@ -199,13 +200,21 @@ def held_by_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool] | None 
     return count, held
 
 
+def _ours_to_remove(path: str) -> bool:
+    """Whether this process may remove ``path`` from the sticky /dev/shm (its owner, or root)."""
+    try:
+        return os.geteuid() == 0 or os.stat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
 def reclaim_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[int, int]:
     """Free what :func:`held_by_ended_runs` counts (node admission, when a job's staging does
     not fit beside it): each seal whose sealing process has ended and whose segments no live
     process maps, with its segments. Returns (seals, bytes) freed."""
     count = freed = 0
     for seal in list_seals(shm_dir):
-        if sealer_alive(seal) or any_mapped(seal, is_mapped):
+        if sealer_alive(seal) or any_mapped(seal, is_mapped) or not _ours_to_remove(seal.file):
             continue
         sizes = {}
         for path in {e.path for e in seal.entries if e.path}:
@@ -237,6 +246,8 @@ def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]
     removed, seals left in use)."""
     seals, segments, in_use = [], [], []
     for seal in list_seals(shm_dir):
+        if not _ours_to_remove(seal.file):  # another user's: theirs (or root's) to clean
+            continue
         if any_mapped(seal, is_mapped):
             in_use.append(seal)
             continue
@@ -246,14 +257,12 @@ def clean(shm_dir: str, *, is_mapped: Callable[[str], bool]
 
 
 def discard(seal: Seal, *, is_mapped: Callable[[str], bool]) -> list[str]:
-    """Remove ``seal`` and the segments it names that no live process maps; those removed."""
-    _unlink(seal.file)
-    removed = []
-    for entry in seal.entries:
-        if entry.path and os.path.exists(entry.path) and not is_mapped(entry.path):
-            _unlink(entry.path)
-            removed.append(entry.path)
-    return removed
+    """Remove ``seal`` and the segments it names that no live process maps; those removed
+    (none where the seal is not ours to remove)."""
+    if not _unlink(seal.file):
+        return []
+    return [e.path for e in seal.entries if e.path and os.path.exists(e.path)
+            and not is_mapped(e.path) and _unlink(e.path)]
 
 
 def buffer_crc32(tensor: torch.Tensor, cancelled: threading.Event | None = None) -> int | None:
@@ -322,8 +331,14 @@ def crc32_all(tensors: Sequence[torch.Tensor], *, threads: int | None = None,
     return None if any(c is None for c in crcs) else crcs  # type: ignore[return-value]
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str) -> bool:
+    """Remove ``path``; False where it is not ours to remove (another user's file in the sticky
+    /dev/shm: left to that user, or to the node's root)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except PermissionError as e:
+        logger.debug("left %s: %s", path, e)
+        return False
+    return True

@@ -4,6 +4,8 @@ the last checkpoint warns once; the checkpointer runs the admission before its f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -314,3 +316,128 @@ def test_held_by_ended_runs_counts_the_seals_whose_sealing_process_has_ended(tmp
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("mcxseg_")) == [
         "mcxseg_live", "mcxseg_mapped"]
     assert held_by_ended_runs(str(tmp_path))[0] == 1  # the mapped one, left to its user
+
+
+def test_another_users_ended_snapshot_is_neither_counted_as_freeable_nor_touched(tmp_path,
+                                                                                 monkeypatch):
+    """On a node shared by users (/dev/shm is sticky: a user removes only their own files), a
+    job does not plan on freeing another user's snapshots nor fail trying: admission's freeable
+    figure leaves them out, reclaiming and ``shm clean`` leave them; a removal refused anyway
+    is skipped, not raised."""
+    import os
+    import subprocess
+
+    from megatron_ckpt_ext.staging import retained
+    from megatron_ckpt_ext.staging.retained import (Seal, SealEntry, clean, held_by_ended_runs,
+                                                    reclaim_ended_runs, write_seal)
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+
+    def seal(name: str, uid: int) -> str:
+        path = tmp_path / f"mcxseg_{name}"
+        path.write_bytes(b"x" * 8192)
+        entry = SealEntry(key=name, offset=[0], shape=[8192], dtype="torch.uint8", spec=name,
+                          path=str(path), nbytes=8192)
+        file = write_seal(Seal(root=f"/ckpt/{name}", rank=0, world=1, iteration=1,
+                               manifest_crc32=None, entries=[entry]), str(tmp_path))
+        text = open(file).read().replace(f'"pid": {os.getpid()}', f'"pid": {ended.pid}')
+        open(file, "w").write(text)
+        for p in (file, path):
+            os.chown(p, uid, uid)
+        return file
+
+    me = 4242
+    monkeypatch.setattr(retained.os, "geteuid", lambda: me)
+    mine, theirs = seal("mine", me), seal("theirs", me + 1)
+    not_mapped = lambda path: False  # noqa: E731
+    assert held_by_ended_runs(str(tmp_path))[0] == 2  # both named in a refusal
+    assert held_by_ended_runs(str(tmp_path), is_mapped=not_mapped)[0] == 1  # only mine freeable
+    assert reclaim_ended_runs(str(tmp_path), is_mapped=not_mapped)[0] == 1
+    assert not os.path.exists(mine) and os.path.exists(theirs)
+    assert clean(str(tmp_path), is_mapped=not_mapped) == ([], [], [])
+    assert os.path.exists(theirs) and (tmp_path / "mcxseg_theirs").exists()
+    real_unlink = os.unlink
+
+    def refused(path, *a, **k):  # the kernel's answer for another user's file in /dev/shm
+        if str(path) in (theirs, str(tmp_path / "mcxseg_theirs")):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(retained.os, "unlink", refused)
+    monkeypatch.setattr(retained.os, "geteuid", lambda: 0)  # (root may; the kernel refuses)
+    assert retained.discard(retained.read_seal(theirs), is_mapped=not_mapped) == []
+    assert os.path.exists(theirs)
+
+
+def test_another_users_snapshot_is_left_by_the_kernel_and_by_us(request_cleanup):
+    """The same with real users: a directory like /dev/shm (sticky, world-writable), a
+    snapshot left there by user A's ended run; user B's node admission counts none of it as
+    freeable and freeing leaves it (the kernel would refuse: EPERM), without an error; user A
+    frees it. Forked children take the two uids (needs root)."""
+    import os
+    import subprocess
+
+    from megatron_ckpt_ext.staging.retained import (Seal, SealEntry, held_by_ended_runs,
+                                                    reclaim_ended_runs, write_seal)
+    from megatron_ckpt_ext.staging.segments import is_mapped
+
+    if os.geteuid() != 0:
+        pytest.skip("switching users needs root")
+    import shutil
+    import tempfile
+
+    shm = Path(tempfile.mkdtemp(prefix="mcxtest_users_", dir="/dev/shm"))  # every user reaches it
+    os.chmod(shm, 0o1777)
+    request_cleanup.append(lambda: shutil.rmtree(shm, ignore_errors=True))
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+
+    def as_user(uid: int, fn) -> object:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: another user
+            try:
+                os.setgid(uid)
+                os.setuid(uid)
+                out = repr(fn())
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                out = f"error {type(e).__name__}: {e}"
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as fh:
+            return fh.read()
+
+    def leave_a_snapshot():
+        path = shm / "mcxseg_a"
+        path.write_bytes(b"x" * 8192)
+        entry = SealEntry(key="w", offset=[0], shape=[8192], dtype="torch.uint8", spec="w",
+                          path=str(path), nbytes=8192)
+        seal = Seal(root="/ckpt/a", rank=0, world=1, iteration=1, manifest_crc32=None,
+                    entries=[entry])
+        file = write_seal(seal, str(shm))
+        text = open(file).read().replace(f'"pid": {os.getpid()}', f'"pid": {ended.pid}')
+        open(file, "w").write(text)
+        return file
+
+    user_a, user_b = 54321, 54322
+    seal_file = as_user(user_a, leave_a_snapshot).strip("'")
+    assert os.stat(seal_file).st_uid == user_a
+    b_sees = as_user(user_b, lambda: (held_by_ended_runs(str(shm)),
+                                      held_by_ended_runs(str(shm), is_mapped=is_mapped),
+                                      reclaim_ended_runs(str(shm), is_mapped=is_mapped)))
+    assert b_sees.startswith("((1, 8192), (0, 0), (0, 0))"), b_sees
+    assert os.path.exists(seal_file) and (shm / "mcxseg_a").exists()
+    a_frees = as_user(user_a, lambda: reclaim_ended_runs(str(shm), is_mapped=is_mapped))
+    assert a_frees == "(1, 8192)", a_frees
+    assert sorted(os.listdir(shm)) == []
+
+
+@pytest.fixture
+def request_cleanup():
+    done: list = []
+    yield done
+    for fn in done:
+        fn()
