@@ -8,6 +8,7 @@ name is read back through :func:`parse_iteration`; the rest of the package asks 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -264,7 +265,8 @@ def remove_torn_saves(root: Path, *, all_of_them: bool = True) -> list[str]:
     the take-over of a killed job's lock (``save/joblock.py``). Without it a save that never
     recurs (an exit checkpoint cut short by the scheduler's kill) stays on storage for good.
     ``all_of_them`` False: only those older than the tracker's iteration (a later save committed
-    after them, so no writer of theirs is left), and no removal in progress."""
+    after them, so no writer of theirs is left), and no removal in progress; True: also the
+    tracker's temporary file of a commit cut short."""
     try:
         latest = read_tracker(root)
     except (OSError, ValueError):
@@ -280,6 +282,9 @@ def remove_torn_saves(root: Path, *, all_of_them: bool = True) -> list[str]:
     for path in interrupted:
         threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
                          name="mcx-remove-torn", daemon=True).start()
+    for path in root.glob(f".{TRACKER}.tmp*") if all_of_them else ():  # _atomic_write's, cut
+        with contextlib.suppress(OSError):
+            path.unlink()
     return [p.name for p in torn]
 
 
