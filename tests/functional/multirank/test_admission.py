@@ -38,12 +38,17 @@ def test_a_job_that_fits_only_without_an_ended_runs_snapshot_frees_it_and_saves(
     """A node whose /dev/shm outlived a job: the job after it (another save root) would not fit
     beside the snapshot that run kept; a snapshot kept for a restart never keeps a job from
     running, so its ranks free it (one warning) and save. Before: refused on every rank."""
-    from megatron_ckpt_ext.staging.retained import seal_path
+    from megatron_ckpt_ext.staging.retained import discard, read_seal, seal_path
+    from megatron_ckpt_ext.staging.segments import is_mapped
 
     old, new, ranks = tmp_path / "ended_run", tmp_path / "next_job", world()
-    run_ranks(aw.seal_and_end, timeout=120, args=(str(old),))
     seals = [seal_path("/dev/shm", old, r) for r in range(ranks)]
-    assert all(os.path.exists(s) for s in seals)
-    run_ranks(aw.admit_beside_ended_snapshots, timeout=120, args=(str(new), 4096))
-    assert not any(os.path.exists(s) for s in seals)
-    assert (new / "iter_0000001").is_dir()
+    try:
+        run_ranks(aw.seal_and_end, timeout=120, args=(str(old),))
+        assert all(os.path.exists(s) for s in seals)
+        run_ranks(aw.admit_beside_ended_snapshots, timeout=120, args=(str(new), 4096))
+        assert not any(os.path.exists(s) for s in seals)
+        assert (new / "iter_0000001").is_dir()
+    finally:  # a failure leaves no snapshot of this test in the node's /dev/shm
+        for seal in filter(None, map(read_seal, seals)):
+            discard(seal, is_mapped=is_mapped)
