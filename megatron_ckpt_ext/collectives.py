@@ -1,16 +1,18 @@
 """The plugin's own small collectives over the checkpoint process group.
 
 Each is bounded by ``--distributed-timeout-minutes`` when set (else by the process group's own
-timeout), and each caller reads its result on the host right after, so the bound adds no
-synchronisation. They run on the host, never on the device: over a group whose only backend is
-NCCL (Megatron-LM's world) they run on a gloo group of the same ranks, made once at the first of
-them (:meth:`Group.control`). Over NCCL each would copy its bytes to the device and read the
-result back, and that read, issued while a save's device-to-host copies are in flight, waits
-behind them on the copy engine: planning, which those copies should overlap, waited for all of
-them. One that runs out raises on the rank that waited: :class:`CheckpointLoadError`
-inside ``Checkpointer.load`` (or the ``load/`` rooms), :class:`CheckpointWriteError` elsewhere
-(a save, its finalization, the job lock). Without an initialised process group (one process)
-every call is local.
+timeout), counted in the time this process ran (``_clock``: a job suspended whole while a rank
+waits in one does not time it out at the continue), and each caller reads its result on the
+host right after, so the bound adds no synchronisation. They run on the host, never on the
+device: over a group whose only backend is NCCL (Megatron-LM's world) they run on a gloo group of
+the same ranks, made once at the first of them (:meth:`Group.control`), whose own timeout is long
+(our bound decides; gloo's would count the stop). Over NCCL each would copy its bytes to the
+device and read the result back, and that read, issued while a save's device-to-host copies are
+in flight, waits behind them on the copy engine: planning, which those copies should overlap,
+waited for all of them. One that runs out raises on the rank that waited:
+:class:`CheckpointLoadError` inside ``Checkpointer.load`` (or the ``load/`` rooms),
+:class:`CheckpointWriteError` elsewhere (a save, its finalization, the job lock). Without an
+initialised process group (one process) every call is local.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import backend
+from . import _clock, backend
 from .errors import CheckpointLoadError, CheckpointWriteError
 from .options import CkptOptions
 
@@ -34,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 _UNSET = object()
 _BACKGROUND_TIMEOUT_S = 120  # background_control(): a peer that never comes
+_SLICE_S = 5.0  # a bounded wait is re-armed this often, its bound read on _clock each time
+# the gloo group made for an NCCL world: its own timeout (gloo's, on the host's clock) only backs
+# up our bound, so that a suspension does not fail the collective inside gloo
+_CONTROL_GROUP_TIMEOUT = datetime.timedelta(days=7)
+_DEFAULT_TIMEOUT = getattr(getattr(torch.distributed, "constants", None), "default_pg_timeout",
+                           datetime.timedelta(minutes=30))
 
 
 class Group:
@@ -110,15 +118,45 @@ class Group:
         if self._cap_s is not None:
             cap = datetime.timedelta(seconds=self._cap_s)
             timeout = cap if timeout is None else min(timeout, cap)
-        if timeout is None:
+        if timeout is None and not self._bounds_control_group():
             work.wait()
             return
+        if timeout is None:  # our group's own timeout is long: the bound is torch's default
+            timeout = _DEFAULT_TIMEOUT
+        if self._on_nccl():  # no gloo group could be made: one wait, as NCCL may abort its
+            self._wait_once(work, timeout)  # communicator when a wait runs out
+            return
+        bound, start = timeout.total_seconds(), _clock.running()
+        while True:
+            left = bound - (_clock.running() - start)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=max(0.001, min(left, _SLICE_S))))
+                return
+            except RuntimeError as e:
+                if not _is_timeout(e):
+                    raise  # a peer that crashed: the backend's own message says so
+                if work.is_completed():  # ended meanwhile, or by the backend's own timeout
+                    self._wait_once(work, timeout)  # its outcome (at once: it is complete)
+                    return
+                if _clock.running() - start < bound:
+                    continue  # the slice ran out, not the bound (or a stop ate it)
+                raise self._timed_out(e) from e
+
+    def _wait_once(self, work: Any, timeout: datetime.timedelta) -> None:
         try:
             work.wait(timeout=timeout)
         except RuntimeError as e:
-            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-                raise  # a peer that crashed: the backend's own message says so
+            if not _is_timeout(e):
+                raise
             raise self._timed_out(e) from e
+
+    def _on_nccl(self) -> bool:
+        return (self._control is not _UNSET and self.initialized()
+                and torch.distributed.get_backend(self._control) == "nccl")
+
+    def _bounds_control_group(self) -> bool:
+        """Whether :meth:`control` is a group we made (its own timeout long: ours bounds it)."""
+        return self._control is not _UNSET and self._control is not self.process_group
 
     def _timed_out(self, error: RuntimeError) -> CheckpointWriteError | CheckpointLoadError:
         """The error of a wait that ran out: a load's or a save's, by what this thread runs."""
@@ -222,9 +260,7 @@ class Group:
         ranks = torch.distributed.get_process_group_ranks(
             self.process_group or torch.distributed.group.WORLD)
         whole_world = len(ranks) == torch.distributed.get_world_size()
-        kwargs: dict[str, Any] = {"backend": "gloo"}
-        if self.options.distributed_timeout() is not None:
-            kwargs["timeout"] = self.options.distributed_timeout()
+        kwargs: dict[str, Any] = {"backend": "gloo", "timeout": _CONTROL_GROUP_TIMEOUT}
         if not whole_world:  # only the group's ranks reach our collectives
             if not backend.accepted_kwargs(torch.distributed.new_group,
                                            {"use_local_synchronization": True})[0]:
@@ -250,6 +286,10 @@ class Group:
                 "they run on the %s group instead, and each read of their result waits for the "
                 "save's device-to-host copies in flight.", why, kind)
         return self.process_group
+
+
+def _is_timeout(error: RuntimeError) -> bool:
+    return "timed out" in str(error).lower() or "timeout" in str(error).lower()
 
 
 _LOAD_ROOM = f"{__package__}.load."

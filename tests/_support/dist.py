@@ -141,7 +141,8 @@ def run_ranks(fn: Callable[..., Any], *, world_size: int | None = None, timeout:
 
 class FakeWork:
     """An async collective's work handle for tests: records each ``wait(timeout)``; with
-    ``fail``, times out as gloo does."""
+    ``fail``, times out as gloo does when its own timeout ends the operation (complete, with
+    that error)."""
 
     def __init__(self, fail: bool = False) -> None:
         self.timeouts: list = []
@@ -151,4 +152,7 @@ class FakeWork:
         self.timeouts.append(timeout)
         if self.fail:
             raise RuntimeError("[Gloo] Timed out waiting 60000ms")
+        return True
+
+    def is_completed(self) -> bool:
         return True

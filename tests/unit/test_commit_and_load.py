@@ -223,13 +223,47 @@ def test_logging_level_sets_the_plugin_and_megatron_loggers():
             logging.getLogger(n).setLevel(level)
 
 
-def test_plugin_collectives_wait_at_most_distributed_timeout_minutes():
+def test_plugin_collectives_wait_at_most_distributed_timeout_minutes(monkeypatch):
+    """The bound is running time (``_clock``): a wait is re-armed in slices while the peer has
+    not come, until the bound has run; slices the process spent stopped do not count; an
+    operation the backend itself ended (its own timeout, a peer gone) raises at once."""
+    from megatron_ckpt_ext import collectives
+
     group = Group(None, CkptOptions(distributed_timeout_minutes=3))
     work = FakeWork()
     group.wait(work)
-    assert work.timeouts == [timedelta(minutes=3)]
+    assert work.timeouts == [timedelta(seconds=collectives._SLICE_S)]
     with pytest.raises(CheckpointWriteError, match="--distributed-timeout-minutes 3"):
         group.wait(FakeWork(fail=True))
+
+    class Pending(FakeWork):  # the peer never comes: each slice runs out, the work pending
+        def wait(self, timeout=None):
+            self.timeouts.append(timeout)
+            clock[0] += 0.0 if len(self.timeouts) in stopped else timeout.total_seconds()
+            raise RuntimeError("Operation timed out!")
+
+        def is_completed(self) -> bool:
+            return False
+
+    for stopped in (set(), {2, 3, 4}):  # slices 2-4 the job stood still (the clock left them)
+        clock = [0.0]
+        monkeypatch.setattr(collectives._clock, "running", lambda: clock[0])
+        pending = Pending()
+        with pytest.raises(CheckpointWriteError, match="--distributed-timeout-minutes 3"):
+            group.wait(pending)
+        assert len(pending.timeouts) == 180 / collectives._SLICE_S + len(stopped)
+        assert clock[0] == 180.0
+
+    class CameRightAfter(FakeWork):  # the slice ran out, the peer came before the check
+        def wait(self, timeout=None):
+            self.timeouts.append(timeout)
+            if len(self.timeouts) == 1:
+                raise RuntimeError("Operation timed out!")
+            return True
+
+    came = CameRightAfter()
+    group.wait(came)  # its own outcome, not a timeout
+    assert len(came.timeouts) == 2
     work = FakeWork()
     Group(None, CkptOptions(distributed_timeout_minutes=None)).wait(work)
     assert work.timeouts == [None]  # the process group's own timeout

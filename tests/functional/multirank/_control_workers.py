@@ -140,3 +140,40 @@ def no_gloo_falls_back_with_one_warning(rank: int, world: int) -> None:
     texts = [r.getMessage() for r in records]
     assert len(texts) == (1 if rank == 0 else 0), texts
     assert rank != 0 or "Gloo built in" in texts[0]
+
+
+def suspended_inside_a_collective(rank: int, world: int, out: str) -> None:
+    """Over an NCCL-only world (the gloo group ours): rank 0 waits in one of our collectives,
+    bounded by 3 s, while rank 1 has not reached it; the test stops both longer than the bound
+    and continues them, then rank 1 comes. What each saw goes to ``out/rank<r>.json``."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_ckpt_ext.collectives import Group
+    from megatron_ckpt_ext.errors import CheckpointWriteError
+    from megatron_ckpt_ext.options import CkptOptions
+
+    _as_nccl([dist.group.WORLD])
+    made, new_group = [], dist.new_group
+    dist.new_group = lambda *a, **k: made.append(k.get("timeout")) or new_group(*a, **k)
+    group = Group(None, CkptOptions())
+    group.barrier()  # our gloo group made, every rank here
+    dist.new_group = new_group
+    Path(out, f"pid_r{rank}").write_text(str(os.getpid()))
+    error, got = None, None
+    with group.capped(3.0):
+        if rank == 0:
+            Path(out, "waiting").write_text("")
+        else:
+            while not Path(out, "go").exists():  # the test says so while every rank is stopped
+                time.sleep(0.01)
+        try:
+            got = group.all_max([float(rank)])
+        except CheckpointWriteError as e:
+            error = str(e)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "error": error, "got": got, "group_timeout_s": [t and t.total_seconds() for t in made]}))

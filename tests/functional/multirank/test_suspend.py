@@ -18,6 +18,7 @@ import pytest
 
 from megatron_ckpt_ext.save.layout import read_tracker
 
+from . import _control_workers as cw
 from . import _suspend_workers as w
 from ._ckpt_workers import ASYNC_MODES
 from tests._support.dist import _tree, run_ranks, world
@@ -76,3 +77,46 @@ def test_a_save_in_flight_across_a_suspension_longer_than_the_timeout_commits(mo
         assert r["committed"] and r["loaded_iteration_2"], r
         assert r["save_to_end_s"] > stop_s, r  # the save was in flight across the stop
     assert read_tracker(root) == 2
+
+
+@pytest.mark.parametrize("how", ["sigstop", "freezer"])
+def test_a_job_stopped_while_a_rank_waits_in_our_collective_does_not_time_it_out(how, tmp_path):
+    """Our collectives' bound counts the time the process ran: rank 0 waits in one (bound 3 s)
+    while rank 1 has not reached it, the job stands still 6 s, rank 1 comes after the continue:
+    the collective completes on both. Before, rank 0's wait had run out in the stop (it raised
+    at the continue, and rank 1 then waited for it in vain). Over an NCCL world, as Megatron-LM's
+    (our gloo group made with a long timeout of its own)."""
+    if how == "freezer" and unavailable():
+        pytest.skip(unavailable())
+    ranks = world()
+
+    def stop_both() -> None:
+        deadline = time.monotonic() + 60
+        while not ((tmp_path / "waiting").exists() and all(
+                (tmp_path / f"pid_r{r}").exists() for r in range(ranks))):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        time.sleep(0.5)  # rank 0 inside the wait
+        pids = [p for r in range(ranks) for p in _tree(int((tmp_path / f"pid_r{r}").read_text()))]
+        if how == "freezer":
+            with frozen(pids):
+                time.sleep(6.0)
+                (tmp_path / "go").write_text("")
+            return
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(6.0)
+        (tmp_path / "go").write_text("")
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+    cluster = threading.Thread(target=stop_both, daemon=True)
+    cluster.start()
+    run_ranks(cw.suspended_inside_a_collective, args=(str(tmp_path),))
+    cluster.join(timeout=30)
+    for r in range(ranks):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen["error"] is None and seen["got"] == [float(ranks - 1)], (r, seen)
+        # gloo's own timeout runs on the host's clock: it must outlast any stop ours leaves out
+        assert len(seen["group_timeout_s"]) == 1 and seen["group_timeout_s"][0] >= 86400, seen
