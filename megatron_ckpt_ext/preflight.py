@@ -183,7 +183,7 @@ def cap_budget(budget: HostBudget, limit_bytes: int | None) -> HostBudget:
 def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
                budget: HostBudget | None = None, host: str | None = None,
                limit_bytes: int | None = None, held: tuple[int, int] | None = None,
-               reclaim: Callable[[], tuple[int, int]] | None = None) -> dict:
+               reclaim: Callable[[], Any] | None = None) -> dict:
     """Collective (``gather``: every rank's value, in rank order): admit the first save's
     staging of ``nbytes`` on this rank against its node's memory. The ranks are grouped by host
     name; a node's staging is the sum over its ranks; it must fit in the node's MemAvailable

@@ -273,8 +273,8 @@ def remove_torn_saves(root: Path, *, all_of_them: bool = True) -> list[str]:
         latest = None
     if not all_of_them and latest is None:
         return []
-    interrupted = [p for p in leftovers(root, DELETING) if p.is_dir() and not p.is_symlink()
-                   and all_of_them]
+    interrupted = [p for p in leftovers(root, DELETING)
+                   if p.is_dir() and not p.is_symlink()] if all_of_them else []
     torn = [p for p in leftovers(root, INCOMPLETE) if p.is_dir() and not p.is_symlink()
             and (all_of_them or _iteration_of(p.name, INCOMPLETE) < latest)]
     for path in torn:

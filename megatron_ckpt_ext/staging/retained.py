@@ -186,8 +186,7 @@ def held_by_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool] | None 
     those a live process maps (a restore adopted them): what :func:`reclaim_ended_runs` frees."""
     count, paths = 0, set()
     for seal in list_seals(shm_dir):
-        if sealer_alive(seal) or (is_mapped is not None and (
-                any_mapped(seal, is_mapped) or not _ours_to_remove(seal.file))):
+        if sealer_alive(seal) if is_mapped is None else not _freeable(seal, is_mapped):
             continue
         count += 1
         paths.update(e.path for e in seal.entries if e.path)
@@ -208,24 +207,20 @@ def _ours_to_remove(path: str) -> bool:
         return False
 
 
-def reclaim_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> tuple[int, int]:
-    """Free what :func:`held_by_ended_runs` counts (node admission, when a job's staging does
-    not fit beside it): each seal whose sealing process has ended and whose segments no live
-    process maps, with its segments. Returns (seals, bytes) freed."""
-    count = freed = 0
-    for seal in list_seals(shm_dir):
-        if sealer_alive(seal) or any_mapped(seal, is_mapped) or not _ours_to_remove(seal.file):
-            continue
-        sizes = {}
-        for path in {e.path for e in seal.entries if e.path}:
-            try:
-                sizes[path] = os.stat(path).st_blocks * 512
-            except OSError:
-                pass
-        removed = discard(seal, is_mapped=is_mapped)
-        count += 1
-        freed += sum(sizes.get(p, 0) for p in removed)
-    return count, freed
+def _freeable(seal: Seal, is_mapped: Callable[[str], bool]) -> bool:
+    """A seal whose sealing process has ended, that no live process maps and that this process
+    may remove."""
+    return (not sealer_alive(seal) and not any_mapped(seal, is_mapped)
+            and _ours_to_remove(seal.file))
+
+
+def reclaim_ended_runs(shm_dir: str, *, is_mapped: Callable[[str], bool]) -> int:
+    """Free what :func:`held_by_ended_runs` with ``is_mapped`` counts (node admission, when a
+    job's staging does not fit beside it), each seal with its segments; how many seals."""
+    freed = [seal for seal in list_seals(shm_dir) if _freeable(seal, is_mapped)]
+    for seal in freed:
+        discard(seal, is_mapped=is_mapped)
+    return len(freed)
 
 
 def sealer_alive(seal: Seal) -> bool:
