@@ -112,6 +112,8 @@ def test_a_restore_from_memory_does_not_validate_the_sharding_again(root, tmp_pa
     save held (as Megatron-LM's load leaves out its rerun state machine's). Where one rank's
     seal names another structure, or one rank loads the object the others leave out, every
     rank validates (once in the load, once in prepare())."""
+    if case == "one_rank_loads_it" and world() < 2:  # one rank: its load is every rank's
+        pytest.skip("one rank loading what the others leave out needs two ranks")
     rerun = case in ("every_rank_leaves_out_an_object", "one_rank_loads_it")
     run_ranks(w.save_and_die, args=(str(root), MODES["persistent-constant"], 2, False, rerun))
     if case == "one_seal_names_another_structure":
