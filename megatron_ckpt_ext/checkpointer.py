@@ -171,12 +171,12 @@ class Checkpointer(_SaveSteps):
         copies = self._partner is not None and self._partner.partner is not None
         nbytes = sum(t.data.numel() * t.data.element_size() for t in tensors)
         nbytes *= getattr(self._stager, "snapshot_sets", 1) + copies  # + a partner's copy
-        nbytes = max(0, nbytes - self._stager.host_bytes())  # a snapshot adopted at load
+        kept = self._stager.host_bytes()  # a snapshot adopted at load: staged into from now on
         try:
             limit = self.options.ckpt_node_memory_limit_mib
             self.admission = preflight.admit_node(
-                nbytes, shm=self._cpu_shm, gather=self._group.all_gather,
-                limit_bytes=None if limit is None else limit * 2**20)
+                max(0, nbytes - kept), shm=self._cpu_shm, gather=self._group.all_gather,
+                limit_bytes=None if limit is None else limit * 2**20, kept=kept)
         except InsufficientHostMemory as e:  # raised on every rank alike: all decide the same
             if self.options.ckpt_node_memory_fallback != "sync":
                 raise

@@ -183,7 +183,7 @@ def cap_budget(budget: HostBudget, limit_bytes: int | None) -> HostBudget:
 def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
                budget: HostBudget | None = None, host: str | None = None,
                limit_bytes: int | None = None, held: tuple[int, int] | None = None,
-               reclaim: Callable[[], Any] | None = None) -> dict:
+               reclaim: Callable[[], Any] | None = None, kept: int = 0) -> dict:
     """Collective (``gather``: every rank's value, in rank order): admit the first save's
     staging of ``nbytes`` on this rank against its node's memory. The ranks are grouped by host
     name; a node's staging is the sum over its ranks; it must fit in the node's MemAvailable
@@ -197,7 +197,9 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
     ranks free them (``reclaim``, default ``retained.reclaim_ended_runs`` of /dev/shm: those
     no live process maps), with one rank-0 warning, before any rank stages. A snapshot kept for
     a restart is a cache, storage the fallback: it never keeps a job from running. A node that
-    does not fit even so is refused, the refusal naming them."""
+    does not fit even so is refused, the refusal naming them. ``kept``: staging bytes this rank
+    holds already and keeps (the buffers of a snapshot adopted at a restore from memory: in the
+    node's figures as used, not in ``nbytes``), named in the rank-0 line."""
     if held is None or (reclaim is None and shm):
         from .staging.retained import held_by_ended_runs, reclaim_ended_runs
         from .staging.segments import is_mapped
@@ -207,15 +209,16 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
         if reclaim is None and shm:
             reclaim = lambda: reclaim_ended_runs("/dev/shm", is_mapped=is_mapped)  # noqa: E731
     mine = (host or socket.gethostname(), int(nbytes),
-            tuple(budget if budget is not None else host_budget()), tuple(held))
+            tuple(budget if budget is not None else host_budget()), tuple(held), int(kept))
     nodes: dict[str, dict] = {}
-    for r, (name, n, measured, seals) in enumerate(gather(mine)):
+    for r, (name, n, measured, seals, *more) in enumerate(gather(mine)):
         b = cap_budget(HostBudget(*measured), limit_bytes)  # the same limit on every rank
         node = nodes.setdefault(name, {"ranks": [], "bytes": 0, "budget": HostBudget(*b),
-                                       "max_rank_bytes": 0, "held": (0, 0),
+                                       "max_rank_bytes": 0, "held": (0, 0), "kept": 0,
                                        "measured": HostBudget(*measured)})
         node["ranks"].append(r)
         node["bytes"] += n
+        node["kept"] += more[0] if more else 0
         node["max_rank_bytes"] = max(node["max_rank_bytes"], n)
         node["held"] = max(node["held"], tuple(seals), key=lambda h: h[1])  # one /dev/shm
         # the tightest figure any of the node's ranks measured (they measured the same machine)
@@ -246,12 +249,15 @@ def admit_node(nbytes: int, *, shm: bool, gather: Callable[[Any], list[Any]],
     name, node = max(nodes.items(), key=lambda kv: kv[1]["bytes"])
     budget_used = node["budget"]
     result = {"nodes": len(nodes), "node": name, "node_ranks": len(node["ranks"]),
-              "node_staging_bytes": node["bytes"], **budget_used._asdict(),
+              "node_staging_bytes": node["bytes"], "node_kept_bytes": node["kept"],
+              **budget_used._asdict(),
               "limit_bytes": limit_bytes,
               "freed_snapshots": {n: nodes[n]["held"][0] for n in short} if freeing else {}}
     if rank() == 0:
-        logger.info("staging admitted: %d node(s); the fullest, %s, stages %s over %d ranks "
-                    "(MemAvailable %s%s)", len(nodes), name, _size(node["bytes"]),
+        kept_text = (f" more beside the {_size(node['kept'])} its ranks hold already (restored"
+                     " snapshots' buffers, staged into from now on)" if node["kept"] else "")
+        logger.info("staging admitted: %d node(s); the fullest, %s, stages %s%s over %d ranks "
+                    "(MemAvailable %s%s)", len(nodes), name, _size(node["bytes"]), kept_text,
                     len(node["ranks"]), _size(budget_used.mem_available),
                     f", /dev/shm free {_size(budget_used.shm_free)}" if shm else "")
     return result

@@ -4,6 +4,7 @@ the last checkpoint warns once; the checkpointer runs the admission before its f
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,19 @@ def test_this_rank_sends_its_own_host_bytes_and_budget():
     sent = []
     preflight.admit_node(123, shm=False, gather=lambda mine: sent.append(mine) or [mine],
                          budget=preflight.HostBudget(1, 2 * GiB, 3), host="here")
-    assert sent == [("here", 123, (1, 2 * GiB, 3), (0, 0))]
+    assert sent == [("here", 123, (1, 2 * GiB, 3), (0, 0), 0)]
+
+
+def test_staging_a_restored_snapshot_holds_already_is_named_not_shown_as_nothing(caplog):
+    """After a restore from memory the next saves stage into the adopted buffers: the node
+    admits only what is new, and its line names what its ranks hold already, rather than
+    reading "stages 0.00 GiB" as if nothing were staged."""
+    caplog.set_level(logging.INFO, logger="megatron_ckpt_ext.preflight")
+    roomy = preflight.HostBudget(100 * GiB, 100 * GiB, -1)
+    got = preflight.admit_node(0, shm=True, budget=roomy, host="n", held=(0, 0), kept=3 * GiB,
+                               gather=lambda mine: [mine, mine[:4]])  # a rank of an older form
+    assert got["node_staging_bytes"] == 0 and got["node_kept_bytes"] == 3 * GiB
+    assert "stages 0.00 GiB (0 bytes) more beside the 3.00 GiB" in caplog.text
 
 
 def _reclaims(calls: list) -> callable:
@@ -150,7 +163,7 @@ def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_
     got = preflight.admit_node(5, shm=True, gather=lambda mine: sent.append(mine) or [mine],
                                budget=preflight.HostBudget(-1, 50 * GiB, 3),
                                limit_bytes=10 * GiB, host="h")
-    assert sent == [("h", 5, (-1, 50 * GiB, 3), (0, 0))]  # measured; capped after the gather
+    assert sent == [("h", 5, (-1, 50 * GiB, 3), (0, 0), 0)]  # measured; capped after the gather
     assert (got["shm_free"], got["mem_available"]) == (10 * GiB, 10 * GiB)  # unknown shm: limit
     assert got["limit_bytes"] == 10 * GiB
     roomy = preflight.admit_node(0, shm=True, gather=gather, limit_bytes=1000 * GiB)

@@ -83,7 +83,8 @@ def restore(rank: int, world: int, root: str, options: dict, iteration: int | No
                        for b in s.buffers.values() if b.path)
         with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
             json.dump({"report": report, "allocated_before_save": allocated,
-                       "allocated_after_save": stats.get("bytes_allocated", -1)}, fh)
+                       "allocated_after_save": stats.get("bytes_allocated", -1),
+                       "admission": ck.admission}, fh)
 
 
 def fresh_start(rank: int, world: int, root: str, options: dict, prepared: bool = False) -> None:

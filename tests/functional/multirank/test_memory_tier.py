@@ -64,6 +64,10 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
         if mode == "persistent-constant":  # the save after the restore staged into the snapshot
             assert rep["allocated_before_save"] <= 8  # the writer's one-word ready flag alone
             assert rep["allocated_after_save"] == rep["allocated_before_save"]
+            # admitted: nothing new, the adopted buffers named as held (not "stages 0 bytes")
+            admission = rep["admission"]
+            assert admission["node_staging_bytes"] == 0, admission
+            assert admission["node_kept_bytes"] >= world() * rep["report"]["memory_bytes"]
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
