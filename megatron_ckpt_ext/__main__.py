@@ -9,6 +9,13 @@ import warnings
 __all__ = ["main"]
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -28,10 +35,15 @@ def _parser() -> argparse.ArgumentParser:
                         "the checkpoint its tracker names")
     verify.add_argument("--iteration", type=int, default=None,
                         help="with a save root: this iteration instead of the tracker's")
-    verify.add_argument("--workers", type=int, default=8, help="files checked at once")
+    verify.add_argument("--workers", type=_at_least_one, default=8,
+                        help="files checked at once (at least 1)")
     shm = sub.add_parser("shm", help="the sealed memory snapshots and staging segments this node "
                          "holds in /dev/shm: list them, or clean them up")
-    shm.add_argument("action", choices=("list", "clean"))
+    shm.add_argument("action", choices=("list", "clean"),
+                     help="list: each sealed snapshot (save root, iteration, rank, bytes, age, "
+                     "who sealed it, whether a running job maps it) and our other segments; "
+                     "clean: remove the snapshots of ended runs and the segments no live "
+                     "process maps (a running job's are left to it)")
     shm.add_argument("--dir", default="/dev/shm", help="the shared-memory directory")
     return parser
 

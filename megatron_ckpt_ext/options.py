@@ -210,7 +210,7 @@ def _unknown_key_message(key: Any, by_key: Mapping[str, Knob], *, extra: str = "
         return (msg + " extra='ignore' skips keys that belong to the host, but this one is "
                 "another spelling of a checkpoint knob: rename it, or it would be dropped "
                 "silently.")
-    return msg + f" Valid keys: {', '.join(sorted(by_key))}"
+    return msg + ("" if msg.endswith("?") else ".") + f" Valid keys: {', '.join(sorted(by_key))}"
 
 
 def load_yaml(path: str | os.PathLike[str]) -> Any:

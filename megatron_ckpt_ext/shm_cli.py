@@ -6,6 +6,7 @@ live process maps (a running job's snapshot is left to it: a prolog or epilog ma
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from .staging import SHM_DIR, sweep_orphans
@@ -16,6 +17,10 @@ __all__ = ["run"]
 
 
 def run(action: str, *, shm_dir: str = SHM_DIR) -> int:
+    if not os.path.isdir(shm_dir):
+        print(f"{shm_dir}: no such directory (--dir names the shared-memory directory; the "
+              f"default is {SHM_DIR})", file=sys.stderr)
+        return 2
     if action == "clean":
         seals, segments, in_use = clean(shm_dir, is_mapped=is_mapped)
         orphans = sweep_orphans(shm_dir=shm_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .manifest import MANIFEST, unlisted, verify_files
 from .load.verify import check_manifest
-from .save.layout import METADATA, checkpoint_name, read_tracker
+from .save.layout import METADATA, checkpoint_name, parse_iteration, read_tracker
 
 __all__ = ["run"]
 
@@ -29,7 +29,8 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
         return 2
     check = check_manifest(path)
     if check.kind:
-        print(f"BAD {path / MANIFEST}: {check.why}")
+        why = _unnamed(check.why)  # the line names the file already
+        print(f"BAD {path / MANIFEST}: {why}")
         if check.kind in _FIXES:
             print(f"{path}: {_FIXES[check.kind]}", file=sys.stderr)
         return 1
@@ -52,8 +53,14 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
     if problems:
         for p in problems:
             print(f"BAD {path / p.file}: {p.why}")
-        print(f"{path}: {len(problems)} of {len(manifest['files'])} files do not match "
-              f"(checked in {seconds:.1f} s)", file=sys.stderr)
+        listed = [p for p in problems if p.file in manifest["files"]]
+        stray = len(problems) - len(listed)
+        print(f"{path}: " + "; ".join(
+            part for part in (
+                f"{len(listed)} of the {len(manifest['files'])} files it lists do not match"
+                if listed else "",
+                f"{stray} file(s) it does not list" if stray else "") if part)
+            + f" (checked in {seconds:.1f} s)", file=sys.stderr)
         return 1
     uncovered = manifest.get("unverified", [])
     print(f"OK {path}: {len(manifest['files'])} files, {total / 1e9:.2f} GB match their CRC-32 "
@@ -63,8 +70,24 @@ def run(folder: str, *, iteration: int | None = None, workers: int = 8) -> int:
     return 0
 
 
+def _unnamed(why: str) -> str:
+    for prefix in (f"{MANIFEST}: ", f"{MANIFEST} "):
+        why = why.removeprefix(prefix)
+    return why
+
+
 def _checkpoint(folder: Path, iteration: int | None) -> Path | None:
+    if not folder.is_dir():
+        print(f"{folder}: no such directory", file=sys.stderr)
+        return None
     if (folder / MANIFEST).exists() or (folder / METADATA).exists():
+        named = parse_iteration(folder.name)
+        if iteration is not None and iteration != named:
+            print(f"{folder} is a checkpoint directory{f' (iteration {named})' if named else ''}"
+                  f": --iteration {iteration} applies to a save root. Pass the save root "
+                  f"({folder.parent}) with --iteration {iteration}, or drop --iteration.",
+                  file=sys.stderr)
+            return None
         return folder
     try:
         iteration = iteration if iteration is not None else read_tracker(folder)

@@ -147,7 +147,9 @@ def test_a_file_added_after_the_commit_is_refused(tmp_path, capsys):
     stray = next(n for n in ("common.pt", "__9_0.distcp") if n not in listed)
     (checkpoint / stray).write_bytes(b"added later")
     assert verify_cli.run(str(checkpoint)) == 1
-    assert f"BAD {checkpoint / stray}: not in the manifest" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert f"BAD {checkpoint / stray}: not in the manifest" in out
+    assert "1 file(s) it does not list" in err and "do not match" not in err, err
     with pytest.raises(CheckpointIntegrityError, match=f"{stray}: not in the manifest"):
         _load(tmp_path)
     (checkpoint / "notes.txt").write_text("a user's note is not a checkpoint file")
