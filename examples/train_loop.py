@@ -30,9 +30,15 @@ from megatron.core.dist_checkpointing import ShardedTensor
 import megatron_ckpt_ext as mcx
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # every rank parses the same command line: say it once
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)
+        super().error(message)
+
+
 def parse_args() -> argparse.Namespace:
-    parser = mcx.add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                                       allow_abbrev=False))
+    parser = mcx.add_arguments(_Parser(description=__doc__.splitlines()[0], allow_abbrev=False))
     parser.add_argument("--save", help="checkpoint directory to save to")
     parser.add_argument("--load", help="checkpoint directory to resume from (its latest commit)")
     parser.add_argument("--train-iters", type=int, required=True)
@@ -115,7 +121,9 @@ def main() -> None:
         start = 0 if loaded is None else restore(loaded, model, optimizer, data)
         if rank == 0:
             resumed = f" (resumed from {args.load} at iteration {start})" if start else ""
-            print(f"training iterations {start + 1}..{args.train_iters}{resumed}")
+            print(f"training iterations {start + 1}..{args.train_iters}{resumed}"
+                  if start < args.train_iters else
+                  f"nothing to train: --train-iters {args.train_iters}{resumed}")
         if args.save:  # optional: with --async-ckpt-use-cpu-shm, allocate staging memory now
             ckpt.prepare(sharded_state_dict(model, optimizer, data))
         for iteration in range(start + 1, args.train_iters + 1):  # `start` is already committed
@@ -131,7 +139,8 @@ def main() -> None:
     # Leaving the block (close()) waits until every pending save is committed.
     # [readme] end
     if rank == 0:
-        print(f"done at iteration {iteration}: loss {loss!r}")
+        print(f"done at iteration {max(iteration, start)}"
+              + (f": loss {loss!r}" if iteration > start else ""))
     dist.destroy_process_group()
 
 
@@ -139,7 +148,8 @@ if __name__ == "__main__":
     try:
         main()
     except (mcx.CkptOptionsError, mcx.errors.SaveDirectoryInUse, mcx.errors.CheckpointNotFound,
-            mcx.errors.CheckpointIntegrityError) as e:  # at start-up: its message names the fix
+            mcx.errors.CheckpointIntegrityError, mcx.errors.CheckpointLoadError) as e:
+        # at start-up: its message names the fix
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -90,7 +90,9 @@ class CheckpointIntegrityError(CkptError, ValueError):
 class CheckpointLoadError(CkptError, RuntimeError):
     """A load failed on some rank for a reason other than a missing or damaged checkpoint: one
     of its collectives did not complete within ``--distributed-timeout-minutes`` (a rank did not
-    reach it). The targets may hold part of the checkpoint: do not train on them."""
+    reach it), or the checkpoint does not fit the state the job built (a tensor of another
+    global shape, or one the checkpoint lacks: another model). The targets may hold part of
+    the checkpoint: do not train on them."""
 
 
 class CheckpointNotFound(CkptError, FileNotFoundError):

@@ -194,9 +194,11 @@ def _fully_parallel_load_needs_cuda(o: CkptOptions, caps: Capabilities | None) -
     if caps is not None and o.ckpt_fully_parallel_load and not caps.cuda_available:
         yield _warn(
             "fully-parallel-load-needs-cuda",
-            "--ckpt-fully-parallel-load: megatron-core exchanges the loaded shards on CUDA, which "
-            "this process does not have; checkpoints are loaded without it (each rank reads what "
-            "it needs). Drop the flag (or fully_parallel_load: false) on CPU-only runs.",
+            "fully parallel load (--ckpt-fully-parallel-load, or a config's fully_parallel_load,"
+            " on by default there): megatron-core exchanges the loaded shards on CUDA, which "
+            "this process does not have, so loads run without it (each rank reads what it "
+            "needs; nothing is lost). To silence this on CPU-only runs: drop the flag, or set "
+            "fully_parallel_load: false.",
         )
 
 

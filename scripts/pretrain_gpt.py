@@ -36,8 +36,15 @@ import megatron_ckpt_ext as mcx  # noqa: E402
 log = logging.getLogger("pretrain_gpt")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # every rank parses the same command line: say it once
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)
+        super().error(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     g = p.add_argument_group("model and training (Megatron spellings)")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -109,7 +116,8 @@ def load(ckpt: mcx.Checkpointer, model, optimizer, args, options) -> int:
         like["rng_state"] = _gpt.rng_sharded_state(rank, world)
     try:
         loaded = ckpt.load(like, args.load)
-    except (FileNotFoundError, mcx.errors.CheckpointIntegrityError) as e:
+    except (FileNotFoundError, mcx.errors.CheckpointIntegrityError,
+            mcx.errors.CheckpointLoadError) as e:
         startup_error(f"--load {args.load}: {e}")
     if loaded is None:
         return 0

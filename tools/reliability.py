@@ -613,15 +613,20 @@ BAD_CASES = [
             setup=_write("empty/README", "x\n")),
     BadCase("--load whose tracker names a missing checkpoint", ["--load", "{work}/dangling",
                                                                 *_OVER_GOOD],
-            r"checkpoint .*iter_0000007 is missing or was never committed",
+            r"checkpoint .*iter_0000007 does not exist; the tracker .* names it\. Fix:",
             setup=_write("dangling/latest_checkpointed_iteration.txt", "7\n")),
+    BadCase("--load at a checkpoint directory, not its save root",
+            ["--load", "{good}/iter_0000002", *_OVER_GOOD],
+            r"iter_0000002 is a checkpoint directory \(iteration 2\), not a save root.*"
+            r"point --load at \S*good"),
     BadCase("--load whose tracker is garbage", ["--load", "{work}/garbage", *_OVER_GOOD],
             r"latest_checkpointed_iteration.txt holds 'seven\\n', not an iteration number",
             setup=_write("garbage/latest_checkpointed_iteration.txt", "seven\n")),
     BadCase("--load a checkpoint of another model shape",
             ["--load", "{good}", *_OVER_GOOD[:-len(TINY)], *TINY[:2], "--hidden-size", "48",
              *TINY[4:]],
-            r"(shape|size).*mismatch|mismatch.*(shape|size)|Global shape"),
+            r"does not fit the state this job builds: Global shape mismatch .* Fix: build it "
+            r"with that run's model arguments"),
 ]
 
 
@@ -674,7 +679,9 @@ def run_case(case: BadCase, work: Path, *, inprocess: bool = False) -> dict:
         r = _trainer(case.tool, case.args(work), work)
         rc, out = r.returncode, r.stdout
     message, matched = error_line(out, case.expect)
-    return {"case": case.name, "rc": rc, "message": message, "ok": rc != 0 and matched}
+    # a start-up error is one line naming the fix and exit 2, not a traceback
+    clean = rc == 2 and "Traceback" not in out
+    return {"case": case.name, "rc": rc, "message": message, "ok": matched and clean}
 
 
 def _in_process(argv: list[str]) -> tuple[int, str]:

@@ -14,7 +14,7 @@ from .. import _crc_device, backend
 from .._runtime import rank, warn_once
 from .._threads import thread_counts
 from ..collectives import Group
-from ..errors import CheckpointIntegrityError
+from ..errors import CheckpointIntegrityError, CheckpointLoadError
 from ..options import CkptOptions
 from ..save.layout import checkpoint_name, parse_iteration, read_tracker
 from ..save.planner import copy_structure
@@ -98,6 +98,15 @@ class Loader:
                       "): their writer recorded none (MCX_WRITE_CHECKSUMS=0, or a writer the "
                       "checksum wrapper does not reach)")
         if failure is not None and not problems:
+            mismatch = _structure_mismatch(failure)
+            if mismatch is not None:  # every rank: DCP gathers each rank's failure for all
+                raise CheckpointLoadError(
+                    f"checkpoint iteration {record.iteration} ({path}) does not fit the state "
+                    f"this job builds: {mismatch}. The model (or its parallel layout's "
+                    "sharding) differs from the run that saved it. Fix: build it with that "
+                    "run's model arguments (--num-layers, --hidden-size, --ffn-hidden-size, "
+                    "--num-attention-heads, --vocab-size, ...), or start from scratch into "
+                    "another --save without --load.") from failure
             raise failure
         if not problems:
             return state
@@ -153,12 +162,18 @@ class Loader:
             raise CheckpointIntegrityError(
                 f"{what}. The loaded values are not to be trusted. Fix: "
                 f"{', '.join(fixes[:-1])}, or {fixes[-1]}")
+        skipped: list[str] = []
         for older in committed_before(path.parent, record.iteration):
             candidate = checkpoint_name(path.parent, older)
             has_manifest, bad = verify_collectively(candidate, self._group, rank=rank())
-            if not bad:
+            if bad:
+                skipped.append(f"{older} ({'; '.join(bad[:2])}{' ...' if len(bad) > 2 else ''})")
+            else:
+                passed = (f"; skipped, not verifying either: {', '.join(skipped)}" if skipped
+                          else "")
                 warn_once(f"fallback:{path}", f"{what}; --ckpt-load-fallback: loading iteration "
-                          f"{older} instead ({'verified' if has_manifest else 'no manifest'}).")
+                          f"{older} instead ({'verified' if has_manifest else 'no manifest'})"
+                          f"{passed}.")
                 fell_back_from = record.iteration
                 state = self.load(sharded_state_dict, candidate, record, explicit=True)
                 record.fell_back_from = fell_back_from
@@ -179,3 +194,26 @@ def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
         logger.info("%d of %d checkpoint items were read the stock way (unpickled, then "
                     "copied): %s", reads.stock_items, reads.stock_items + reads.direct_items,
                     reads.why_stock)
+
+
+def _structure_mismatch(failure: BaseException) -> str | None:
+    """megatron-core's reason, where it refused the checkpoint for the state's structure (a
+    tensor of another global shape, one the checkpoint lacks), on any rank; else None."""
+    causes, seen = [failure], set()
+    while causes:
+        e = causes.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__cause__ is not None:
+            causes.append(e.__cause__)
+        failures = getattr(e, "failures", None)  # torch DCP: {rank: (exception, traceback)}
+        if isinstance(failures, dict):  # its own text holds their tracebacks: read theirs
+            found = [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+            causes += [f for f in found if isinstance(f, BaseException)]
+            continue
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        if "shape mismatch" in text or "from model not in state dict" in text:
+            return text.strip().splitlines()[0][:400]
+    return None
+

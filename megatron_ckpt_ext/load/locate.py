@@ -21,7 +21,9 @@ def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = No
            metadata: dict | None = None) -> Path | None:
     """The directory of the checkpoint to load, or None where ``checkpoint_dir`` holds no
     committed checkpoint (no tracker: a missing or empty directory) after a rank-0 warning, as
-    Megatron-LM starts from scratch; ``exit_on_missing`` raises FileNotFoundError instead. A
+    Megatron-LM starts from scratch; ``exit_on_missing`` raises FileNotFoundError instead, and
+    so does a ``checkpoint_dir`` that is itself a committed checkpoint (``iter_N``: the user
+    meant its parent; starting from scratch would throw the training away silently). A
     checkpoint that was never committed (or was deleted) or lacks its common state is an error;
     with ``fallback`` the tracker's missing target gives way to the newest older committed one.
     ``metadata``: the DCP ``.metadata`` this check unpickled (megatron-core 0.19 checkpoints),
@@ -76,6 +78,13 @@ def another_iteration(root: Path, *, below: int | None = None) -> str:
 
 
 def _missing(root: Path, exit_on_missing: bool) -> None:
+    named = parse_iteration(root.name)
+    if named is not None and has_metadata(root):  # a checkpoint, not the root that holds it
+        raise CheckpointNotFound(
+            f"{root} is a checkpoint directory (iteration {named}), not a save root: a load "
+            f"takes the directory that holds the iter_* directories and its {TRACKER}. Fix: "
+            f"point --load at {root.parent} (it loads the iteration its tracker names), with "
+            f"Megatron-LM's --ckpt-step {named} (Python: load(iteration={named})) for this one.")
     what = f"{root} does not exist" if not root.exists() else f"{root} holds no {TRACKER}"
     if exit_on_missing:
         raise CheckpointNotFound(

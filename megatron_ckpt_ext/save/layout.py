@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .._runtime import rank, warn_once
 from ..collectives import Group
-from ..errors import CheckpointWriteError
+from ..errors import CheckpointIntegrityError, CheckpointWriteError
 from ..manifest import MANIFEST, write_manifest, write_marker
 
 __all__ = ["DELETING", "INCOMPLETE", "METADATA", "OLD", "REPORT", "TRACKER", "checkpoint_name",
@@ -72,7 +72,8 @@ def has_metadata(path: Path) -> bool:
 
 def read_tracker(root: str | os.PathLike[str]) -> int | None:
     """The newest committed iteration under ``root``, or None when there is no tracker file.
-    A tracker that does not hold one ASCII decimal number is an error naming the file."""
+    A tracker that does not hold one ASCII decimal number is a :class:`CheckpointIntegrityError`
+    (a ``ValueError``) naming the file and the fix."""
     path = Path(root) / TRACKER
     try:
         raw = path.read_bytes()
@@ -86,10 +87,11 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
     text = raw.strip()
     if not (0 < len(text) <= 12 and all(48 <= c <= 57 for c in text)):
         shown = raw[:40].decode("ascii", "backslashreplace")
-        raise ValueError(
+        raise CheckpointIntegrityError(
             f"{path} holds {shown!r}{'...' if len(raw) > 40 else ''}, not an iteration number "
             f"(ASCII digits). The tracker is damaged: write the iteration to load into it (e.g. "
-            f"'echo N > {path}' for an existing {root}/iter_{{N:07d}}) or pass load(iteration=N).")
+            f"'echo N > {path}' for an existing {root}/iter_{{N:07d}}), or name the iteration "
+            "(Megatron-LM: --ckpt-step N; verify: --iteration N; Python: load(iteration=N)).")
     return int(text)
 
 

@@ -99,6 +99,7 @@ def test_ground_modules_import_nothing_from_the_package(module):
 DOCUMENTED_BUILTINS = {
     ("__init__.py", "AttributeError"): "protocol: module __getattr__",
     ("arguments.py", "argparse.ArgumentTypeError"): "protocol: argparse's type= callables",
+    ("__main__.py", "argparse.ArgumentTypeError"): "protocol: argparse's type= callables",
     ("launch.py", "SystemExit"): "protocol: a command line's exit status",
     ("spool.py", "queue.Empty"): "protocol: the queue the writers read",
     ("_threads.py", "ValueError"): "bad argument",
@@ -106,8 +107,7 @@ DOCUMENTED_BUILTINS = {
     ("options.py", "ValueError"): "bad argument (extra= of from_config)",
     ("fsdp.py", "ValueError"): "bad argument (a model or optimizer it cannot shard)",
     ("fsdp.py", "KeyError"): "bad argument (a loaded mapping that lacks an entry)",
-    ("save/layout.py", "ValueError"): "bad argument (a plain tensor in the state dict); the "
-                                      "damaged tracker's is to become a package error",
+    ("save/layout.py", "ValueError"): "bad argument (a plain tensor in the state dict)",
     ("staging/shm.py", "ValueError"): "bad argument (keys) / internal (a seal's sizes, dtype)",
     ("fsdp.py", "RuntimeError"): "wrong state (no process group)",
     ("checkpointer.py", "RuntimeError"): "wrong state (a closed Checkpointer)",

@@ -91,3 +91,55 @@ def test_an_integrity_error_gives_fixes_a_command_line_user_can_apply(tmp_path):
     message = str(e.value)
     assert message.count(bad.name) == 1, message
     assert "--ckpt-step N" in message and f"echo N > {tmp_path}" in message, message
+
+
+def test_the_fallback_names_the_older_checkpoints_it_skipped_too(tmp_path, caplog):
+    _save(tmp_path, [1, 2, 3])
+    _flip_bit(next((tmp_path / "iter_0000003").glob("*.distcp")))
+    (tmp_path / "iter_0000002" / manifest.MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(_load(tmp_path, ckpt_load_fallback=True), _state(1)["w"])
+    said = [w for w in _warnings(caplog) if "loading iteration 1 instead" in w]
+    assert said and "skipped, not verifying either: 2 (" in said[0], _warnings(caplog)
+
+
+def test_a_load_pointed_at_a_checkpoint_directory_names_its_parent(tmp_path):
+    """--load DIR/iter_0000002 (a checkpoint, not the save root that holds it) must not start
+    from scratch silently: the error names the root and the iteration flag."""
+    _save(tmp_path, [1, 2])
+    with pytest.raises(CheckpointNotFound) as e:
+        _load(tmp_path / "iter_0000002")
+    message = str(e.value)
+    assert "is a checkpoint directory (iteration 2), not a save root" in message, message
+    assert f"point --load at {tmp_path}" in message and "--ckpt-step 2" in message, message
+
+
+def test_a_damaged_tracker_is_an_integrity_error_naming_the_flags(tmp_path):
+    _save(tmp_path, [1])
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("seven\n")
+    with pytest.raises(CheckpointIntegrityError) as e:
+        _load(tmp_path)
+    assert isinstance(e.value, ValueError)  # what it raised before
+    message = str(e.value)
+    assert "holds 'seven\\n', not an iteration number" in message, message
+    assert "--ckpt-step N" in message and "--iteration N" in message, message
+
+
+@pytest.mark.parametrize("case", ["shape", "missing"])
+def test_a_checkpoint_of_another_model_is_a_load_error_naming_the_tensor_and_the_fix(tmp_path,
+                                                                                     case):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_ckpt_ext.errors import CheckpointLoadError
+
+    _save(tmp_path, [1])
+    like = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6), replica_id=0)}
+    if case == "missing":  # the saved key, and one the checkpoint lacks
+        like = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(_state(1)["w"]),
+                                                   replica_id=0) for k in ("w", "extra")}
+    with Checkpointer(CkptOptions()) as ck, pytest.raises(CheckpointLoadError) as e:
+        ck.load(like, tmp_path)
+    message = str(e.value)
+    want = "Global shape mismatch" if case == "shape" else "extra from model not in state dict"
+    assert f"does not fit the state this job builds: {want}" in message, message
+    assert "Fix: build it with that run's model arguments" in message, message

@@ -78,6 +78,11 @@ def test_resume_continues_at_the_next_iteration_and_never_rewrites_a_commit(tmp_
     assert {name: after[name] for name in before} == before, "a committed checkpoint was rewritten"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(2 * N)
     assert not list(ckpt.glob("*.incomplete")) and not (ckpt / "iter_0000000").exists()
+    # --train-iters below the resumed iteration: nothing is trained, saved or made up
+    third = train(ckpt, N, *ASYNC_CPU_SHM, load=ckpt)
+    assert f"nothing to train: --train-iters {N} (resumed from {ckpt} at iteration {2 * N})" \
+        in third and f"done at iteration {2 * N}\n" in third, third
+    assert committed(ckpt) == after
 
     # The resumed run ends where one uninterrupted run (plain sync saves) ends, bit for bit: the
     # model, the optimizer's momentum and every rank's data stream were restored.
@@ -103,3 +108,16 @@ def test_readme_shows_the_example_loop_verbatim():
         "README.md must show the loop of examples/train_loop.py (between its [readme] markers) "
         "as one ```python block, unchanged")
     assert "python -m torch.distributed.run --nproc-per-node 2 examples/train_loop.py" in readme
+
+
+@pytest.mark.functional
+@pytest.mark.timeout(300)
+def test_a_bad_flag_value_is_said_once_not_by_every_rank(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLE), "--dist-ckpt-workers", "0", "--train-iters", "1"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0
+    said = [ln for ln in (r.stdout + r.stderr).splitlines()
+            if "train_loop.py: error: argument --dist-ckpt-workers" in ln]
+    assert len(said) == 1, r.stdout + r.stderr

@@ -103,7 +103,8 @@ def test_short_soak_keeps_memory_shm_fds_and_children_flat():
 PARSE_CASES = [c for c in rel.BAD_CASES if c.stage == "parse" and c.tool == rel.TRAINER]
 RUN_CASES = [c for c in rel.BAD_CASES if c.name in (
     "--save under a regular file", "missing --load directory (--exit-on-missing-checkpoint)",
-    "--load whose tracker is garbage",
+    "--load whose tracker is garbage", "--load whose tracker names a missing checkpoint",
+    "--load at a checkpoint directory, not its save root",
     "unknown config key in a recipe (asynch_save)",
     "--load a checkpoint of another model shape")]
 
