@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from . import backend
 from ._runtime import Recent, rank, warn_once
+from .debug import env_switch
 from .errors import MegatronAdapterError
 from .options import CkptOptions
 from .save.layout import parse_iteration
@@ -283,10 +284,18 @@ def _warming_setup(original: Callable[..., Any] | None) -> Callable[..., Any] | 
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
         load = _dir_arg("load")
         if load is not None and _state.route_load:
+            t0 = time.perf_counter()
             with _lock:
                 checkpointer = _state.get_checkpointer()
-                if hasattr(checkpointer, "prepare_restore"):
+                t1 = time.perf_counter()
+                prepare = env_switch("MCX_PREPARE_RESTORE") != "0"
+                if prepare and hasattr(checkpointer, "prepare_restore"):
                     checkpointer.prepare_restore(load)
+            if rank() == 0:
+                logger.info("megatron-ckpt-ext: before the model build: checkpointer %.3f s, "
+                            "restore %s %.3f s", t1 - t0, "prepared (started) in" if prepare
+                            else "not prepared (MCX_PREPARE_RESTORE=0)",
+                            time.perf_counter() - t1)
         return original(*args, **kwargs)
 
     return setup_model_and_optimizer

@@ -84,6 +84,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "<dir>: run every save() under torch's CUDA sync debug mode and append where it "
               "waited for the device (each synchronizing call's stack, with the phase it fell "
               "in) to <dir>/sync_points_rank<R>.jsonl"),
+    EnvSwitch("MCX_PREPARE_RESTORE", "1",
+              "0: the launcher does not prepare a restore while Megatron builds the model (no "
+              "prepare_restore: the load maps, sums and pins what it restores itself)"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

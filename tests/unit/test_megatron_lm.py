@@ -325,6 +325,17 @@ def test_setup_warms_the_restore_of_load_before_the_model_is_built(mlm, load):
         assert made[0].events == ["model built and loaded"]
 
 
+def test_mcx_prepare_restore_0_leaves_the_restore_to_the_load(mlm, monkeypatch):
+    made: list[FakeCheckpointer] = []
+    mlm.mods["checkpointing"].get_args = lambda: argparse.Namespace(load="/ckpt", save="/ckpt")
+    mlm.mods["training"].setup_model_and_optimizer = lambda *a, **k: ("m", "o", "s")
+    monkeypatch.setenv("MCX_PREPARE_RESTORE", "0")
+    megatron_lm.install(options=CkptOptions(async_save=True), modules=mlm.mods,
+                        checkpointer_factory=lambda o: made.append(FakeCheckpointer(o)) or made[-1])
+    assert mlm.mods["training"].setup_model_and_optimizer("provider", "t") == ("m", "o", "s")
+    assert made and made[0].restores_prepared == []
+
+
 def test_sync_save_is_committed_before_megatron_writes_its_tracker(mlm):
     made = _install(mlm, async_save=False)
     result = mlm.mods["checkpointing"].dist_checkpointing.save({}, "/ckpt/iter_0000003", None,
