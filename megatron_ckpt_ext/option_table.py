@@ -160,9 +160,9 @@ class _KnobTable:
     ckpt_load_fallback: bool = _knob(
         False,
         flag="--ckpt-load-fallback",
-        help="When the checkpoint the tracker names fails verification, load the newest older "
-        "committed checkpoint that verifies (said on rank 0) instead of raising. A load of an "
-        "explicit iteration still raises.",
+        help="When the checkpoint the tracker names fails verification or is missing, load the "
+        "newest older committed checkpoint that verifies (said on rank 0) instead of raising. "
+        "A load of an explicit iteration still raises.",
     )
     ckpt_memory_restore: bool = _knob(
         True,
