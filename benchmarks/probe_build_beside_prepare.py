@@ -126,6 +126,43 @@ def one(variant: str, buffers: list[torch.Tensor], args: argparse.Namespace) -> 
             "both_s": round(both_s, 4)}
 
 
+def copies(buffers: list[torch.Tensor], threads_list: list[int], repeats: int) -> dict:
+    """What a restore's copies cost without any preparation: every buffer copied to the device
+    from its pageable mapping (the driver stages it) on 1..N threads, against registering them
+    all (alone, nothing beside it) and the copy once registered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    nbytes = sum(b.numel() for b in buffers)
+    dst = [torch.empty(b.numel(), dtype=torch.uint8, device=DEVICE[0]) for b in buffers]
+
+    def copy_all(threads: int) -> float:
+        def one(i: int) -> None:
+            dst[i].copy_(buffers[i])
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(len(buffers))))
+        if DEVICE[0] == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    out: dict = {"bytes": nbytes}
+    # a restarted process maps the snapshot afresh: its first copy faults every page in
+    out[f"pageable_fresh_t{max(threads_list)}_s"] = round(copy_all(max(threads_list)), 4)
+    for threads in threads_list:
+        got = [copy_all(threads) for _ in range(repeats)]
+        out[f"pageable_t{threads}_s"] = round(min(got), 4)
+    t0 = time.perf_counter()
+    register(buffers)
+    out["register_s"] = round(time.perf_counter() - t0, 4)
+    for threads in (1, max(threads_list)):
+        out[f"pinned_t{threads}_s"] = round(min(copy_all(threads) for _ in range(repeats)), 4)
+    t0 = time.perf_counter()
+    unregister(buffers)
+    out["unregister_s"] = round(time.perf_counter() - t0, 4)
+    print("copies", out, flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.75, help="the snapshot's bytes (134M: 1.75)")
@@ -137,6 +174,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--json", default=None)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run")
+    p.add_argument("--copies", action="store_true",
+                   help="also time the restore's copies without preparation: pageable copies on "
+                   "1, 4 and 16 threads, registration alone, pinned copies")
     args = p.parse_args()
     DEVICE[0] = args.device
     if args.device == "cuda":
@@ -151,6 +191,11 @@ def main() -> None:
             for v in args.variants:
                 runs[v].append(one(v, buffers, args))
                 print(v, runs[v][-1], flush=True)
+        copied = None
+        if args.copies:  # a fresh mapping of the same files, as a restarted process has
+            fresh = [torch.from_file(f"/dev/shm/{prefix}_{i}", shared=True, size=b.numel(),
+                                     dtype=torch.uint8) for i, b in enumerate(buffers)]
+            copied = copies(fresh, [1, 4, 16], args.repeats)
     finally:
         for i in range(args.buffers):
             try:
@@ -163,7 +208,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                       "args": vars(args),
+                       "args": vars(args), "copies": copied,
                        "runs": runs, "median": summary}, fh, indent=1)
 
 

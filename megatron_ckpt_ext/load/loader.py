@@ -31,20 +31,24 @@ logger = logging.getLogger(__name__)
 
 
 def read_ahead(options: CkptOptions, root: Path, *, pin_chunks: bool) -> None:
-    """Before a load of ``root``, while the model is built (``Checkpointer.prepare_restore``):
-    the device CRC a verifying load sums with is built, and, with ``pin_chunks`` (the load will
-    read storage), where ``root`` has a committed checkpoint (its tracker) to read with parallel
+    """Before a load of ``root``, while the model is built (``Checkpointer.prepare_restore``),
+    where ``root`` has a committed checkpoint (its tracker; without one nothing is done: a first
+    start needs none of it, and it would slow the model build): the device CRC a verifying load
+    sums with is built, and, with ``pin_chunks`` (the load will read storage) and parallel
     reads, the items' layouts in this rank's files of it are parsed (the load's metadata step)
     and, in a process using CUDA, the pinned chunks the reads copy through are made, each on a
     thread of its own (a process's first load paid both: docs/node/README.md)."""
     import torch
 
+    try:
+        tracked = read_tracker(root)
+    except (ValueError, OSError):  # a damaged or unreadable tracker: the load says so
+        tracked = None
+    if tracked is None:  # nothing committed (a first start with --load = --save)
+        return
     _crc_device.warm_up_current(options)
     threads = thread_counts(load_read=options.ckpt_load_threads)
-    try:
-        iteration = read_tracker(root) if pin_chunks and threads.load_read > 1 else None
-    except (ValueError, OSError):  # a damaged or unreadable tracker: the load says so
-        iteration = None
+    iteration = tracked if pin_chunks and threads.load_read > 1 else None
     if iteration is None:
         return
     backend.parse_layouts_ahead(checkpoint_name(root, iteration), rank())
