@@ -32,25 +32,25 @@ logger = logging.getLogger(__name__)
 
 def read_ahead(options: CkptOptions, root: Path, *, pin_chunks: bool) -> None:
     """Before a load of ``root``, while the model is built (``Checkpointer.prepare_restore``),
-    where ``root`` has a committed checkpoint (its tracker; without one nothing is done: a first
-    start needs none of it, and it would slow the model build): the device CRC a verifying load
-    sums with is built, and, with ``pin_chunks`` (the load will read storage) and parallel
-    reads, the items' layouts in this rank's files of it are parsed (the load's metadata step)
-    and, in a process using CUDA, the pinned chunks the reads copy through are made, each on a
-    thread of its own (a process's first load paid both: docs/node/README.md)."""
+    where ``root`` has a committed checkpoint (its tracker) and ``pin_chunks`` (the load will
+    read storage; not where the node's memory restores it), else nothing (it would only slow the
+    model build: docs/MEMORY.md): the device CRC a verifying load sums with is built, and, with
+    parallel reads, the items' layouts in this rank's files of it are parsed (the load's
+    metadata step) and, in a process using CUDA, the pinned chunks the reads copy through are
+    made, each on a thread of its own (a process's first load paid both: docs/node/README.md)."""
     import torch
 
     try:
         tracked = read_tracker(root)
     except (ValueError, OSError):  # a damaged or unreadable tracker: the load says so
         tracked = None
-    if tracked is None:  # nothing committed (a first start with --load = --save)
-        return
+    if tracked is None or not pin_chunks:  # nothing committed (a first start with --load =
+        return  # --save), or restored from memory (a storage load after a refusal sums on the host)
     _crc_device.warm_up_current(options)
     threads = thread_counts(load_read=options.ckpt_load_threads)
-    iteration = tracked if pin_chunks and threads.load_read > 1 else None
-    if iteration is None:
+    if threads.load_read <= 1:
         return
+    iteration = tracked
     backend.parse_layouts_ahead(checkpoint_name(root, iteration), rank())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         backend.pin_chunks_ahead(threads.load_read, threads.checksum)
