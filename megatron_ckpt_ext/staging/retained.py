@@ -13,6 +13,7 @@ half-written seal file (``.json.tmp<pid>``) of a process killed between the writ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -101,9 +102,14 @@ def write_seal(seal: Seal, shm_dir: str, *, path: str | None = None) -> str:
     seal.generation = seal.generation or os.urandom(8).hex()
     data = {k: v for k, v in asdict(seal).items() if k != "file"}
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except BaseException:  # a full /dev/shm: no half-written file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 

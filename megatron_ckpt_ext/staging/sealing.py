@@ -104,7 +104,13 @@ class _Sealing:
             try:
                 write_seal(seal, self.shm_dir)
             except OSError as e:  # no snapshot then: a restart reads storage
-                logger.warning("could not seal the staging buffers as a snapshot: %s", e)
+                if not getattr(self, "_seal_failed_said", False):  # each process once: a
+                    self._seal_failed_said = True  # full /dev/shm fails every save alike
+                    logger.warning(
+                        "rank %d: could not seal the staging buffers of iteration %d as a "
+                        "snapshot (%s); until a seal succeeds a restart reads storage (said "
+                        "once). Fix: free /dev/shm (python -m megatron_ckpt_ext shm list)",
+                        self.rank, seal.iteration, e)
                 return
             if self.partner is not None:  # --ckpt-memory-partner: copied to another node
                 self.partner.replicate(seal, cancel)

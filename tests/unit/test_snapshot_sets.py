@@ -176,3 +176,34 @@ def test_a_cancelled_seal_sums_no_further_buffer(monkeypatch, threads):
     assert len(seen) <= 2 * threads, len(seen)
     uncancelled = retained.crc32_all(buffers[:5], threads=threads)
     assert uncancelled == [original(b) for b in buffers[:5]]
+
+
+def test_a_seal_that_cannot_be_written_is_said_once_and_leaves_no_file(tmp_path, make,
+                                                                        monkeypatch, caplog):
+    """/dev/shm full after the buffers were made (another job filled it): every save's seal
+    fails alike; the process says so once (not at every save), leaves no half-written seal,
+    and a later seal that fits is written."""
+    import errno
+    import json
+    import logging
+
+    from megatron_ckpt_ext.staging import retained
+
+    real_dump = json.dump
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    root = tmp_path / "ckpt"
+    stager = make(1)
+    monkeypatch.setattr(retained.json, "dump", full)
+    with caplog.at_level(logging.WARNING, logger="megatron_ckpt_ext.staging.sealing"):
+        _save_and_seal(stager, root, 1)
+        _save_and_seal(stager, root, 2)
+    said = [r for r in caplog.records if "could not seal" in r.getMessage()]
+    assert len(said) == 1 and "No space left" in said[0].getMessage(), caplog.text
+    assert _sealed(tmp_path, root) is None
+    assert not [p for p in tmp_path.iterdir() if ".json.tmp" in p.name]
+    monkeypatch.setattr(retained.json, "dump", real_dump)
+    _save_and_seal(stager, root, 3)
+    assert _sealed(tmp_path, root).iteration == 3
