@@ -323,12 +323,12 @@ class PartnerLink:
         try:
             entries = self._receive_entries(conn, seal.entries, f"{self.job_id}copy", seal.rank,
                                             made)
+            copy = replace(seal, entries=entries, file="", replica_of=request.get("from", ""))
+            write_seal(copy, self.shm_dir, path=target)  # /dev/shm full: no unsealed copy kept
         except (OSError, PartnerError) as e:
             for path in made:
                 _unlink(path)
             return {"ok": False, "why": str(e)}
-        copy = replace(seal, entries=entries, file="", replica_of=request.get("from", ""))
-        write_seal(copy, self.shm_dir, path=target)
         self._roots.add(seal.root)
         return {"ok": True}
 

@@ -316,3 +316,15 @@ def test_a_partner_whose_shared_memory_is_full_refuses_the_copy_and_keeps_nothin
     a.replicate(seal, threading.Event())
     _wait(a, "partner_failures", 2)
     assert os.listdir(dirs[1]) == []
+    monkeypatch.undo()
+    # the bytes fit but the seal does not (the last few KB taken meanwhile): nothing kept
+    from megatron_ckpt_ext.staging import retained
+
+    def no_room(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(retained.json, "dump", no_room)
+    a.replicate(seal, threading.Event())
+    _wait(a, "partner_failures", 3)
+    assert "No space left" in a.stats["partner_last_error"], a.stats
+    assert os.listdir(dirs[1]) == []
