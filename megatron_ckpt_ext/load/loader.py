@@ -220,4 +220,3 @@ def _structure_mismatch(failure: BaseException) -> str | None:
         if "shape mismatch" in text or "from model not in state dict" in text:
             return text.strip().splitlines()[0][:400]
     return None
-
