@@ -31,7 +31,7 @@ from .collectives import Group
 from .debug import env_switch, profiled
 from .errors import CheckpointWriteError, InsufficientHostMemory
 from .hooks import SaveHooks, chain, writer_trace
-from .load import locate
+from .load import locate, refuse_plain_targets
 from .load.loader import Loader, read_ahead
 from .load.memory import (discard_snapshot, release_warm_restore, restore_from_memory,
                           tensor_layout, warm_restore)
@@ -346,19 +346,18 @@ class Checkpointer(_SaveSteps):
     @gc_pauses(None)  # as a save's: no full collection of the heap inside; they run after it
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict | None:
-        """Collective: load the committed checkpoint named by the tracker (or ``iteration``)
-        into ``sharded_state_dict`` and return the loaded state dict.
-
-        Where ``checkpoint_dir`` holds no committed checkpoint (no tracker: a missing or empty
-        directory), returns None after a rank-0 warning, as Megatron-LM starts from scratch;
-        with ``--exit-on-missing-checkpoint`` raises FileNotFoundError instead. A checkpoint
-        with an integrity manifest is verified while it loads (``--no-ckpt-verify-load`` skips
-        it): a mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors
+        """Collective: load the tracker's checkpoint (or ``iteration``) into ``sharded_state_dict``
+        and return the loaded state dict. Where ``checkpoint_dir`` holds no committed checkpoint
+        (no tracker: a missing or empty directory), returns None after a rank-0 warning, as
+        Megatron-LM starts from scratch; with ``--exit-on-missing-checkpoint`` raises
+        FileNotFoundError instead. A checkpoint with an integrity manifest is verified while it
+        loads (``--no-ckpt-verify-load`` skips it): a mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors
         may hold the bad values then), or with ``--ckpt-load-fallback`` loads the newest older
-        checkpoint that verifies. With cpu-shm staging, the buffers for the loaded structure are
-        then allocated in the background (:meth:`prepare`), so the first save after a resume
-        stages like a steady one."""
+        checkpoint that verifies. A plain tensor target raises ``ValueError`` (as in save()).
+        With cpu-shm staging, the buffers for the loaded structure are then allocated in the
+        background (:meth:`prepare`), so the first save after a resume stages like a steady one."""
         self._check_open()
+        refuse_plain_targets(sharded_state_dict, self._group)  # (C)
         record = LoadRecord(root=Path(checkpoint_dir))
         read: dict = {}  # the .metadata locate() unpickled, for the load: read once per rank
         path = locate(checkpoint_dir, iteration=iteration,

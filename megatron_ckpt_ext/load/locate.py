@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from .. import backend
-from .._runtime import warn_once
+from .._runtime import rank, warn_once
 from ..errors import CheckpointNotFound
 from ..save.layout import (TRACKER, checkpoint_name, has_metadata, parse_iteration, read_tracker,
                            warn_incomplete)
 from .verify import committed_before
 
-__all__ = ["another_iteration", "locate"]
+__all__ = ["another_iteration", "locate", "refuse_plain_targets"]
 
 
 def locate(checkpoint_dir: str | os.PathLike[str], *, iteration: int | None = None,
@@ -94,3 +95,25 @@ def _missing(root: Path, exit_on_missing: bool) -> None:
     warn_once(f"missing-checkpoint:{root}",
               f"no committed checkpoint to load: {what}; starting from "
               "scratch (--exit-on-missing-checkpoint makes this an error).")
+
+
+def refuse_plain_targets(sharded_state_dict: Any, group: Any) -> None:
+    """Collective: a plain torch tensor of more than one element among a load's targets is
+    refused on every rank (naming it where it is), before anything is read: megatron-core fills
+    plain entries from the checkpoint's common state only, so such a tensor would keep its
+    values without a word. The save refuses the same (a one-element tensor stays common state)."""
+    plain = [(k, t) for k, t in backend.plain_tensors(sharded_state_dict) if t.numel() > 1]
+    (bad_rank,) = group.all_max([float(rank()) if plain else -1.0])
+    if bad_rank < 0:
+        return
+    if not plain:
+        raise ValueError(f"load: rank {int(bad_rank)}'s state dict holds plain torch tensors "
+                         "(see that rank's error for their keys). Nothing was loaded.")
+    key, t = plain[0]
+    more = f" (and {len(plain) - 1} more: {[k for k, _ in plain[1:4]]})" if len(plain) > 1 else ""
+    raise ValueError(
+        f"load: '{key}' is a plain torch.Tensor of shape {tuple(t.shape)}{more}, not a "
+        "megatron-core ShardedTensor: megatron-core fills plain entries from the checkpoint's "
+        "common state only, so it would keep its values unchanged. Nothing was loaded. Fix: "
+        "wrap it as the save did, e.g. ShardedTensor.from_rank_offsets(key, t, "
+        "replica_id=dp_rank), or (axis, rank, world_size) for one split along an axis.")

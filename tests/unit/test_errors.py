@@ -108,6 +108,7 @@ DOCUMENTED_BUILTINS = {
     ("fsdp.py", "ValueError"): "bad argument (a model or optimizer it cannot shard)",
     ("fsdp.py", "KeyError"): "bad argument (a loaded mapping that lacks an entry)",
     ("save/layout.py", "ValueError"): "bad argument (a plain tensor in the state dict)",
+    ("load/locate.py", "ValueError"): "bad argument (a plain tensor among a load's targets)",
     ("staging/shm.py", "ValueError"): "bad argument (keys) / internal (a seal's sizes, dtype)",
     ("fsdp.py", "RuntimeError"): "wrong state (no process group)",
     ("checkpointer.py", "RuntimeError"): "wrong state (a closed Checkpointer)",

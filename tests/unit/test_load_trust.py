@@ -143,3 +143,18 @@ def test_a_checkpoint_of_another_model_is_a_load_error_naming_the_tensor_and_the
     want = "Global shape mismatch" if case == "shape" else "extra from model not in state dict"
     assert f"does not fit the state this job builds: {want}" in message, message
     assert "Fix: build it with that run's model arguments" in message, message
+
+
+def test_a_plain_tensor_target_is_refused_by_the_load_not_left_unloaded(tmp_path):
+    """load({"w": torch.Tensor}) returned without 'w', the tensor unchanged, no word: megatron-
+    core fills plain entries from common state only. The load refuses it as the save does."""
+    _save(tmp_path, [1])
+    target = torch.full((512,), -1.0)
+    with Checkpointer(CkptOptions()) as ck, pytest.raises(ValueError) as e:
+        ck.load({"w": target}, tmp_path)
+    assert "'w' is a plain torch.Tensor of shape (512,)" in str(e.value), e.value
+    assert "ShardedTensor.from_rank_offsets" in str(e.value)
+    assert torch.equal(target, torch.full((512,), -1.0))
+    with Checkpointer(CkptOptions()) as ck:  # a one-element tensor stays common state
+        assert torch.equal(ck.load(dict(sharded(0, 1, {"w": torch.zeros(512)}),
+                                        step=torch.tensor(1)), tmp_path)["w"], _state(1)["w"])
