@@ -38,7 +38,7 @@ from .load.memory import (discard_snapshot, release_warm_restore, restore_from_m
 from .load.report import LoadRecord, log_load
 from .options import CkptOptions
 from .save.joblock import JobLock
-from .save.layout import TRACKER, checkpoint_name, read_tracker
+from .save.layout import TRACKER, checkpoint_name, iteration_number, read_tracker
 from .save.planner import SavePlanner, copy_leaves, copy_structure
 from .save.publish import Publisher
 from .save.report import SaveRecord, gc_pauses
@@ -258,6 +258,7 @@ class Checkpointer(_SaveSteps):
            (save() returns; :meth:`maybe_finalize` commits); sync, write and (C) commit now.
         """
         self._check_open()
+        iteration = iteration_number(iteration)  # an int-like one as an int; else a ValueError
         self._joblock.hold(checkpoint_dir)  # (C) the first save into a root takes its lock
         if self._preemption is not None:  # the first save started after the signal is the exit's
             self._preemption.save_started(iteration, self._group)

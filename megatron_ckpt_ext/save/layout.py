@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import re
 import shutil
@@ -23,9 +24,9 @@ from ..errors import CheckpointIntegrityError, CheckpointWriteError
 from ..manifest import MANIFEST, write_manifest, write_marker
 
 __all__ = ["DELETING", "INCOMPLETE", "METADATA", "OLD", "REPORT", "TRACKER", "checkpoint_name",
-           "commit_on_disk", "has_metadata", "incomplete_name", "is_committed", "leftovers",
-           "open_workdir", "parse_iteration", "read_tracker", "remove_torn_saves", "suffixed",
-           "tracker_text", "warn_incomplete"]
+           "commit_on_disk", "has_metadata", "incomplete_name", "is_committed", "iteration_number",
+           "leftovers", "open_workdir", "parse_iteration", "read_tracker", "remove_torn_saves",
+           "suffixed", "tracker_text", "warn_incomplete"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,23 @@ _COMMITTED = re.compile(_PREFIX + r"([0-9]{7}|[1-9][0-9]{7,})")
 
 
 def checkpoint_name(root: str | os.PathLike[str], iteration: int) -> Path:
-    return Path(root) / f"{_PREFIX}{iteration:07d}"
+    return Path(root) / f"{_PREFIX}{iteration_number(iteration):07d}"
+
+
+def iteration_number(value: Any) -> int:
+    """``value`` as a checkpoint's iteration: a non-negative integer (a numpy one too), not a
+    bool, a string or a float: anything else is a ValueError naming it (``iteration=-1`` made
+    ``iter_-000001``, ``"2"`` failed inside a format string)."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = -1
+        if number >= 0:
+            return number
+    raise ValueError(f"iteration={value!r} ({type(value).__name__}): a checkpoint's iteration "
+                     "is a non-negative integer, the training step it was saved at. Fix: pass "
+                     "it as an int (save(state, dir, iteration=int(step))).")
 
 
 def parse_iteration(name: str) -> int | None:

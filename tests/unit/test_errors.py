@@ -107,7 +107,8 @@ DOCUMENTED_BUILTINS = {
     ("options.py", "ValueError"): "bad argument (extra= of from_config)",
     ("fsdp.py", "ValueError"): "bad argument (a model or optimizer it cannot shard)",
     ("fsdp.py", "KeyError"): "bad argument (a loaded mapping that lacks an entry)",
-    ("save/layout.py", "ValueError"): "bad argument (a plain tensor in the state dict)",
+    ("save/layout.py", "ValueError"): "bad argument (a plain tensor in the state dict, an "
+                                      "iteration that is no non-negative integer)",
     ("load/locate.py", "ValueError"): "bad argument (a plain tensor among a load's targets)",
     ("staging/shm.py", "ValueError"): "bad argument (keys) / internal (a seal's sizes, dtype)",
     ("fsdp.py", "RuntimeError"): "wrong state (no process group)",

@@ -158,3 +158,16 @@ def test_a_plain_tensor_target_is_refused_by_the_load_not_left_unloaded(tmp_path
     with Checkpointer(CkptOptions()) as ck:  # a one-element tensor stays common state
         assert torch.equal(ck.load(dict(sharded(0, 1, {"w": torch.zeros(512)}),
                                         step=torch.tensor(1)), tmp_path)["w"], _state(1)["w"])
+
+
+@pytest.mark.parametrize("bad", [-1, "2", 1.5, True])
+def test_an_iteration_that_is_no_non_negative_integer_is_refused_naming_it(tmp_path, bad):
+    import numpy as np
+
+    with Checkpointer(CkptOptions()) as ck:
+        with pytest.raises(ValueError, match=r"iteration=.*is a non-negative integer"):
+            ck.save(sharded(0, 1, _state(1)), tmp_path, iteration=bad)
+        ck.save(sharded(0, 1, _state(3)), tmp_path, iteration=np.int64(3))  # an int-like one
+        with pytest.raises(ValueError, match=r"iteration=.*is a non-negative integer"):
+            ck.load(sharded(0, 1, {"w": torch.zeros(512)}), tmp_path, iteration=bad)
+    assert not list(tmp_path.glob("iter_-*")) and (tmp_path / "iter_0000003").is_dir()
