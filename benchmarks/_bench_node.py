@@ -49,6 +49,35 @@ def parse_ranks_per_device(text: str) -> int | None:
     return value
 
 
+def positive(kind: type) -> Any:
+    """An argparse ``type=``: a number of ``kind`` above 0 (a size, a count), else the usage
+    error naming it (a size of -1 GiB or 0 repeats ran, or failed at the end)."""
+    import argparse
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a number above 0")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def writable_file(text: str) -> str:
+    """An argparse ``type=`` for a result file: its directory must exist and be writable now,
+    not at the end of the run."""
+    import argparse
+
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {folder} is no writable directory")
+    return text
+
+
 def add_ranks_per_device(parser: Any) -> None:
     """``--ranks-per-device N|auto`` on an argparse parser (parsed: an int, or None for auto)."""
     import argparse

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     node.add_ranks_per_device(p)
-    p.add_argument("--gib-per-rank", type=float, nargs="+", default=[8.0],
+    p.add_argument("--gib-per-rank", type=node.positive(float), nargs="+", default=[8.0],
                    help="state sizes per rank in GiB, largest first is cheapest on disk")
     p.add_argument("--saves", type=int, default=10, help="saves per mode (50 for the flatness check)")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    " (or a source: megatron, torch_dcp, ours)")
     p.add_argument("--out", default="/tmp/bench_ckpt", help="checkpoint root (one dir per mode, "
                    "deleted after the mode)")
-    p.add_argument("--json", default=None, help="result JSON (default OUT/bench.json); rewritten "
+    p.add_argument("--json", default=None, type=node.writable_file,
+                   help="result JSON (default OUT/bench.json); rewritten "
                    "after every mode, so a killed run keeps what it measured")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny state, 3 saves, small floors, no settle time (CI)")

@@ -95,7 +95,11 @@ def parallel_read_s(files: Path | list[Path], threads: int,
 
     try:
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(start, range(threads)))
+            try:
+                list(pool.map(start, range(threads)))
+            except BaseException:  # (Ctrl-C) the started threads must not wait for the others
+                started.abort()
+                raise
             ready()
             t0 = time.perf_counter()
             list(pool.map(read, jobs))
@@ -318,12 +322,13 @@ def _ratio(a: float | None, b: float | None, minus: float = 0.0) -> float | None
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=4.0, help="state size per rank")
-    p.add_argument("--repeats", type=int, default=2, help="runs per source and cache state")
+    p.add_argument("--gib", type=node.positive(float), default=4.0, help="state size per rank")
+    p.add_argument("--repeats", type=node.positive(int), default=2,
+                   help="runs per source and cache state")
     p.add_argument("--threads", type=int, default=None,
                    help="threads per rank of the read floors (default: twice the reading "
                    "threads that suit this rank's share of the cores)")
-    p.add_argument("--load-threads", type=int, nargs="+", default=[None],
+    p.add_argument("--load-threads", type=node.positive(int), nargs="+", default=[None],
                    help="--ckpt-load-threads for ours (default: the option's default); several "
                    "values: each repeat loads ours with each in turn (an A/B in one run), the "
                    "runs name theirs (load_threads) and the targets are the first value's")
@@ -335,13 +340,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between our prepare_restore() and the load (the model build a "
                         "resume runs meanwhile; 0: none)")
     p.add_argument("--out", default="/tmp/bench_load")
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", required=True, type=node.writable_file)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
     p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
                    help="loaders to time (default all; torch_dcp runs at one rank only)")
     p.add_argument("--caches", nargs="+", choices=("cold", "warm"), default=["cold", "warm"],
                    help="page-cache states to time (default both)")
-    p.add_argument("--chunk-mib", type=int, default=None,
+    p.add_argument("--chunk-mib", type=node.positive(int), default=None,
                    help="our storage read's piece in MiB (default: the package's, "
                         "backend/direct_read.py DEFAULT_CHUNK); the JSON names it")
     args = p.parse_args(argv)
