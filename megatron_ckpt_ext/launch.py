@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -72,8 +73,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _script_and_args(argv: list[str]) -> tuple[Path, list[str]]:
+    if argv and argv[0] == "--":  # the usual end of options: the script follows
+        argv = argv[1:]
     if not argv:
         raise LaunchError(f"no training script given\n{USAGE}", exit_code=2)
+    if argv[0].startswith("-"):
+        raise LaunchError(f"unknown launcher option {argv[0]}: the launcher takes only -h/--help"
+                          " before the script; the script's own flags go after its path\n"
+                          f"{USAGE}", exit_code=2)
     script = Path(argv[0])
     if not script.is_file():
         what = "is a directory" if script.is_dir() else "does not exist"
@@ -105,6 +112,12 @@ def _install() -> str:
     """Install the adapter and wrap Megatron's parser; returns the wrapped function's name."""
     seams = backend.megatron_training_seams()
     if seams.error is not None:
+        missing = re.search(r"No module named '([^']+)'", seams.error)
+        if missing and not missing.group(1).startswith("megatron"):  # present, a dependency not
+            raise LaunchError(
+                f"{seams.describe_problem()}. megatron.training is there but imports "
+                f"'{missing.group(1)}', which is not installed. Fix: install it (Megatron-LM's "
+                "requirements list its dependencies).", exit_code=1)
         raise LaunchError(
             f"{seams.describe_problem()}. Fix: install megatron-core >= 0.19 (it ships "
             "megatron.training), or run a script that sits in a Megatron-LM checkout (its "

@@ -199,6 +199,27 @@ def test_a_script_that_does_not_exist_is_named(tmp_path):
     assert "training script nowhere/pretrain_gpt.py does not exist" in proc.stderr
 
 
+def test_a_launcher_option_it_lacks_is_named_and_a_double_dash_is_skipped(tmp_path):
+    proc = _launch(tmp_path, "--unknown-flag", "pretrain_gpt.py")
+    assert proc.returncode == 2
+    assert "unknown launcher option --unknown-flag" in proc.stderr, proc.stderr
+    proc = _launch(tmp_path, "--", "nowhere/pretrain_gpt.py")
+    assert proc.returncode == 2
+    assert "training script nowhere/pretrain_gpt.py does not exist" in proc.stderr
+
+
+def test_a_dependency_megatron_training_lacks_is_named_not_megatron_itself(tmp_path):
+    script = _checkout(tmp_path, with_megatron=False)
+    package = script.parent / "megatron" / "training"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("import triton_nonexistent_dependency\n")
+    proc = _launch(tmp_path, str(script), *OUR_FLAGS)
+    assert proc.returncode == 1
+    assert "imports 'triton_nonexistent_dependency', which is not installed" in proc.stderr, \
+        proc.stderr
+    assert "install megatron-core >= 0.19" not in proc.stderr
+
+
 def test_without_megatron_training_the_error_names_the_fix(tmp_path):
     if backend.megatron_training_seams().error is None:
         pytest.skip("megatron.training imports here")
