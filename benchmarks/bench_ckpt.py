@@ -128,8 +128,7 @@ def _floor_size(text: str) -> float | str:
     except ValueError:
         value = 0.0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"--floor-gib takes a size in GiB > 0 or {STATE!r}, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"a size in GiB > 0 or {STATE!r}, got {text!r}")
     return value
 
 
