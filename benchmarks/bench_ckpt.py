@@ -635,6 +635,9 @@ def print_summary(result: dict) -> None:
 # -- merge / plot --------------------------------------------------------------------------------
 def merge(paths: list[str], out: str) -> dict:
     """Concatenate the runs of several invocations (a GPU run split by --modes or sizes)."""
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise SystemExit(f"--merge: no such result file: {', '.join(missing)}")
     parts = [json.loads(Path(p).read_text()) for p in paths]
     merged = {**parts[0], "runs": [], "modes": [], "parts": []}
     for part in parts:
@@ -664,6 +667,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--merge needs --json OUT")
         merge(args.merge, args.json)
         return 0
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # before any process group or state exists
+        raise SystemExit(f"--out {args.out}: cannot be created ({e.strerror}): point --out at a "
+                         "writable directory") from None
     bench = Bench(args)
     try:
         bench.run()
