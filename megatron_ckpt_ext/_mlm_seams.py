@@ -291,8 +291,8 @@ def _warming_setup(original: Callable[..., Any] | None) -> Callable[..., Any] | 
                 prepare = env_switch("MCX_PREPARE_RESTORE") != "0"
                 if prepare and hasattr(checkpointer, "prepare_restore"):
                     checkpointer.prepare_restore(load)
-            if rank() == 0:
-                logger.info("megatron-ckpt-ext: before the model build: checkpointer %.3f s, "
+            if rank() == 0:  # (a diagnostic: Megatron's own timers show what the build took)
+                logger.debug("megatron-ckpt-ext: before the model build: checkpointer %.3f s, "
                             "restore %s %.3f s", t1 - t0, "prepared (started) in" if prepare
                             else "not prepared (MCX_PREPARE_RESTORE=0)",
                             time.perf_counter() - t1)

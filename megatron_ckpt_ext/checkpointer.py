@@ -348,15 +348,15 @@ class Checkpointer(_SaveSteps):
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike[str], *,
              iteration: int | None = None) -> dict | None:
         """Collective: load the tracker's checkpoint (or ``iteration``) into ``sharded_state_dict``
-        and return the loaded state dict. Where ``checkpoint_dir`` holds no committed checkpoint
-        (no tracker: a missing or empty directory), returns None after a rank-0 warning, as
-        Megatron-LM starts from scratch; with ``--exit-on-missing-checkpoint`` raises
-        FileNotFoundError instead. A checkpoint with an integrity manifest is verified while it
-        loads (``--no-ckpt-verify-load`` skips it): a mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors
-        may hold the bad values then), or with ``--ckpt-load-fallback`` loads the newest older
-        checkpoint that verifies. A plain tensor target raises ``ValueError`` (as in save()).
-        With cpu-shm staging, the buffers for the loaded structure are then allocated in the
-        background (:meth:`prepare`), so the first save after a resume stages like a steady one."""
+        and return the loaded state dict. Where ``checkpoint_dir`` has no committed checkpoint (no
+        tracker), returns None after a rank-0 warning, as Megatron-LM starts from scratch; with
+        ``--exit-on-missing-checkpoint`` raises FileNotFoundError instead. A checkpoint with an
+        integrity manifest is verified while it loads (``--no-ckpt-verify-load`` skips it): a
+        mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors may hold
+        the bad values then), or with ``--ckpt-load-fallback`` loads the newest older checkpoint
+        that verifies. A plain tensor target raises ``ValueError`` (as in save()). With cpu-shm
+        staging the loaded structure's buffers are then allocated in the background
+        (:meth:`prepare`): the first save after a resume stages like a steady one."""
         self._check_open()
         refuse_plain_targets(sharded_state_dict, self._group)  # (C)
         record = LoadRecord(root=Path(checkpoint_dir))
