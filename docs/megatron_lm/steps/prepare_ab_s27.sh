@@ -3,7 +3,8 @@
 # the build and saves the load. The real client at 134M, ours only (train, warm resume, kill -9
 # after the committed save at 200 and the relaunch, the warm storage load of a copy), twice:
 # MCX_PREPARE_RESTORE=1 (the default) then 0 (docs/DEBUGGING.md). Per run: Megatron's
-# model-and-optimizer-setup and load-checkpoint timers and our line "before the model build".
+# model-and-optimizer-setup and load-checkpoint timers and our line "before the model build"
+# (INFO when this ran at 32e2ef1; DEBUG since 9431f9b: --logging-level 10 shows it).
 #   OUT=$OUT bash docs/megatron_lm/steps/prepare_ab_s27.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
