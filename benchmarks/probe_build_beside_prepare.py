@@ -18,6 +18,9 @@ the preparation, on buffers of ``--gib`` in ``--buffers`` files under /dev/shm, 
   prepare     presum, then register: the whole preparation of a restore from memory
   chunks      16 pinned 64 MiB chunks allocated (a storage restore's read chunks)
 
+``--fresh`` maps the files afresh before each variant, as a restarted process does (the
+default reuses the mapping that wrote them: its pages are already in).
+
     python benchmarks/probe_build_beside_prepare.py --json out.json
 """
 
@@ -98,7 +101,15 @@ def background(variant: str, buffers: list[torch.Tensor], pause_s: float, kept: 
                     for _ in range(16))
 
 
+def remap(buffers: list[torch.Tensor], prefix: str) -> list[torch.Tensor]:
+    """The same files mapped afresh, nothing faulted in: what a restarted process maps."""
+    return [torch.from_file(f"/dev/shm/{prefix}_{i}", shared=True, size=b.numel(),
+                            dtype=torch.uint8) for i, b in enumerate(buffers)]
+
+
 def one(variant: str, buffers: list[torch.Tensor], args: argparse.Namespace) -> dict:
+    if args.fresh:
+        buffers = remap(buffers, args.prefix)
     kept: list = []
     done: dict = {}
 
@@ -174,6 +185,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--json", default=None)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run")
+    p.add_argument("--fresh", action="store_true",
+                   help="map the buffers afresh before each variant (a restarted process's "
+                   "mapping: registering or summing then faults every page in)")
     p.add_argument("--copies", action="store_true",
                    help="also time the restore's copies without preparation: pageable copies on "
                    "1, 4 and 16 threads, registration alone, pinned copies")
@@ -182,7 +196,7 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.set_device(0)
         torch.zeros(1, device="cuda")
-    prefix = f"mcx_probe_build_{os.getpid()}"
+    prefix = args.prefix = f"mcx_probe_build_{os.getpid()}"
     buffers = make_buffers(args.gib, args.buffers, prefix)
     try:
         one("none", buffers, args)  # warm: allocator, kernels
@@ -193,9 +207,7 @@ def main() -> None:
                 print(v, runs[v][-1], flush=True)
         copied = None
         if args.copies:  # a fresh mapping of the same files, as a restarted process has
-            fresh = [torch.from_file(f"/dev/shm/{prefix}_{i}", shared=True, size=b.numel(),
-                                     dtype=torch.uint8) for i, b in enumerate(buffers)]
-            copied = copies(fresh, [1, 4, 16], args.repeats)
+            copied = copies(remap(buffers, prefix), [1, 4, 16], args.repeats)
     finally:
         for i in range(args.buffers):
             try:

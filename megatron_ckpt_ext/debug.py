@@ -87,6 +87,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
     EnvSwitch("MCX_PREPARE_RESTORE", "1",
               "0: the launcher does not prepare a restore while Megatron builds the model (no "
               "prepare_restore: the load maps, sums and pins what it restores itself)"),
+    EnvSwitch("MCX_RESTORE_SUMS", "device",
+              "host: a restore from memory prepared beside the model build sums every buffer on "
+              "16 host threads before its copy, instead of pinning only and summing the copies "
+              "on the device"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

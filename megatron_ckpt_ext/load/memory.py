@@ -25,7 +25,7 @@ from ..errors import CheckpointIntegrityError, SnapshotInUse
 from ..manifest import ManifestError, read_manifest, verify_files
 from ..save.layout import checkpoint_name, parse_iteration
 from ..save.planner import copy_structure, structure_digest, structure_key, structure_objects
-from ..staging import restore_copy
+from ..staging import restore_copy, restore_sums
 from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
 from ..staging.retained import Seal, read_seal, seal_path
 from . import prepared as _prepared
@@ -85,7 +85,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         why, copying = _check_and_copy(stager, tensors, sharded_state_dict,  # refusal is
                                        detail=record.memory_detail,  # overwritten by storage)
                                        summed=frozenset(ahead.verified) if ahead else frozenset(),
-                                       on_device=ahead.device if ahead else None)
+                                       on_device=ahead.device if ahead else None,
+                                       device_sums=bool(ahead and ahead.device_sums))
     t = _step(steps, "check_and_copy_s", t)
     if copying is not None and not why and read_seal(seal.file) != seal:
         copying.finish()
@@ -99,19 +100,28 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     elif left_out:  # Megatron-LM's load leaves out its rerun state machine's object
         record.memory_detail["objects_not_loaded"] = list(left_out)
     try:
-        views = group.all_gather((socket.gethostname(), why, left_out))
+        pending = bool(copying is not None and not why and copying.pending)
+        views = group.all_gather((socket.gethostname(), why, left_out, pending))
         t = _step(steps, "agree_s", t)
         record.memory_steps = steps
-        if any(w for _, w, _ in views):
+        if any(w for _, w, *_ in views):
             _say(views, iteration, used=False)
             record.phase("memory_s", t0)
             return None
         # proven: every rank's structure is its sealed one, less the same whole objects
-        same = all(o is not None for *_, o in views) and len({o for *_, o in views}) == 1
+        same = all(v[2] is not None for v in views) and len({v[2] for v in views}) == 1
         record.memory_detail["structure_proven"] = same
         state = _load_rest_and_fill(sharded_state_dict, path, load_strategy,  # while the
                                     validate=not same, detail=record.memory_detail)  # copies land
         t = _step(steps, "rest_from_storage_s", t)
+        if any(v[3] for v in views):  # (C) some ranks' sums were taken on the device: agree again
+            why = _late_verdict(stager, copying, tensors) if pending else ""
+            views = group.all_gather((socket.gethostname(), why, left_out, False))
+            t = _step(steps, "device_sums_s", t)
+            if any(w for _, w, *_ in views):
+                _say(views, iteration, used=False)
+                record.phase("memory_s", t0)
+                return None
         if same and proven is not None:
             proven(key)
     finally:
@@ -134,18 +144,23 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
 
 def warm_restore(stager: Any, root: Path, *, to_device: bool = False) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
-    ``root``, two background threads prepare its restore: one maps the snapshot, faults it in,
-    sums every buffer against the seal and pins buffers until the load comes (``to_device``:
-    instead copies it to the device, summed on the way, where the device has room;
-    :mod:`.prepared`, :mod:`.device_ahead`),
-    one builds the pinned bounce pool the rest is copied through
+    ``root``, background threads prepare its restore: one maps the snapshot and, with CUDA,
+    pins every buffer, the load then summing them on the device (``MCX_RESTORE_SUMS=device``,
+    the default), or else faults it in, sums every buffer against the seal and pins buffers
+    until the load comes (``to_device``: instead copies it to the device, summed on the way,
+    where the device has room; :mod:`.prepared`, :mod:`.device_ahead`), another one then
+    builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.
     Whether anything started."""
     shm_dir = getattr(stager, "shm_dir", None)
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
-    started = _prepared.start(stager, root, restore_copy.cuda_device(), to_device=to_device)
+    device = restore_copy.cuda_device()
+    device_sums = device is not None and not to_device and restore_sums.wanted()
+    started = _prepared.start(stager, root, device, to_device=to_device, device_sums=device_sums)
+    if device_sums and started:  # every buffer pinned: no pool to copy through (a buffer that
+        return True  # could not be pinned goes through one built at the load)
     return warm_bounce() or started
 
 
@@ -196,11 +211,13 @@ def _adopt(stager: Any, sharded_state_dict: Any, root: Path, iteration: int,
 
 def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
                     detail: dict | None = None, summed: frozenset[int] = frozenset(),
-                    on_device: Any = None) -> tuple[str, CopyInFlight | None]:
+                    on_device: Any = None,
+                    device_sums: bool = False) -> tuple[str, CopyInFlight | None]:
     """Each buffer's CRC-32 against its seal and its copy into the target, chunk by chunk on
     the copy threads (those in ``summed`` matched ahead: only copied; those ``on_device`` holds,
-    copied to the device ahead, from there); why not (a mismatch), or '', and the copies, which
-    may still be landing (None where none was issued)."""
+    copied to the device ahead, from there; with ``device_sums``, the pinned ones summed on the
+    device after their copy: :func:`_late_verdict`); why not (a mismatch), or '', and the
+    copies, which may still be landing (None where none was issued)."""
     targets: list = []
     backend.map_sharded_tensors(sharded_state_dict, lambda t: targets.append(t.data) or t)
     if not all(t.is_contiguous() for t in targets):
@@ -209,14 +226,24 @@ def _check_and_copy(stager: Any, adopted: list, sharded_state_dict: Any, *,
         stager.drop_adopted(unlink=False)
         return "a target tensor is not contiguous (the copies go to contiguous targets only)", None
     copying = start_copy_verified([(b, e.crc32, t) for (b, e), t in zip(adopted, targets)],
-                                  detail=detail, summed=summed, on_device=on_device)
+                                  detail=detail, summed=summed, on_device=on_device,
+                                  device_sums=device_sums)
     if copying.bad:
         copying.finish()
-        stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
-        keys = [adopted[i][1].key for i in copying.bad]
-        why = f"{len(copying.bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})"
-        return why, copying
+        return _damaged(stager, adopted, copying.bad), copying
     return "", copying
+
+
+def _late_verdict(stager: Any, copying: CopyInFlight, adopted: list) -> str:
+    """Why not, once the sums taken on the device are read (the copies landed), or ''."""
+    bad = copying.late_bad()
+    return _damaged(stager, adopted, bad) if bad else ""
+
+
+def _damaged(stager: Any, adopted: list, bad: list[int]) -> str:
+    stager.drop_adopted(unlink=True)  # damaged: nobody may adopt it again
+    keys = [adopted[i][1].key for i in bad]
+    return f"{len(bad)} buffer(s) do not match their sealed CRC-32 ({keys[:3]})"
 
 
 def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration: int,
@@ -304,7 +331,7 @@ def _objects_differ(sealed: list, key: tuple) -> str:
     return f"added {added[:3]}, removed {removed[:3]}"
 
 
-def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:
+def _say(views: list[tuple], iteration: int, *, used: bool) -> None:
     if rank() != 0:
         return
     if used:
@@ -313,7 +340,7 @@ def _say(views: list[tuple[str, str]], iteration: int, *, used: bool) -> None:
                     len(hosts), ", ".join(hosts[:4]))
         return
     by_host: dict[str, str] = {}
-    for r, (host, why, _) in sorted(enumerate(views), key=lambda v: not v[1][1]):  # failures 1st
+    for r, (host, why, *_) in sorted(enumerate(views), key=lambda v: not v[1][1]):  # failures 1st
         by_host.setdefault(host, f"rank {r}: {why}" if why else "memory ready")
     logger.info("checkpoint iteration %d is read from storage, not from memory: %s", iteration,
                 "; ".join(f"{h}: {w}" for h, w in sorted(by_host.items())))

@@ -2,7 +2,8 @@
 directory to load is mapped, its pages faulted in and every buffer summed against its seal on a
 background thread, then (with CUDA) its buffers pinned one by one until the load comes, before
 the load is asked for (:meth:`Checkpointer.prepare_restore`). The restore then only copies
-(docs/MEMORY.md, "How the bytes travel").
+(docs/MEMORY.md, "How the bytes travel"). Where the load sums on the device
+(``MCX_RESTORE_SUMS``, the default with CUDA), the snapshot is only mapped and pinned here.
 
 What the load takes is what was summed: the load reads the seal again and takes the prepared
 buffers only if it is the same seal (same generation, iteration, entries and CRCs); after its
@@ -42,6 +43,7 @@ class Prepared:
     seconds: float = 0.0
     waited_s: float = 0.0
     device: DeviceAhead | None = None  # the snapshot copied to the device (device_ahead)
+    device_sums: bool = False  # pinned, not summed: the load sums them on the device (C)
 
     def release_device(self) -> None:
         """The device block given back (the load's copies landed, or no load took it)."""
@@ -54,12 +56,15 @@ _lock = threading.Lock()
 _pending: list[dict] = []  # at most one: {"stager", "stop", "thread", "prepared" or "error"}
 
 
-def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = False) -> bool:
+def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = False,
+          device_sums: bool = False) -> bool:
     """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
     CUDA ``device``) pin its buffers until the load comes; with ``to_device``, instead copy it
     to the device through the bounce pool, summed on the way, where the device has room
-    (:mod:`.device_ahead`; pinned after the load). Whether it started (a seal of ``root`` for
-    this rank, no snapshot of this run's own, none pending)."""
+    (:mod:`.device_ahead`; pinned after the load). With ``device_sums`` (and a CUDA ``device``)
+    map and pin every buffer without summing it: the load sums them on the device after their
+    copy (staging/restore_sums.py), and the device CRC is built meanwhile. Whether it started
+    (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
     if not hasattr(stager, "adopt") or stager.sealed_root() is not None:
         return False
     seal = read_seal(seal_path(stager.shm_dir, root, rank()))
@@ -69,7 +74,9 @@ def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool 
         if _pending:
             return False
         entry: dict = {"stager": stager, "stop": threading.Event()}
-        entry["thread"] = threading.Thread(target=_prepare, args=(entry, seal, device, to_device),
+        target, args = ((_pin_only, (entry, seal, device)) if device_sums and device is not None
+                        and not to_device else (_prepare, (entry, seal, device, to_device)))
+        entry["thread"] = threading.Thread(target=target, args=args,
                                            name="mcx-prepare-restore", daemon=True)
         _pending.append(entry)
         entry["thread"].start()
@@ -115,6 +122,39 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
         # after the load for the next save's staging (ShmStager.pin_adopted)
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
     prepared.seconds = round(time.perf_counter() - t0, 6)
+
+
+def _pin_only(entry: dict, seal: Seal, device: int) -> None:
+    """Map and pin every buffer, nothing summed (the load sums on the device): pinning faults
+    the fresh mapping's pages in inside the driver, and no host thread sums beside the model
+    build. The load that comes meanwhile waits for the pinning to end rather than sending the
+    rest through a bounce pool: pinning is the cheaper road (docs/MEMORY.md)."""
+    from .._crc_device import warm_up
+
+    stager, t0 = entry["stager"], time.perf_counter()
+    entry["pin_all"] = True
+    try:
+        buffers = stager.adopt(seal)
+    except (OSError, ValueError) as e:  # the load finds the same and says why
+        logger.debug("the sealed snapshot could not be mapped ahead of the load: %s", e)
+        return
+    except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
+        entry["error"] = e
+        return
+    try:
+        warm_up(device)  # on a thread of its own; a load that comes first sums on the host
+    except Exception as e:  # noqa: BLE001 - optional: the copy threads sum on the host
+        logger.debug("no device CRC-32 for the restore: %s", e)
+    try:
+        restore_copy.use_device(device)
+        prepared = Prepared(seal, buffers, device_sums=True)
+        prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
+    except BaseException as e:  # noqa: BLE001
+        stager.drop_adopted(unlink=False)
+        entry["error"] = e
+        return
+    prepared.seconds = round(time.perf_counter() - t0, 6)
+    entry["prepared"] = prepared
 
 
 def take(seal: Seal | None) -> Prepared | None:
@@ -163,7 +203,8 @@ def _pop() -> tuple[dict, float]:
         entry = _pending.pop() if _pending else {}
     if not entry:
         return entry, 0.0
-    entry["stop"].set()  # what is pinned by now is taken; the rest is pinned after the load
+    if not entry.get("pin_all"):  # what is pinned by now is taken; the rest after the load
+        entry["stop"].set()
     t0 = time.perf_counter()
     entry["thread"].join()
     waited = round(time.perf_counter() - t0, 6)

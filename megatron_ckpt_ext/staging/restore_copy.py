@@ -14,6 +14,7 @@ import torch
 from .._crc import crc32 as _crc32
 from .._threads import cores_per_local_rank, thread_counts
 from .copies import _copy_all
+from .restore_sums import DeviceChecks, usable
 
 __all__ = ["CopyInFlight", "copy_verified", "cuda_device", "drop_warm_bounce",
            "start_copy_verified", "take_warm_bounce", "use_device", "warm_bounce"]
@@ -47,6 +48,25 @@ class CopyInFlight:
         self.bad, self._bounce, self._on_device, self._detail = bad, bounce, on_device, detail
         self._ahead = ahead  # the device block copied ahead (load/device_ahead.py), if any
         self._done = False
+        self.checks: DeviceChecks | None = None  # buffers summed on the device, after the copy
+
+    @property
+    def pending(self) -> bool:
+        """Whether some buffers' sums are still to be read (:meth:`late_bad`)."""
+        return self.checks is not None
+
+    def late_bad(self) -> list[int]:
+        """The buffers summed on the device whose CRC-32 differs (after :meth:`finish`, which
+        it calls: the copies and the sums landed)."""
+        self.finish()
+        checks, self.checks = self.checks, None
+        if checks is None:
+            return []
+        t0 = time.perf_counter()
+        bad = checks.bad()
+        if self._detail is not None:
+            self._detail["device_sums_read_s"] = round(time.perf_counter() - t0, 6)
+        return bad
 
     def finish(self) -> None:
         if self._done:
@@ -72,7 +92,7 @@ class CopyInFlight:
 def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
                         threads: int | None = None, chunk: int = 16 << 20,
                         detail: dict | None = None, summed: frozenset[int] = frozenset(),
-                        on_device: Any = None) -> CopyInFlight:
+                        on_device: Any = None, device_sums: bool = False) -> CopyInFlight:
     """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
     chunk on ``threads`` threads, summing each chunk on the way; returns once every buffer is
     summed (the chunks' sums folded in order per buffer), device copies possibly still landing.
@@ -86,20 +106,28 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
     those pinned are copied whole, one call per device on a copy stream, before the pool starts.
     Those of them ``on_device`` copied to the device ahead (load/device_ahead.py) are copied
     from there, device to device, on the current stream once those copies landed.
+    With ``device_sums`` (a restore prepared by pinning without summing, load/prepared.py), the
+    pinned buffers not summed ahead are copied whole too and summed on the device once landed
+    (:mod:`.restore_sums`, where its kernel is ready): their verdict is
+    :meth:`CopyInFlight.late_bad`, not ``bad``.
     ``detail`` receives the threads, pieces, step times."""
     from ..manifest import crc32_combine
 
     start = time.perf_counter()
     threads = threads or thread_counts().copy  # the rank's share of the host's cores
-    pinned = {i for i, (src, _, dst) in enumerate(jobs)
-              if dst.is_cuda and _nbytes(src) and src.is_pinned()}
+    pinned = {i for i, (src, _, dst) in enumerate(jobs) if _direct_ok(src, dst)}
     t0 = time.perf_counter()
     ahead = _issue_from_device(jobs, on_device, summed)  # device to device: done
-    direct = (pinned & summed) - ahead  # pinned and summed ahead: whole-buffer copies, at once
+    late = ({i for i in pinned - summed - ahead if usable(jobs[i][2].device)}
+            if device_sums else set())  # summed on the device after the copy
+    if len({jobs[i][2].device for i in late}) > 1:  # one device per load sums there
+        late = set()
+    direct = ((pinned & summed) | late) - ahead  # whole-buffer copies, at once
     pieces = _pieces([_nbytes(b) for b, _, _ in jobs], chunk, direct | ahead)
     bounced = {i for i, (src, _, dst) in enumerate(jobs)
                if dst.is_cuda and _nbytes(src) and i not in pinned and i not in ahead}
     _issue_direct([jobs[i] for i in sorted(direct, key=lambda i: -_nbytes(jobs[i][0]))])
+    checks = DeviceChecks(jobs, sorted(late)) if late else None
     t_direct = time.perf_counter()
     bounce = None
     if bounced:  # the pool warm_bounce() built, or one built now
@@ -119,6 +147,7 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
     sums: dict[int, int] = {}
     copying = CopyInFlight([], bounce, any(dst.is_cuda for _, _, dst in jobs), detail,
                            ahead=on_device)
+    copying.checks = checks
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
@@ -135,9 +164,12 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
                       bounce_warm=bool(bounce is not None and bounce.warm),
                       summed_ahead=len(summed), device_ahead=len(ahead),
                       device_ahead_bytes=sum(_nbytes(jobs[i][0]) for i in ahead),
+                      device_summed=len(late),
+                      device_summed_bytes=checks.device_bytes if checks else 0,
+                      device_sums_issue_s=checks.issue_s if checks else 0.0,
                       bounce_setup_s=round(t1 - t_direct, 6), copy_s=round(t2 - t1, 6))
     copying.bad = [i for i, (_, want, _) in enumerate(jobs)
-                   if i not in summed and sums.get(i, 0) != want]
+                   if i not in summed and i not in late and sums.get(i, 0) != want]
     return copying
 
 
@@ -158,6 +190,11 @@ def _issue_from_device(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], o
         _copy_all([_bytes(jobs[i][2]) for i in sorted(done)], [views[i] for i in sorted(done)],
                   non_blocking=True)
     return done
+
+
+def _direct_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether ``src`` can be copied whole into ``dst`` by the device (pinned, bound for one)."""
+    return dst.is_cuda and bool(_nbytes(src)) and src.is_pinned()
 
 
 def _issue_direct(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> None:

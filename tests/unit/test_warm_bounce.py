@@ -1,13 +1,16 @@
 """The pinned bounce pool a restore from memory copies through is built ahead, while the model
 is built (Checkpointer.prepare_restore), where this node holds this rank's sealed snapshot of
 the directory to load; the restore takes it, or the load (or close) releases it unused. On CPU
-the pool is a stand-in that counts its builds and releases (the real one pins with CUDA)."""
+the pool is a stand-in that counts its builds and releases (the real one pins with CUDA). The
+pool is the host sums' way (``MCX_RESTORE_SUMS=host``): where the load sums on the device every
+buffer is pinned ahead and no pool is built (test_restore_device_sums.py)."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import pytest
 import torch
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions
@@ -17,6 +20,11 @@ from megatron_ckpt_ext.staging.retained import discard, read_seal
 from tests._support.prepared_restore import (OPTIONS, _join_release, _like, _loaded_w,
                                              _memory_detail)
 from tests._support.seals import flip_byte
+
+
+@pytest.fixture(autouse=True)
+def host_sums(monkeypatch):
+    monkeypatch.setenv("MCX_RESTORE_SUMS", "host")
 
 
 def test_a_warm_pool_is_built_in_the_background_and_taken_once(pool):
