@@ -77,7 +77,7 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
     t = _step(steps, "adopt_s", t)
     if ahead is not None:
         record.memory_detail.update(prepared_s=ahead.seconds, prepare_wait_s=ahead.waited_s,
-                                    pinned_ahead=len(ahead.pinned))
+                                    pinned_ahead=len(ahead.pinned), prepared_steps=ahead.steps)
         if ahead.device is not None:  # --ckpt-restore-prefetch: its part of prepared_s
             record.memory_detail["device_ahead_fill_s"] = ahead.device.seconds
     copying: CopyInFlight | None = None

@@ -41,6 +41,7 @@ class Prepared:
     verified: set[int] = field(default_factory=set)
     pinned: set[int] = field(default_factory=set)  # registered with CUDA before the load came
     seconds: float = 0.0
+    steps: dict = field(default_factory=dict)  # mapped, summed, pinned: seconds since the start
     waited_s: float = 0.0
     device: DeviceAhead | None = None  # the snapshot copied to the device (device_ahead)
     device_sums: bool = False  # pinned, not summed: the load sums them on the device (C)
@@ -106,6 +107,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
                            "(%s: %s); the load copies it from host memory", type(e).__name__, e)
             ahead.release()
             ahead = None
+    mapped = time.perf_counter() - t0
     try:
         if verified is None:
             sums = presum_pieces(buffers, threads=thread_counts().copy)
@@ -115,13 +117,14 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
         entry["error"] = e
         return
     prepared = entry["prepared"] = Prepared(seal, buffers, verified, device=ahead)
+    prepared.steps = {"mapped_s": round(mapped, 6), "summed_s": round(time.perf_counter() - t0, 6)}
     if device is not None and ahead is None:  # pinned, they go to the device without a bounce
         # (the driver serialises registrations: one thread, until the load). Not after a copy
         # ahead: registering holds the driver's lock, which the model build beside it waits
         # for (1B: the build and load took 2.25 s instead of 1.63); the buffers are pinned
         # after the load for the next save's staging (ShmStager.pin_adopted)
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
-    prepared.seconds = round(time.perf_counter() - t0, 6)
+    prepared.seconds = prepared.steps["pinned_s"] = round(time.perf_counter() - t0, 6)
 
 
 def _pin_only(entry: dict, seal: Seal, device: int) -> None:
@@ -141,19 +144,20 @@ def _pin_only(entry: dict, seal: Seal, device: int) -> None:
     except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
         entry["error"] = e
         return
+    mapped = round(time.perf_counter() - t0, 6)
     try:
         warm_up(device)  # on a thread of its own; a load that comes first sums on the host
     except Exception as e:  # noqa: BLE001 - optional: the copy threads sum on the host
         logger.debug("no device CRC-32 for the restore: %s", e)
     try:
         restore_copy.use_device(device)
-        prepared = Prepared(seal, buffers, device_sums=True)
+        prepared = Prepared(seal, buffers, device_sums=True, steps={"mapped_s": mapped})
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
     except BaseException as e:  # noqa: BLE001
         stager.drop_adopted(unlink=False)
         entry["error"] = e
         return
-    prepared.seconds = round(time.perf_counter() - t0, 6)
+    prepared.seconds = prepared.steps["pinned_s"] = round(time.perf_counter() - t0, 6)
     entry["prepared"] = prepared
 
 

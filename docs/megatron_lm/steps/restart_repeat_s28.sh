@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One call on one GPU (carry .whl .mlm): the restart of the real client repeated, to compare how
+# a restore from memory is prepared by what the restarted job waits for (Megatron's
+# model-and-optimizer-setup) beyond one run's spread. Megatron-LM's pretrain_gpt.py through the
+# launcher, ours only (the recipe of scripts/gpu_real_client.sh): one run killed (kill -9 of
+# every process) after the committed, sealed save at 200; then REPEATS rounds, each restarting
+# once per MODES entry and once from storage, every restart to --train-iters 200 (the load,
+# no training, no save) with --ckpt-keep-memory-snapshot, so the snapshot stays sealed for the
+# next one:
+#   device  MCX_RESTORE_SUMS=device (pin only beside the build, sums on the device at the load)
+#   host    MCX_RESTORE_SUMS=host (fault in and sum on the host, then pin, beside the build)
+#   prep0   MCX_PREPARE_RESTORE=0 (nothing beside the build: the load does everything)
+#   storage a copy of the same checkpoint, its pages read first, --no-ckpt-memory-restore
+# Prints one line per restart; writes $OUT/restart_repeat_$MODEL.jsonl and the logs.
+#   OUT=$OUT MODEL=134m REPEATS=3 bash docs/megatron_lm/steps/restart_repeat_s28.sh
+set -uo pipefail
+source docs/megatron_lm/steps/_prologue.sh
+source scripts/mlm_recipe.sh
+mlm_ready || exit 2
+MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-3}; MODES=${MODES:-device host prep0}
+case $MODEL in
+  134m) MARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+               --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 4
+               --global-batch-size 4); EVERY=100 ;;
+  1b)   MARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024
+               --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 2
+               --global-batch-size 2); EVERY=130 ;;
+esac
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+W=/tmp/rr_$MODEL; K=$W/kill; rm -rf "$W"; mkdir -p "$W" "$OUT/logs"
+BASE=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval $EVERY --lr-decay-iters 1000
+  --logging-level 20)
+LINES="$OUT/restart_repeat_$MODEL.jsonl"; : > "$LINES"
+# the kill: every process of the run, after the commit of 2 x EVERY and its seal
+setsid python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch \
+  .mlm/pretrain_gpt.py "${BASE[@]}" --train-iters $((3 * EVERY + 50)) --save $K --load $K \
+  > "$OUT/logs/kill_$MODEL.log" 2>&1 &
+pid=$!; t0=$(date +%s)
+until [ "$(cat $K/latest_checkpointed_iteration.txt 2>/dev/null)" = $((2 * EVERY)) ]; do
+  sleep 0.2; [ $(( $(date +%s) - t0 )) -gt 300 ] && { echo "no commit"; kill -9 -- -$pid; exit 1; }
+done
+until ls /dev/shm/mcxseal_*_0.json >/dev/null 2>&1; do sleep 0.1; done
+sleep 0.5; kill -9 -- -$pid 2>/dev/null; pkill -9 -f -- "--save $K " ; wait $pid 2>/dev/null
+sleep 1; echo "killed after the commit of $(cat $K/latest_checkpointed_iteration.txt) ($(( $(date +%s) - t0 )) s)"
+mkdir -p $K.copy; cp $K/latest_checkpointed_iteration.txt $K.copy/
+cp -r $K/iter_$(printf %07d $((2 * EVERY))) $K.copy/
+cat $K.copy/iter_*/* > /dev/null  # its pages in the page cache: the warm comparator
+one() {  # ROUND MODE
+  local log="$OUT/logs/${MODEL}_r$1_$2.log" envs=() args=(--load $K --save $K --ckpt-keep-memory-snapshot)
+  case $2 in
+    device) envs=(MCX_RESTORE_SUMS=device) ;;
+    host) envs=(MCX_RESTORE_SUMS=host) ;;
+    prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
+    storage) args=(--load $K.copy --no-ckpt-memory-restore) ;;
+  esac
+  env "${envs[@]}" timeout 120 python3 -m torch.distributed.run --nproc-per-node 1 \
+    --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
+    "${BASE[@]}" "${RESUME[@]}" --train-iters $((2 * EVERY)) --override-opt_param-scheduler \
+    "${args[@]}" > "$log" 2>&1
+  python3 - "$log" "$1" "$2" "$LINES" <<'PY'
+import json, re, sys
+log, rnd, mode, out = sys.argv[1:5]
+text = open(log, errors="replace").read()
+def timer(name):
+    m = re.search(rf"{name} \.+: \(([0-9.]+), ([0-9.]+)\)", text)
+    return round(float(m.group(2)) / 1000, 4) if m else None
+rep = [json.loads(l.split("checkpoint load report: ", 1)[1]) for l in text.splitlines()
+       if "checkpoint load report: " in l]
+r = rep[-1] if rep else {}
+md = r.get("memory_detail", {})
+row = {"round": int(rnd), "mode": mode, "setup_s": timer("model-and-optimizer-setup"),
+       "load_s": timer("load-checkpoint"), "tier": r.get("tier"), "our_load_s": r.get("load_s"),
+       "prepared_s": md.get("prepared_s"), "prepared_steps": md.get("prepared_steps"),
+       "device_summed": md.get("device_summed"), "memory_steps": r.get("memory_steps")}
+if row["setup_s"] and row["load_s"]:
+    row["build_s"] = round(row["setup_s"] - row["load_s"], 4)
+open(out, "a").write(json.dumps(row) + "\n")
+print(json.dumps({k: row[k] for k in ("round", "mode", "tier", "setup_s", "load_s", "prepared_s")}
+                 | {"build_s": row.get("build_s"), "steps": row["prepared_steps"]}))
+PY
+}
+for r in $(seq 1 "$REPEATS"); do
+  for m in $MODES storage; do one "$r" "$m"; done
+done
+python3 - "$LINES" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for mode in dict.fromkeys(r["mode"] for r in rows):
+    got = [r for r in rows if r["mode"] == mode and r["setup_s"]]
+    if got:
+        print(mode, "tiers", sorted({r["tier"] for r in got}),
+              "setup median", statistics.median(r["setup_s"] for r in got),
+              "load median", statistics.median(r["load_s"] for r in got), "n", len(got))
+PY
+rm -rf "$W"; python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1 || true
