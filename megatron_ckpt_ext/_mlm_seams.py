@@ -63,13 +63,14 @@ class _State:
     records: list[dict] = field(default_factory=Recent)  # the last Recent.KEPT
     closed_reports: list[dict] = field(default_factory=Recent)  # closed Checkpointers', kept
     stepped: bool = False  # train_step ran once in this process (staging prepared then)
+    restore_prepared: bool = False  # prepare_restore was asked (once per process)
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
               factory: CheckpointerFactory) -> None:
         self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
         self.checkpointer, self.scheduled = None, {}
         self.records, self.closed_reports = Recent(), Recent()
-        self.stepped = False
+        self.stepped = self.restore_prepared = False
 
     def get_checkpointer(self) -> Any:
         if self.checkpointer is None:
@@ -146,12 +147,17 @@ def _save_dir() -> str | None:
 def _dir_arg(name: str) -> str | None:
     """Megatron's ``--save`` or ``--load``, or None (not given, or its args not parsed yet: the
     first save locks, and a load warms nothing ahead)."""
+    value = _arg(name)
+    return value if isinstance(value, (str, os.PathLike)) else None
+
+
+def _arg(name: str) -> Any:
+    """Megatron's parsed argument ``name``, or None (absent, or not parsed yet)."""
     get_args = getattr(_state.modules.get("checkpointing"), "get_args", None)
     try:
-        value = getattr(get_args(), name, None) if callable(get_args) else None
+        return getattr(get_args(), name, None) if callable(get_args) else None
     except Exception:  # noqa: BLE001
         return None
-    return value if isinstance(value, (str, os.PathLike)) else None
 
 
 def _dp_group() -> Any:
@@ -274,31 +280,41 @@ def _finalize(*, blocking: bool) -> list[int]:
 def _warming_setup(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """Megatron's ``setup_model_and_optimizer``, which builds the model and the optimizer and
     then loads ``--load``. On entry (the device is set and the process group is up by then),
-    where the route loads and this node holds this rank's sealed snapshot of ``--load``, the
-    pinned pool its restore copies through is built in the background while the model is
-    built (:meth:`Checkpointer.prepare_restore`), not inside the load."""
+    where the route loads, the restore is prepared in the background while the model is built
+    (:func:`_prepare_restore`), unless it was prepared earlier, in ``initialize_megatron``
+    (:func:`_init_persistent_async_worker`)."""
     if original is None:
         return None
 
     @functools.wraps(original)
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-        load = _dir_arg("load")
-        if load is not None and _state.route_load:
-            t0 = time.perf_counter()
-            with _lock:
-                checkpointer = _state.get_checkpointer()
-                t1 = time.perf_counter()
-                prepare = env_switch("MCX_PREPARE_RESTORE") != "0"
-                if prepare and hasattr(checkpointer, "prepare_restore"):
-                    checkpointer.prepare_restore(load)
-            if rank() == 0:  # (a diagnostic: Megatron's own timers show what the build took)
-                logger.debug("megatron-ckpt-ext: before the model build: checkpointer %.3f s, "
-                            "restore %s %.3f s", t1 - t0, "prepared (started) in" if prepare
-                            else "not prepared (MCX_PREPARE_RESTORE=0)",
-                            time.perf_counter() - t1)
+        _prepare_restore("the model build")
         return original(*args, **kwargs)
 
     return setup_model_and_optimizer
+
+
+def _prepare_restore(before: str) -> None:
+    """Once per process, where ``--load`` is given and the route loads:
+    :meth:`Checkpointer.prepare_restore` of it (a sealed snapshot of this node mapped, pinned
+    and summed, or the storage read's chunks and layouts made, on background threads), unless
+    ``MCX_PREPARE_RESTORE=0`` (``build``: only at the model build, never in Megatron's
+    initialisation). ``before``: what it runs ahead of, for the debug line."""
+    load = _dir_arg("load")
+    if load is None or not _state.route_load or _state.restore_prepared:
+        return
+    _state.restore_prepared = True
+    t0 = time.perf_counter()
+    with _lock:
+        checkpointer = _state.get_checkpointer()
+        t1 = time.perf_counter()
+        prepare = env_switch("MCX_PREPARE_RESTORE") != "0"
+        if prepare and hasattr(checkpointer, "prepare_restore"):
+            checkpointer.prepare_restore(load)
+    if rank() == 0:  # (a diagnostic: Megatron's own timers show what the build took)
+        logger.debug("megatron-ckpt-ext: before %s: checkpointer %.3f s, restore %s %.3f s",
+                     before, t1 - t0, "prepared (started) in" if prepare
+                     else "not prepared (MCX_PREPARE_RESTORE=0)", time.perf_counter() - t1)
 
 
 def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., Any] | None:
@@ -358,3 +374,23 @@ def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:
                  "Checkpointer's, started now", rank, mp_mode)
     with _lock:
         _state.get_checkpointer()
+    if env_switch("MCX_PREPARE_RESTORE") != "build" and _device_set_early():  # the restore
+        # prepared now, seconds before the model build
+        _prepare_restore("Megatron's initialisation")
+
+
+def _device_set_early() -> bool:
+    """This rank's CUDA device set now, as ``initialize_megatron`` sets it moments later
+    (``torch.cuda.set_device(args.local_rank)``, ``LOCAL_RANK``), so that a restore prepared
+    before it works on that device; False (nothing set) without CUDA or where ``local_rank``
+    names no visible device (Megatron then fails on its own; the restore is prepared at the
+    model build)."""
+    local_rank = _arg("local_rank")
+    if not isinstance(local_rank, int) or _dir_arg("load") is None or not _state.route_load:
+        return False
+    import torch
+
+    if not torch.cuda.is_available() or not 0 <= local_rank < torch.cuda.device_count():
+        return False
+    torch.cuda.set_device(local_rank)
+    return True

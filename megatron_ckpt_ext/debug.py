@@ -85,8 +85,9 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "waited for the device (each synchronizing call's stack, with the phase it fell "
               "in) to <dir>/sync_points_rank<R>.jsonl"),
     EnvSwitch("MCX_PREPARE_RESTORE", "1",
-              "0: the launcher does not prepare a restore while Megatron builds the model (no "
-              "prepare_restore: the load maps, sums and pins what it restores itself)"),
+              "0: the launcher does not prepare a restore ahead of the load (no prepare_restore: "
+              "the load maps, sums and pins what it restores itself); build: only at Megatron's "
+              "model build, not already in its initialisation"),
     EnvSwitch("MCX_RESTORE_SUMS", "device",
               "host: a restore from memory prepared beside the model build sums every buffer on "
               "16 host threads before its copy, instead of pinning only and summing the copies "

@@ -648,3 +648,44 @@ def test_writer_trace_times_megatrons_whole_save_checkpoint_and_the_collectors_p
     assert {"ahead_s", "sync_after_s", "s"} <= set(windows[0])
     passes = [e for e in events if e["what"] == "gc"]
     assert passes and passes[-1]["generation"] == 2, passes
+
+
+@pytest.mark.parametrize("cuda,switch", [(True, "1"), (False, "1"), (True, "build")])
+def test_the_restore_is_prepared_in_megatrons_initialisation_on_the_ranks_device(
+        mlm, monkeypatch, cuda, switch):
+    """With the persistent worker, initialize_megatron builds our Checkpointer seconds before the
+    model build: there, on this rank's device (set as Megatron sets it: LOCAL_RANK), the restore
+    of --load is prepared, and not again at the build. Without CUDA (or with
+    MCX_PREPARE_RESTORE=build) it waits for the build."""
+    import torch
+
+    monkeypatch.setenv("MCX_PREPARE_RESTORE", switch)
+    cuda_early = cuda and switch == "1"
+
+    devices: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    mlm.mods["checkpointing"].get_args = lambda: argparse.Namespace(load="/ckpt", save="/ckpt",
+                                                                    local_rank=1)
+    mlm.mods["training"].setup_model_and_optimizer = lambda *a, **k: ("m", "o", "s")
+    made = _install(mlm, async_save=True, use_persistent_ckpt_worker=True)
+    mlm.mods["initialize"].init_persistent_async_worker(0, "forkserver")
+    assert made[0].restores_prepared == ([("/ckpt", [])] if cuda_early else [])
+    assert devices == ([1] if cuda_early else [])
+    made[0].events.append("initialised")
+    mlm.mods["training"].setup_model_and_optimizer("provider", "t")
+    assert made[0].restores_prepared == [("/ckpt", [] if cuda_early else ["initialised"])]
+
+
+def test_no_device_is_set_early_for_a_rank_megatron_cannot_place(mlm, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d})"))
+    mlm.mods["checkpointing"].get_args = lambda: argparse.Namespace(load="/ckpt", save="/ckpt",
+                                                                    local_rank=3)
+    made = _install(mlm, async_save=True, use_persistent_ckpt_worker=True)
+    mlm.mods["initialize"].init_persistent_async_worker(0, "forkserver")
+    assert made[0].restores_prepared == []

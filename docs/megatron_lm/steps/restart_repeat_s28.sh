@@ -6,18 +6,26 @@
 # every process) after the committed, sealed save at 200; then REPEATS rounds, each restarting
 # once per MODES entry and once from storage, every restart to --train-iters 200 (the load,
 # no training, no save) with --ckpt-keep-memory-snapshot, so the snapshot stays sealed for the
-# next one:
-#   device  MCX_RESTORE_SUMS=device (pin only beside the build, sums on the device at the load)
-#   host    MCX_RESTORE_SUMS=host (fault in and sum on the host, then pin, beside the build)
-#   prep0   MCX_PREPARE_RESTORE=0 (nothing beside the build: the load does everything)
-#   storage a copy of the same checkpoint, its pages read first, --no-ckpt-memory-restore
+# next one. MODES (each an environment, docs/DEBUGGING.md; the restore is prepared in Megatron's
+# initialisation unless MCX_PREPARE_RESTORE says otherwise):
+#   early_device  the defaults: prepared in initialize_megatron, pinned only, summed on the device
+#   early_host    MCX_RESTORE_SUMS=host: prepared there, faulted in and summed on the host, pinned
+#   build_host    MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host: the twenty-seventh session's
+#                 way (prepared beside the model build)
+#   build_device  MCX_PREPARE_RESTORE=build (pinned beside the build, summed on the device)
+#   prep0         MCX_PREPARE_RESTORE=0 (nothing ahead: the load does everything)
+#   storage       a copy of the same checkpoint, its pages read first, --no-ckpt-memory-restore
+#                 (prepared as by default), run in every round
+# Per restart: Megatron's model-and-optimizer-setup and load-checkpoint timers, and the wall
+# time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
+# model_s: what an earlier preparation could lengthen instead).
 # Prints one line per restart; writes $OUT/restart_repeat_$MODEL.jsonl and the logs.
 #   OUT=$OUT MODEL=134m REPEATS=3 bash docs/megatron_lm/steps/restart_repeat_s28.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 source scripts/mlm_recipe.sh
 mlm_ready || exit 2
-MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-3}; MODES=${MODES:-device host prep0}
+MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-3}; MODES=${MODES:-early_device early_host build_host}
 case $MODEL in
   134m) MARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
                --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 4
@@ -48,12 +56,14 @@ cat $K.copy/iter_*/* > /dev/null  # its pages in the page cache: the warm compar
 one() {  # ROUND MODE
   local log="$OUT/logs/${MODEL}_r$1_$2.log" envs=() args=(--load $K --save $K --ckpt-keep-memory-snapshot)
   case $2 in
-    device) envs=(MCX_RESTORE_SUMS=device) ;;
-    host) envs=(MCX_RESTORE_SUMS=host) ;;
+    early_device) envs=(MCX_RESTORE_SUMS=device) ;;
+    early_host) envs=(MCX_RESTORE_SUMS=host) ;;
+    build_host) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host) ;;
+    build_device) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=device) ;;
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
-    storage) args=(--load $K.copy --no-ckpt-memory-restore) ;;
+    storage) envs=(MCX_RESTORE_SUMS=device) args=(--load $K.copy --no-ckpt-memory-restore) ;;
   esac
-  env "${envs[@]}" timeout 120 python3 -m torch.distributed.run --nproc-per-node 1 \
+  env "${envs[@]}" timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
     "${BASE[@]}" "${RESUME[@]}" --train-iters $((2 * EVERY)) --override-opt_param-scheduler \
     "${args[@]}" > "$log" 2>&1
@@ -67,15 +77,23 @@ def timer(name):
 rep = [json.loads(l.split("checkpoint load report: ", 1)[1]) for l in text.splitlines()
        if "checkpoint load report: " in l]
 r = rep[-1] if rep else {}
+def stamp(label):
+    from datetime import datetime
+    m = re.search(rf"\[{label}\] datetime: ([0-9-]+ [0-9:.]+)", text)
+    return datetime.fromisoformat(m.group(1)) if m else None
+a, b = stamp("before megatron-init"), stamp("after model, optimizer, and learning rate scheduler are built")
 md = r.get("memory_detail", {})
 row = {"round": int(rnd), "mode": mode, "setup_s": timer("model-and-optimizer-setup"),
        "load_s": timer("load-checkpoint"), "tier": r.get("tier"), "our_load_s": r.get("load_s"),
        "prepared_s": md.get("prepared_s"), "prepared_steps": md.get("prepared_steps"),
-       "device_summed": md.get("device_summed"), "memory_steps": r.get("memory_steps")}
+       "device_summed": md.get("device_summed"), "memory_steps": r.get("memory_steps"),
+       "init_to_model_s": round((b - a).total_seconds(), 3) if a and b else None,
+       "init_s": timer("startup-initialize-megatron"), "jit_s": timer("startup-set-jit-fusion-options")}
 if row["setup_s"] and row["load_s"]:
     row["build_s"] = round(row["setup_s"] - row["load_s"], 4)
 open(out, "a").write(json.dumps(row) + "\n")
-print(json.dumps({k: row[k] for k in ("round", "mode", "tier", "setup_s", "load_s", "prepared_s")}
+print(json.dumps({k: row[k] for k in ("round", "mode", "tier", "setup_s", "load_s", "prepared_s",
+                                      "init_to_model_s", "init_s", "jit_s")}
                  | {"build_s": row.get("build_s"), "steps": row["prepared_steps"]}))
 PY
 }
@@ -90,6 +108,7 @@ for mode in dict.fromkeys(r["mode"] for r in rows):
     if got:
         print(mode, "tiers", sorted({r["tier"] for r in got}),
               "setup median", statistics.median(r["setup_s"] for r in got),
-              "load median", statistics.median(r["load_s"] for r in got), "n", len(got))
+              "load median", statistics.median(r["load_s"] for r in got), "init_to_model median",
+              statistics.median(r["init_to_model_s"] or 0 for r in got), "n", len(got))
 PY
 rm -rf "$W"; python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1 || true
