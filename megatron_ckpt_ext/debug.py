@@ -88,10 +88,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "0: the launcher does not prepare a restore ahead of the load (no prepare_restore: "
               "the load maps, sums and pins what it restores itself); build: only at Megatron's "
               "model build, not already in its initialisation"),
-    EnvSwitch("MCX_RESTORE_SUMS", "device",
-              "host: a restore from memory prepared beside the model build sums every buffer on "
-              "16 host threads before its copy, instead of pinning only and summing the copies "
-              "on the device"),
+    EnvSwitch("MCX_RESTORE_SUMS", "host",
+              "device: a restore from memory prepared ahead pins every buffer without summing it, "
+              "and the load sums the copies on the device, instead of faulting in and summing "
+              "every buffer on the host's copy threads ahead"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

@@ -144,10 +144,10 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
 
 def warm_restore(stager: Any, root: Path, *, to_device: bool = False) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
-    ``root``, background threads prepare its restore: one maps the snapshot and, with CUDA,
-    pins every buffer, the load then summing them on the device (``MCX_RESTORE_SUMS=device``,
-    the default), or else faults it in, sums every buffer against the seal and pins buffers
-    until the load comes (``to_device``: instead copies it to the device, summed on the way,
+    ``root``, background threads prepare its restore: one maps the snapshot, faults it in,
+    sums every buffer against the seal and pins buffers until the load comes (with
+    ``MCX_RESTORE_SUMS=device`` and CUDA it only pins every buffer, the load then summing
+    them on the device) (``to_device``: instead copies it to the device, summed on the way,
     where the device has room; :mod:`.prepared`, :mod:`.device_ahead`), another one then
     builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).

@@ -3,7 +3,7 @@ directory to load is mapped, its pages faulted in and every buffer summed agains
 background thread, then (with CUDA) its buffers pinned one by one until the load comes, before
 the load is asked for (:meth:`Checkpointer.prepare_restore`). The restore then only copies
 (docs/MEMORY.md, "How the bytes travel"). Where the load sums on the device
-(``MCX_RESTORE_SUMS``, the default with CUDA), the snapshot is only mapped and pinned here.
+(``MCX_RESTORE_SUMS=device``, with CUDA), the snapshot is only mapped and pinned here.
 
 What the load takes is what was summed: the load reads the seal again and takes the prepared
 buffers only if it is the same seal (same generation, iteration, entries and CRCs); after its

@@ -25,7 +25,8 @@ __all__ = ["DeviceChecks", "wanted"]
 
 
 def wanted() -> bool:
-    """Whether a prepared restore sums on the device (``MCX_RESTORE_SUMS``, docs/DEBUGGING.md)."""
+    """Whether a prepared restore sums on the device (``MCX_RESTORE_SUMS=device``; not the
+    default: docs/DEBUGGING.md, docs/MEMORY.md)."""
     return env_switch("MCX_RESTORE_SUMS") == "device"
 
 

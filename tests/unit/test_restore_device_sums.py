@@ -1,5 +1,6 @@
-"""A restore from memory prepared beside the model build pins the snapshot without summing it,
-and the load sums each buffer's copy on the device (staging/restore_sums.py); a mismatch found
+"""With ``MCX_RESTORE_SUMS=device``, a restore from memory prepared ahead pins the snapshot
+without summing it, and the load sums each buffer's copy on the device
+(staging/restore_sums.py); by default it is summed on the host ahead. A mismatch found
 there, after megatron-core's load of the rest, sends every rank to storage. On CPU the device
 is stood in for by host memory: the device CRC's torch operations sum the target tensors, the
 "device copies" are plain copies; what is checked is which buffers are summed where, the
@@ -46,6 +47,7 @@ def device(monkeypatch, pool):
     monkeypatch.setattr(restore_copy, "_issue_direct",
                         lambda jobs: [dst.copy_(src) for src, _, dst in jobs])
     monkeypatch.setattr(DeviceChecks, "__init__", checks)
+    monkeypatch.setenv("MCX_RESTORE_SUMS", "device")
     return summed
 
 
@@ -117,8 +119,13 @@ def test_another_ranks_late_mismatch_sends_this_rank_to_storage(device, sealed, 
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
-def test_the_host_switch_sums_ahead_on_the_host(device, sealed, monkeypatch):
-    monkeypatch.setenv("MCX_RESTORE_SUMS", "host")
+@pytest.mark.parametrize("switch", ["host", None])
+def test_the_host_switch_sums_ahead_on_the_host(device, sealed, monkeypatch, switch):
+    """MCX_RESTORE_SUMS=host, as by default (unset)."""
+    if switch is None:
+        monkeypatch.delenv("MCX_RESTORE_SUMS")
+    else:
+        monkeypatch.setenv("MCX_RESTORE_SUMS", switch)
     root = sealed()
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         ck._stager.pin = True

@@ -2,8 +2,9 @@
 is built (Checkpointer.prepare_restore), where this node holds this rank's sealed snapshot of
 the directory to load; the restore takes it, or the load (or close) releases it unused. On CPU
 the pool is a stand-in that counts its builds and releases (the real one pins with CUDA). The
-pool is the host sums' way (``MCX_RESTORE_SUMS=host``): where the load sums on the device every
-buffer is pinned ahead and no pool is built (test_restore_device_sums.py)."""
+pool is the host sums' way (``MCX_RESTORE_SUMS=host``, the default, set here explicitly): where
+the load sums on the device every buffer is pinned ahead and no pool is built
+(test_restore_device_sums.py)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,11 @@
 # no training, no save) with --ckpt-keep-memory-snapshot, so the snapshot stays sealed for the
 # next one. MODES (each an environment, docs/DEBUGGING.md; the restore is prepared in Megatron's
 # initialisation unless MCX_PREPARE_RESTORE says otherwise):
-#   early_device  the defaults: prepared in initialize_megatron, pinned only, summed on the device
-#   early_host    MCX_RESTORE_SUMS=host: prepared there, faulted in and summed on the host, pinned
+#   early_device  MCX_RESTORE_SUMS=device: prepared in initialize_megatron, pinned only, summed
+#                 on the device at the load
+#   early_host    MCX_RESTORE_SUMS=host (the default since this session): prepared there,
+#                 faulted in and summed on the host, pinned
+#   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   build_host    MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host: the twenty-seventh session's
 #                 way (prepared beside the model build)
 #   build_device  MCX_PREPARE_RESTORE=build (pinned beside the build, summed on the device)
@@ -32,7 +35,7 @@ case $MODEL in
                --global-batch-size 4); EVERY=100 ;;
   1b)   MARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024
                --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 2
-               --global-batch-size 2); EVERY=130 ;;
+               --global-batch-size 2 --save-retain-interval 130000); EVERY=130 ;;
 esac
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 W=/tmp/rr_$MODEL; K=$W/kill; rm -rf "$W"; mkdir -p "$W" "$OUT/logs"
@@ -58,6 +61,7 @@ one() {  # ROUND MODE
   case $2 in
     early_device) envs=(MCX_RESTORE_SUMS=device) ;;
     early_host) envs=(MCX_RESTORE_SUMS=host) ;;
+    early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
     build_host) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host) ;;
     build_device) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=device) ;;
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
