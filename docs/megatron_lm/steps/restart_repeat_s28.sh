@@ -22,7 +22,8 @@
 # Per restart: Megatron's model-and-optimizer-setup and load-checkpoint timers, and the wall
 # time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
 # model_s: what an earlier preparation could lengthen instead).
-# Prints one line per restart; writes $OUT/restart_repeat_$MODEL.jsonl and the logs.
+# Prints one line per restart; writes $OUT/restart_repeat_$MODEL.jsonl and
+# $OUT/restart_repeat_logs_$MODEL.tgz.
 #   OUT=$OUT MODEL=134m REPEATS=3 bash docs/megatron_lm/steps/restart_repeat_s28.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
@@ -116,3 +117,4 @@ for mode in dict.fromkeys(r["mode"] for r in rows):
               statistics.median(r["init_to_model_s"] or 0 for r in got), "n", len(got))
 PY
 rm -rf "$W"; python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1 || true
+tar -czf "$OUT/restart_repeat_logs_$MODEL.tgz" -C "$OUT/logs" . && rm -rf "$OUT/logs"
