@@ -43,6 +43,7 @@ W=/tmp/rr_$MODEL; K=$W/kill; rm -rf "$W"; mkdir -p "$W" "$OUT/logs"
 BASE=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval $EVERY --lr-decay-iters 1000
   --logging-level 20)
 LINES="$OUT/restart_repeat_$MODEL.jsonl"; : > "$LINES"
+python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no seal of an earlier run waited for
 # the kill: every process of the run, after the commit of 2 x EVERY and its seal
 setsid python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch \
   .mlm/pretrain_gpt.py "${BASE[@]}" --train-iters $((3 * EVERY + 50)) --save $K --load $K \
