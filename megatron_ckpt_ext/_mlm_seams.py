@@ -374,8 +374,8 @@ def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:
                  "Checkpointer's, started now", rank, mp_mode)
     with _lock:
         _state.get_checkpointer()
-    if env_switch("MCX_PREPARE_RESTORE") != "build" and _device_set_early():  # the restore
-        # prepared now, seconds before the model build
+    if env_switch("MCX_PREPARE_RESTORE") not in ("build", "0") and _device_set_early():
+        # the restore prepared now, seconds before the model build
         _prepare_restore("Megatron's initialisation")
 
 

@@ -41,7 +41,8 @@ class Prepared:
     verified: set[int] = field(default_factory=set)
     pinned: set[int] = field(default_factory=set)  # registered with CUDA before the load came
     seconds: float = 0.0
-    steps: dict = field(default_factory=dict)  # mapped, summed, pinned: seconds since the start
+    steps: dict = field(default_factory=dict)  # mapped, (copied ahead,) summed, pinned: seconds
+    # since the preparation started
     waited_s: float = 0.0
     device: DeviceAhead | None = None  # the snapshot copied to the device (device_ahead)
     device_sums: bool = False  # pinned, not summed: the load sums them on the device (C)
@@ -94,6 +95,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
     except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
         entry["error"] = e
         return
+    mapped = round(time.perf_counter() - t0, 6)
     if device is not None:
         restore_copy.use_device(device)
     ahead = (DeviceAhead.start(buffers, set(range(len(buffers))), f"cuda:{device}")
@@ -107,7 +109,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
                            "(%s: %s); the load copies it from host memory", type(e).__name__, e)
             ahead.release()
             ahead = None
-    mapped = time.perf_counter() - t0
+    copied = round(time.perf_counter() - t0, 6)
     try:
         if verified is None:
             sums = presum_pieces(buffers, threads=thread_counts().copy)
@@ -117,7 +119,9 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
         entry["error"] = e
         return
     prepared = entry["prepared"] = Prepared(seal, buffers, verified, device=ahead)
-    prepared.steps = {"mapped_s": round(mapped, 6), "summed_s": round(time.perf_counter() - t0, 6)}
+    prepared.steps = {"mapped_s": mapped, "summed_s": round(time.perf_counter() - t0, 6)}
+    if ahead is not None:  # copied to the device (and summed on the way) by then
+        prepared.steps["copied_ahead_s"] = copied
     if device is not None and ahead is None:  # pinned, they go to the device without a bounce
         # (the driver serialises registrations: one thread, until the load). Not after a copy
         # ahead: registering holds the driver's lock, which the model build beside it waits

@@ -650,13 +650,15 @@ def test_writer_trace_times_megatrons_whole_save_checkpoint_and_the_collectors_p
     assert passes and passes[-1]["generation"] == 2, passes
 
 
-@pytest.mark.parametrize("cuda,switch", [(True, "1"), (False, "1"), (True, "build")])
+@pytest.mark.parametrize("cuda,switch", [(True, "1"), (False, "1"), (True, "build"),
+                                         (True, "0")])
 def test_the_restore_is_prepared_in_megatrons_initialisation_on_the_ranks_device(
         mlm, monkeypatch, cuda, switch):
     """With the persistent worker, initialize_megatron builds our Checkpointer seconds before the
     model build: there, on this rank's device (set as Megatron sets it: LOCAL_RANK), the restore
     of --load is prepared, and not again at the build. Without CUDA (or with
-    MCX_PREPARE_RESTORE=build) it waits for the build."""
+    MCX_PREPARE_RESTORE=build) it waits for the build; with MCX_PREPARE_RESTORE=0 nothing is
+    prepared and no device set early."""
     import torch
 
     monkeypatch.setenv("MCX_PREPARE_RESTORE", switch)
@@ -675,7 +677,8 @@ def test_the_restore_is_prepared_in_megatrons_initialisation_on_the_ranks_device
     assert devices == ([1] if cuda_early else [])
     made[0].events.append("initialised")
     mlm.mods["training"].setup_model_and_optimizer("provider", "t")
-    assert made[0].restores_prepared == [("/ckpt", [] if cuda_early else ["initialised"])]
+    assert made[0].restores_prepared == ([] if switch == "0" else
+                                         [("/ckpt", [] if cuda_early else ["initialised"])])
 
 
 def test_no_device_is_set_early_for_a_rank_megatron_cannot_place(mlm, monkeypatch):
