@@ -17,17 +17,18 @@ import torch
 from megatron_ckpt_ext import Checkpointer, CkptOptions
 from megatron_ckpt_ext import _crc_device
 from megatron_ckpt_ext.load import prepared
-from megatron_ckpt_ext.staging import restore_copy, retained, sealing
+from megatron_ckpt_ext.staging import restore_copy, retained
 from megatron_ckpt_ext.staging.restore_sums import DeviceChecks
 
 from tests._support.prepared_restore import OPTIONS, _like, _loaded_w, _memory_detail
+from tests._support import device_sums_standin
 from tests._support.seals import flip_byte
 
 
 @pytest.fixture
 def device(monkeypatch, pool):
-    """Pinning stood in for (every buffer 'pinned'), the device CRC 'ready' on the CPU, direct
-    copies made on the host; the buffers summed on the 'device', for the checks."""
+    """The device stood in for by the CPU (tests/_support/device_sums_standin.py); the buffers
+    summed on the 'device', for the checks."""
     summed: list[list[int]] = []
     made = DeviceChecks.__init__
 
@@ -35,17 +36,7 @@ def device(monkeypatch, pool):
         summed.append(list(indices))
         made(self, jobs, indices)
 
-    class _Cudart:
-        def cudaHostUnregister(self, ptr):
-            return 0
-
-    monkeypatch.setattr(sealing, "_register", lambda t, n: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
-    monkeypatch.setattr(_crc_device, "warm_up", lambda device: False)
-    monkeypatch.setattr(restore_copy, "_direct_ok", lambda src, dst: bool(src.numel()))
-    monkeypatch.setattr(restore_copy, "usable", lambda device: True)
-    monkeypatch.setattr(restore_copy, "_issue_direct",
-                        lambda jobs: [dst.copy_(src) for src, _, dst in jobs])
+    device_sums_standin.install(monkeypatch.setattr)
     monkeypatch.setattr(DeviceChecks, "__init__", checks)
     monkeypatch.setenv("MCX_RESTORE_SUMS", "device")
     return summed

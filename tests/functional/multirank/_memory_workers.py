@@ -207,3 +207,22 @@ def load_anothers_and_save(rank: int, world: int, root: str, options: dict, want
             ck.maybe_finalize(blocking=True)
         with open(os.path.join(out, f"other{rank}.json"), "w") as fh:
             json.dump(report, fh)
+
+
+def restore_summed_on_the_device(rank: int, world: int, root: str, options: dict,
+                                 want_step: int, out: str) -> None:
+    """As :func:`restore_prepared` with ``MCX_RESTORE_SUMS=device``, the device stood in for by
+    the CPU (tests/_support/device_sums_standin.py): the snapshot pinned ahead unsummed, each
+    copy summed on the 'device' and the verdict agreed after the rest's load. Values checked
+    whatever the tier; the report written for the test."""
+    from tests._support import device_sums_standin
+
+    os.environ["MCX_RESTORE_SUMS"] = "device"
+    device_sums_standin.install(setattr)
+    with Checkpointer(CkptOptions(**options)) as ck:
+        ck._stager.pin = True
+        assert ck.prepare_restore(root)
+        got = load_back(ck, rank, world, root, None)
+        assert_equal(got, step_state(want_step, rank), f"restored iteration {want_step}")
+        with open(os.path.join(out, f"restore{rank}.json"), "w") as fh:
+            json.dump({"report": ck.load_reports[-1]}, fh)

@@ -92,6 +92,31 @@ def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path,
             assert detail["device_ahead"] == ahead and detail["direct"] == buffers - ahead
 
 
+@pytest.mark.parametrize("flipped", [False, True])
+def test_sums_taken_on_the_device_are_agreed_by_every_rank(root, tmp_path, flipped):
+    """MCX_RESTORE_SUMS=device (the device stood in for by the CPU): every rank's snapshot is
+    pinned ahead unsummed and each copy summed after it landed; a byte flipped in the last
+    rank's snapshot is found there only after the copies, and every rank then reads storage
+    (never a mix), the damaged snapshot removed."""
+    options = MODES["persistent-constant"]
+    run_ranks(w.save_and_die, args=(str(root), options, 2))
+    seal = read_seal(seal_path("/dev/shm", root, world() - 1))
+    if flipped:
+        flip_byte(next(e for e in seal.entries if e.nbytes > 64).path, 37, 0x10)
+    run_ranks(w.restore_summed_on_the_device, args=(str(root), options, 2, str(tmp_path)))
+    reports = _reports(tmp_path)
+    assert len(reports) == world()
+    for rep in reports:
+        report = rep["report"]
+        assert report["tier"] == ("storage" if flipped else "memory"), report
+        if not flipped:
+            detail = report["memory_detail"]
+            assert detail["summed_ahead"] == 0 and detail["device_summed"] == len(seal.entries)
+            assert "device_sums_s" in report["memory_steps"]
+    if flipped:
+        assert not os.path.exists(seal.file)  # damaged: removed, not offered again
+
+
 @pytest.mark.parametrize("sets,tier", [(2, "memory"), (1, "storage")])
 def test_a_job_killed_in_the_middle_of_a_save_restores_memory_only_with_two_sets(
         sets, tier, root, tmp_path):
