@@ -70,14 +70,22 @@ def test_a_killed_job_restarts_from_memory_bit_exact(mode, root, tmp_path):
             assert admission["node_kept_bytes"] >= world() * rep["report"]["memory_bytes"]
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path, prefetch):
+@pytest.mark.parametrize("prefetch,sums", [(True, "host"), (False, "host"), (False, "device")])
+def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path, prefetch, sums,
+                                                                monkeypatch):
     """prepare_restore (as the launcher calls it) maps and sums the snapshot ahead on every rank;
     with CUDA it pins it too and the load copies the pinned buffers whole, or with
     --ckpt-restore-prefetch it copies it to the device, summing on the way, and the load copies
-    device to device (scripts/gpu_tests.sh)."""
+    device to device, or with MCX_RESTORE_SUMS=device (CUDA only; on CPU it sums ahead) it pins
+    every buffer unsummed and the load sums the copies on the device, or on the host where the
+    kernel is not built yet (scripts/gpu_tests.sh)."""
     import torch
 
+    cuda = torch.cuda.is_available() and device() == "cuda"
+    if sums == "device" and not cuda:
+        pytest.skip("sums on the device need CUDA (on CPU: "
+                    "test_sums_taken_on_the_device_are_agreed_by_every_rank stands it in)")
+    monkeypatch.setenv("MCX_RESTORE_SUMS", sums)
     options = {**MODES["persistent-constant"], "ckpt_restore_prefetch": prefetch}
     run_ranks(w.save_and_die, args=(str(root), options, 2))
     buffers = len(read_seal(seal_path("/dev/shm", root, 0)).entries)
@@ -85,8 +93,12 @@ def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path,
     for rep in _reports(tmp_path):
         report, detail = rep["report"], rep["report"]["memory_detail"]
         assert report["tier"] == "memory" and report["verified"]
+        if sums == "device":
+            assert detail["summed_ahead"] == 0 and detail["pinned_ahead"] == buffers
+            assert detail["device_summed"] in (0, buffers)  # (0: the kernel not built yet)
+            continue
         assert detail["summed_ahead"] == buffers and detail["prepare_wait_s"] < 1.0
-        if torch.cuda.is_available() and device() == "cuda":
+        if cuda:
             ahead = buffers if prefetch else 0
             assert detail["pinned_ahead"] == buffers - ahead  # (pinned after a copy ahead)
             assert detail["device_ahead"] == ahead and detail["direct"] == buffers - ahead
