@@ -85,15 +85,23 @@ def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool 
     return True
 
 
+def _adopt(entry: dict, seal: Seal) -> list | None:
+    """The snapshot's buffers mapped (as :meth:`ShmStager.adopt` returns them), or None: one
+    that cannot be mapped is left to the load, which finds the same and says why; any other
+    error is kept for the load's thread, which re-raises it."""
+    try:
+        return entry["stager"].adopt(seal)
+    except (OSError, ValueError) as e:
+        logger.debug("the sealed snapshot could not be mapped ahead of the load: %s", e)
+    except BaseException as e:  # noqa: BLE001
+        entry["error"] = e
+    return None
+
+
 def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> None:
     stager, t0 = entry["stager"], time.perf_counter()
-    try:
-        buffers = stager.adopt(seal)
-    except (OSError, ValueError) as e:  # the load finds the same and says why
-        logger.debug("the sealed snapshot could not be mapped ahead of the load: %s", e)
-        return
-    except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
-        entry["error"] = e
+    buffers = _adopt(entry, seal)
+    if buffers is None:
         return
     mapped = round(time.perf_counter() - t0, 6)
     if device is not None:
@@ -140,13 +148,8 @@ def _pin_only(entry: dict, seal: Seal, device: int) -> None:
 
     stager, t0 = entry["stager"], time.perf_counter()
     entry["pin_all"] = True
-    try:
-        buffers = stager.adopt(seal)
-    except (OSError, ValueError) as e:  # the load finds the same and says why
-        logger.debug("the sealed snapshot could not be mapped ahead of the load: %s", e)
-        return
-    except BaseException as e:  # noqa: BLE001 - kept for the load's thread, which re-raises
-        entry["error"] = e
+    buffers = _adopt(entry, seal)
+    if buffers is None:
         return
     mapped = round(time.perf_counter() - t0, 6)
     try:
