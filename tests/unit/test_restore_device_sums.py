@@ -141,12 +141,12 @@ def test_where_the_kernel_is_not_ready_the_copy_threads_sum_on_the_host(device, 
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
-@pytest.mark.parametrize("flip", [None, 0, 5, 70 << 20, -1])
+@pytest.mark.parametrize("flip", [None, 0, 5, (64 << 20) + 100, -1])
 def test_device_checks_fold_host_edges_and_device_slots_into_each_buffers_crc(flip):
     """Buffers of odd sizes (some bytes outside the aligned middle, summed from the host buffer;
     one over a slot's 64 MiB, summed in several slots): every CRC-32 is zlib's, and a byte
     flipped in the copy's middle, or in the host buffer's edges, is named."""
-    sizes = [0, 7, 16 << 10, (16 << 10) + 5, 3 * (64 << 20) + 12345]
+    sizes = [0, 7, 16 << 10, (16 << 10) + 5, (64 << 20) + (32 << 10) + 12345]  # 2 slots
     gen = torch.Generator().manual_seed(3)
     jobs = []
     for n in sizes:
