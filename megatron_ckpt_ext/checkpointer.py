@@ -151,7 +151,7 @@ class Checkpointer(_SaveSteps):
                              background=True, then=ahead)
 
     def prepare_restore(self, checkpoint_dir: str | os.PathLike[str]) -> bool:
-        """Optional, before :meth:`load` of ``checkpoint_dir``, while the model is built: threads
+        """Optional, before :meth:`load` of ``checkpoint_dir``, best before the model build: threads
         map, sum and pin this rank's sealed snapshot of it where this node holds one (the memory
         tier, docs/MEMORY.md; whether that started: returned), else pin the storage read's host
         chunks (CUDA); the device CRC is built. The load takes what was made, or releases it."""
