@@ -78,6 +78,21 @@ def writable_file(text: str) -> str:
     return text
 
 
+def out_dir(path: str, flag: str = "--out") -> None:
+    """Make the run's checkpoint root ``path`` and write a file into it once (removed), before
+    any process group or state exists; one line naming ``flag`` and the fix where it cannot
+    (a checkpoint root the save could not write failed later as every rank's traceback)."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".mcx-probe-"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{flag} {path}: cannot be written ({e.strerror}): point {flag} at a "
+                         "writable directory") from None
+
+
 def add_ranks_per_device(parser: Any) -> None:
     """``--ranks-per-device N|auto`` on an argparse parser (parsed: an int, or None for auto)."""
     import argparse

@@ -667,11 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--merge needs --json OUT")
         merge(args.merge, args.json)
         return 0
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # before any process group or state exists
-        raise SystemExit(f"--out {args.out}: cannot be created ({e.strerror}): point --out at a "
-                         "writable directory") from None
+    node.out_dir(args.out)  # before any process group or state exists
     bench = Bench(args)
     try:
         bench.run()

@@ -339,7 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--build-s", type=float, default=0.0,
                    help="seconds between our prepare_restore() and the load (the model build a "
                         "resume runs meanwhile; 0: none)")
-    p.add_argument("--out", default="/tmp/bench_load")
+    p.add_argument("--out", default="/tmp/bench_load",
+                   help="the checkpoint root the benchmark saves and loads (removed at the end)")
     p.add_argument("--json", required=True, type=node.writable_file)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
     p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
@@ -508,7 +509,9 @@ class LoadBench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    bench = LoadBench(parse_args(argv))
+    args = parse_args(argv)
+    node.out_dir(args.out)  # before any process group or state exists
+    bench = LoadBench(args)
     result = bench.run()
     if dist.get_rank() == 0:
         Path(bench.args.json).write_text(json.dumps(result, indent=1))

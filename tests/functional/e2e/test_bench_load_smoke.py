@@ -247,3 +247,24 @@ def test_load_variants_probe_applies_each_variant_and_loads_exact(tmp_path):
         "T2_C64_F2_S500": {"chunk_mib": 64, "in_flight": 2, "switch_us": 500}}
     assert len(data["loads"]) == 2 * 2 * 2  # two blocks a variant, verifying and not
     assert set(data["summary"]) == {f"{v}_{k}" for v in applied for k in ("verify", "plain")}
+
+
+@pytest.mark.functional
+@pytest.mark.parametrize("bench,extra", [("bench_load.py", ["--json", "{tmp}/l.json"]),
+                                         ("bench_ckpt.py", [])])
+def test_a_checkpoint_root_that_cannot_be_written_is_one_line_naming_out(tmp_path, bench, extra):
+    """--out where nothing can be written (under a regular file): one line naming --out and
+    the fix, before any process group or state (it was every rank's traceback from the save)."""
+    import subprocess
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / bench), "--cpu-smoke",
+                           "--out", str(blocker / "ckpt"),
+                           *[a.format(tmp=tmp_path) for a in extra]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"--out {blocker / 'ckpt'}: cannot be written") and \
+        "point --out at a writable directory" in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
