@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _bench_node as node  # noqa: E402
 
 from benchmarks._bench_modes import (build_state, gpt_shape, sharded,  # noqa: E402
                                       single_process_env, state_bytes)
@@ -126,12 +127,13 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="/tmp/bench_memory_restore")
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", required=True, type=node.writable_file)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state on CPU (CI)")
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
                    help="loads to time each repeat (default all)")
     p.add_argument("--child-json", help=argparse.SUPPRESS)  # the killed job's own run
     args = p.parse_args()
+    node.out_dir(args.out)  # before any process group or state exists
     init_world_1()
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if args.cpu_smoke:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _bench_node as node  # noqa: E402
 
 from benchmarks._bench_modes import build_state, gpt_shape, sharded, state_bytes  # noqa: E402
 from benchmarks.bench_load import drop_pages, parallel_read_s  # noqa: E402
@@ -142,12 +143,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--step-matmuls", type=int, default=40)
     p.add_argument("--out", default="/tmp/bench_partner")
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", required=True, type=node.writable_file)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the state lives (cuda: every rank on the one GPU, each its own "
                    "share of it, gloo for the control plane)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny state (CI)")
     args = p.parse_args()
+    node.out_dir(args.out)  # before any process group or state exists
     if args.cpu_smoke:
         args.gib, args.saves, args.rounds, args.step_matmuls = 0.01, 2, 1, 2
     dist.init_process_group("gloo")

@@ -251,7 +251,9 @@ def test_load_variants_probe_applies_each_variant_and_loads_exact(tmp_path):
 
 @pytest.mark.functional
 @pytest.mark.parametrize("bench,extra", [("bench_load.py", ["--json", "{tmp}/l.json"]),
-                                         ("bench_ckpt.py", [])])
+                                         ("bench_ckpt.py", []),
+                                         ("bench_memory_restore.py", ["--json", "{tmp}/m.json"]),
+                                         ("bench_partner.py", ["--json", "{tmp}/p.json"])])
 def test_a_checkpoint_root_that_cannot_be_written_is_one_line_naming_out(tmp_path, bench, extra):
     """--out where nothing can be written (under a regular file): one line naming --out and
     the fix, before any process group or state (it was every rank's traceback from the save)."""
