@@ -41,8 +41,8 @@ class Prepared:
     verified: set[int] = field(default_factory=set)
     pinned: set[int] = field(default_factory=set)  # registered with CUDA before the load came
     seconds: float = 0.0
-    steps: dict = field(default_factory=dict)  # mapped, (copied ahead,) summed, pinned: seconds
-    # since the preparation started
+    steps: dict = field(default_factory=dict)  # mapped, (copied ahead,) summed: seconds since
+    # the preparation started (it ended, pinned, at ``seconds``)
     waited_s: float = 0.0
     device: DeviceAhead | None = None  # the snapshot copied to the device (device_ahead)
     device_sums: bool = False  # pinned, not summed: the load sums them on the device (C)
@@ -136,7 +136,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
         # for (1B: the build and load took 2.25 s instead of 1.63); the buffers are pinned
         # after the load for the next save's staging (ShmStager.pin_adopted)
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
-    prepared.seconds = prepared.steps["pinned_s"] = round(time.perf_counter() - t0, 6)
+    prepared.seconds = round(time.perf_counter() - t0, 6)
 
 
 def _pin_only(entry: dict, seal: Seal, device: int) -> None:
@@ -164,7 +164,7 @@ def _pin_only(entry: dict, seal: Seal, device: int) -> None:
         stager.drop_adopted(unlink=False)
         entry["error"] = e
         return
-    prepared.seconds = prepared.steps["pinned_s"] = round(time.perf_counter() - t0, 6)
+    prepared.seconds = round(time.perf_counter() - t0, 6)
     entry["prepared"] = prepared
 
 
