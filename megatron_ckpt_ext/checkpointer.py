@@ -385,10 +385,10 @@ class Checkpointer(_SaveSteps):
             loader = Loader(self.options, self._group, load_strategy=load_strategy)
             state = loader.load(work, path, record, explicit=iteration is not None,
                                 metadata=read.get(str(path)))
-        # The first save after a resume stages into buffers allocated meanwhile, as a steady one
-        # does (a no-op where they exist, such as an adopted snapshot). Every rank calls it: its
-        # first call is the collective node admission, whatever this rank holds.
-        self.prepare(sharded_state_dict)
+        # The first save after a resume stages into buffers allocated meanwhile (none for an
+        # adopted snapshot); every rank: its first call is the collective node admission
+        with record.timed("prepare_save_s"):
+            self.prepare(sharded_state_dict)
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)

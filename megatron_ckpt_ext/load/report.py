@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from .._runtime import rank
 
@@ -20,8 +22,11 @@ logger = logging.getLogger(__name__)
 # copies (they overlap chunk by chunk across the reading threads: the step's time is split in
 # proportion to the threads' time in each); verify: the part of the manifest check the load did
 # not hide; other: the rest of megatron-core's load (its metadata file, planning, collectives).
-# memory: a restore from the node's sealed snapshot (or the look for one that failed).
-LOAD_PHASES = ("locate_s", "memory_s", "metadata_s", "read_s", "h2d_s", "verify_s", "other_s")
+# memory: a restore from the node's sealed snapshot (or the look for one that failed);
+# prepare_save: after the load, the next save's staging and planning started (Checkpointer.prepare:
+# the node admission on its first call; the rest in the background).
+LOAD_PHASES = ("locate_s", "memory_s", "metadata_s", "read_s", "h2d_s", "verify_s", "other_s",
+               "prepare_save_s")
 
 
 @dataclass
@@ -48,6 +53,15 @@ class LoadRecord:
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - since
         return now
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """The phase ``name`` (in LOAD_PHASES) takes the time of the ``with`` block."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase(name, t)
 
     def add_reads(self, metadata_s: float, read_s: float, h2d_s: float, *, direct_items: int,
                   stock_items: int, device_summed_bytes: int = 0, sums_wait_s: float = 0.0,

@@ -19,6 +19,9 @@
 #   prep0         MCX_PREPARE_RESTORE=0 (nothing ahead: the load does everything)
 #   storage       a copy of the same checkpoint, its pages read first, --no-ckpt-memory-restore
 #                 (prepared as by default), run in every round
+#   old_<MODE>    <MODE> with the package copied into .ab_old (carried; an A/B of two codes in
+#                 one call: rm -rf .ab_old; mkdir .ab_old; git archive REV megatron_ckpt_ext |
+#                 tar -x -C .ab_old)
 # Per restart: Megatron's model-and-optimizer-setup and load-checkpoint timers, and the wall
 # time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
 # model_s: what an earlier preparation could lengthen instead).
@@ -60,7 +63,9 @@ cp -r $K/iter_$(printf %07d $((2 * EVERY))) $K.copy/
 cat $K.copy/iter_*/* > /dev/null  # its pages in the page cache: the warm comparator
 one() {  # ROUND MODE
   local log="$OUT/logs/${MODEL}_r$1_$2.log" envs=() args=(--load $K --save $K --ckpt-keep-memory-snapshot)
-  case $2 in
+  local mode=$2 path=$PYTHONPATH
+  case $mode in old_*) mode=${mode#old_}; path=$PWD/.ab_old:$PYTHONPATH ;; esac
+  case $mode in
     early_device) envs=(MCX_RESTORE_SUMS=device) ;;
     early_host) envs=(MCX_RESTORE_SUMS=host) ;;
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
@@ -69,7 +74,7 @@ one() {  # ROUND MODE
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
     storage) envs=(MCX_RESTORE_SUMS=device) args=(--load $K.copy --no-ckpt-memory-restore) ;;
   esac
-  env "${envs[@]}" timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 \
+  env PYTHONPATH="$path" "${envs[@]}" timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
     "${BASE[@]}" "${RESUME[@]}" --train-iters $((2 * EVERY)) --override-opt_param-scheduler \
     "${args[@]}" > "$log" 2>&1
@@ -93,6 +98,7 @@ row = {"round": int(rnd), "mode": mode, "setup_s": timer("model-and-optimizer-se
        "load_s": timer("load-checkpoint"), "tier": r.get("tier"), "our_load_s": r.get("load_s"),
        "prepared_s": md.get("prepared_s"), "prepared_steps": md.get("prepared_steps"),
        "device_summed": md.get("device_summed"), "memory_steps": r.get("memory_steps"),
+       "phases": r.get("phases"), "direct_issue_s": md.get("direct_issue_s"),
        "init_to_model_s": round((b - a).total_seconds(), 3) if a and b else None,
        "init_s": timer("startup-initialize-megatron"), "jit_s": timer("startup-set-jit-fusion-options")}
 if row["setup_s"] and row["load_s"]:
