@@ -136,19 +136,7 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
         # for (1B: the build and load took 2.25 s instead of 1.63); the buffers are pinned
         # after the load for the next save's staging (ShmStager.pin_adopted)
         prepared.pinned = stager.pin_adopted_now(buffers, entry["stop"])
-    if device is not None and _nothing_to_bounce(prepared):
-        restore_copy.drop_warm_bounce()  # unused by the load: unpinned here, not beside it
     prepared.seconds = round(time.perf_counter() - t0, 6)
-
-
-def _nothing_to_bounce(prepared: Prepared) -> bool:
-    """Whether the load will copy every buffer without the bounce pool (each pinned, or on the
-    device already): then the pool built beside the preparation is released at its end, while
-    the model is built, rather than unpinned after the load, where ``cudaHostUnregister`` holds
-    the driver beside Megatron's own load steps."""
-    on_device = prepared.device.views if prepared.device is not None else {}
-    return all(i in prepared.pinned or i in on_device or not b.numel()
-               for i, b in enumerate(prepared.buffers))
 
 
 def _pin_only(entry: dict, seal: Seal, device: int) -> None:
