@@ -181,7 +181,7 @@ class _KnobTable:
         "the device, summing it on the way (one device block, only where the device's free "
         "memory is at least 4 times the snapshot; given back once the load's copies landed): "
         "the load then copies device to device. Off by default: the block is taken before the "
-        "model is built beside it, and it helped at ~1B but not at 134M (docs/MEMORY.md).",
+        "model is built beside it (docs/MEMORY.md: what it gains at 134M and ~1B).",
     )
     ckpt_keep_memory_snapshot: bool = _knob(
         False,

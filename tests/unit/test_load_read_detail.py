@@ -42,3 +42,25 @@ def test_a_verifying_load_reports_how_long_its_reads_waited_for_the_sums(tmp_pat
     assert detail["sum_device_busy_s"] == 0.0
     # three chunks of 0.3 s on two summing threads: 0.6 s, the reads done long before
     assert 0.4 <= detail["sums_wait_s"] <= report["phases"]["read_s"] + 1e-6, report
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+def test_the_next_saves_preparation_after_a_load_is_its_own_phase(tmp_path: Path, monkeypatch):
+    """What a load spends starting the next save's staging (``Checkpointer.prepare``: the node
+    admission on its first call) is reported as ``prepare_save_s``, not hidden in ``load_s``."""
+    state = {"w": torch.randn(1 << 10)}
+    with Checkpointer(CkptOptions()) as ck:
+        ck.save(sharded(0, 1, state), tmp_path, iteration=1)
+    real = Checkpointer.prepare
+
+    def slow(self, *args, **kwargs):  # noqa: ANN001
+        import time
+
+        time.sleep(0.2)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "prepare", slow)
+    with Checkpointer(CkptOptions()) as ck:
+        ck.load(sharded(0, 1, {"w": torch.zeros(1 << 10)}), tmp_path)
+        report = ck.load_reports[-1]
+    assert 0.2 <= report["phases"]["prepare_save_s"] <= report["load_s"], report

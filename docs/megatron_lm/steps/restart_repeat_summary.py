@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The restarts of restart_repeat_s28.sh (one JSON line each) as issue 32's results JSON: one
 entry per restart in ``runs`` (source, tier, cache, bytes, load_s, model, with Megatron's setup
-timer, the mode and the call), medians per (model, mode), the floors of the session's first call.
+timer, the mode and the call), medians per (model, mode), the floors (the twenty-eighth
+session's first call, or ``--floors``).
 
     python docs/megatron_lm/steps/restart_repeat_summary.py --out docs/memory/h200_restart_s28.json \\
         docs/megatron_lm/steps/restart_repeat_s28/*.jsonl
@@ -42,7 +43,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("lines", nargs="+", type=Path, help="restart_repeat JSON-lines files")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--command", default="docs/megatron_lm/steps/restart_repeat_s28/command.txt",
+                   help="the file naming the calls and commands that made the lines")
+    p.add_argument("--floors", type=Path, action="append", default=[],
+                   help="a gpu_real_client.sh floors JSON of the same calls (repeatable; "
+                   "default: the twenty-eighth session's floors)")
     args = p.parse_args()
+    floors = FLOORS
+    if args.floors:
+        got = [json.loads(f.read_text()) for f in args.floors]
+        floors = {k: [g[k] for g in got] for k in ("h2d_pinned_gbps", "d2h_pinned_gbps")}
+        floors["source"] = " ".join(str(f) for f in args.floors)
     runs = []
     for path in args.lines:
         model = path.name.split("_")[1]
@@ -69,8 +80,7 @@ def main() -> None:
     out = {"device": "NVIDIA H200", "world_size": 1,
            "versions": {"megatron-core": "0.19.2", "nvidia-resiliency-ext": "0.7.0",
                         "Megatron-LM": "core_r0.19.0 pretrain_gpt.py"},
-           "command": "docs/megatron_lm/steps/restart_repeat_s28/command.txt",
-           "floors": FLOORS, "runs": runs, "medians": medians}
+           "command": args.command, "floors": floors, "runs": runs, "medians": medians}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for name, m in medians.items():
         print(name, m)
