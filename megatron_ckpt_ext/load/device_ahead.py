@@ -13,6 +13,7 @@ and given back (``torch.cuda.empty_cache``) once the load's copies have landed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -39,6 +40,7 @@ class DeviceAhead:
         self._buffers, self._device, self.block, self._offsets = buffers, device, block, offsets
         self.views: dict[int, torch.Tensor] = {}  # the buffers copied and matching their seal
         self.seconds = 0.0  # how long fill() took (the load report's device_ahead_fill_s)
+        self.left = 0  # buffers fill() left because the load came first
 
     @classmethod
     def start(cls, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any, *,
@@ -64,20 +66,24 @@ class DeviceAhead:
             return None
         return cls(buffers, device, block, offsets)
 
-    def fill(self, crcs: Sequence[int], *, threads: int) -> set[int]:
+    def fill(self, crcs: Sequence[int], *, threads: int,
+             stop: threading.Event | None = None) -> set[int]:
         """Copy every wanted buffer into its place through the restore's pinned bounce pool,
         summing each chunk on the way (``crcs``: the seal's, per buffer), and wait until the
         copies landed: the indices whose bytes match their seal (only those the load takes
-        from here). Faster than pinning the fresh mapping first (docs/MEMORY.md)."""
+        from here). Faster than pinning the fresh mapping first (docs/MEMORY.md). Once
+        ``stop`` is set (the load came) the pieces not started are left, and so are their
+        buffers: the load copies those from host memory, summed on the way."""
         from ..staging.restore_copy import start_copy_verified
 
         t0 = time.perf_counter()
         order = sorted(self._offsets)
         jobs = [(self._buffers[i], crcs[i], self._view(i)) for i in order]
-        copying = start_copy_verified(jobs, threads=threads)
+        copying = start_copy_verified(jobs, threads=threads, stop=stop)
         copying.finish()
-        bad = {order[k] for k in copying.bad}
-        self.views = {i: jobs[k][2] for k, i in enumerate(order) if i not in bad}
+        left = {order[k] for k in copying.bad + copying.skipped}
+        self.left = len(copying.skipped)  # (the load report's device_ahead_left)
+        self.views = {i: jobs[k][2] for k, i in enumerate(order) if i not in left}
         self.seconds = round(time.perf_counter() - t0, 6)
         return set(self.views)
 

@@ -79,7 +79,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         record.memory_detail.update(prepared_s=ahead.seconds, prepare_wait_s=ahead.waited_s,
                                     pinned_ahead=len(ahead.pinned), prepared_steps=ahead.steps)
         if ahead.device is not None:  # --ckpt-restore-prefetch: its part of prepared_s
-            record.memory_detail["device_ahead_fill_s"] = ahead.device.seconds
+            record.memory_detail.update(device_ahead_fill_s=ahead.device.seconds,
+                                        device_ahead_left=ahead.device.left)
     copying: CopyInFlight | None = None
     if tensors is not None:  # checked and the copies into the targets issued in one pass (a
         why, copying = _check_and_copy(stager, tensors, sharded_state_dict,  # refusal is

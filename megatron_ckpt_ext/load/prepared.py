@@ -111,7 +111,8 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
     verified: set[int] | None = None
     if ahead is not None:  # copied to the device, summed on the way
         try:
-            verified = ahead.fill([e.crc32 for e in seal.entries], threads=thread_counts().copy)
+            verified = ahead.fill([e.crc32 for e in seal.entries], threads=thread_counts().copy,
+                                  stop=entry["stop"])  # a load that comes takes what landed
         except Exception as e:  # noqa: BLE001 - the copy ahead is optional: the load copies
             logger.warning("the snapshot could not be copied to the device ahead of the load "
                            "(%s: %s); the load copies it from host memory", type(e).__name__, e)

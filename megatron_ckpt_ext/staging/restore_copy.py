@@ -49,6 +49,7 @@ class CopyInFlight:
         self._ahead = ahead  # the device block copied ahead (load/device_ahead.py), if any
         self._done = False
         self.checks: DeviceChecks | None = None  # buffers summed on the device, after the copy
+        self.skipped: list[int] = []  # buffers some of whose pieces were left (``stop``)
 
     @property
     def pending(self) -> bool:
@@ -92,7 +93,8 @@ class CopyInFlight:
 def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], *,
                         threads: int | None = None, chunk: int = 16 << 20,
                         detail: dict | None = None, summed: frozenset[int] = frozenset(),
-                        on_device: Any = None, device_sums: bool = False) -> CopyInFlight:
+                        on_device: Any = None, device_sums: bool = False,
+                        stop: threading.Event | None = None) -> CopyInFlight:
     """For each (host buffer, expected CRC-32, target): copy the buffer into the target chunk by
     chunk on ``threads`` threads, summing each chunk on the way; returns once every buffer is
     summed (the chunks' sums folded in order per buffer), device copies possibly still landing.
@@ -110,6 +112,8 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
     pinned buffers not summed ahead are copied whole too and summed on the device once landed
     (:mod:`.restore_sums`, where its kernel is ready): their verdict is
     :meth:`CopyInFlight.late_bad`, not ``bad``.
+    Once ``stop`` is set, the pieces not started yet are left: their buffers are
+    :attr:`CopyInFlight.skipped` (neither copied whole nor judged), the others as without it.
     ``detail`` receives the threads, pieces, step times."""
     from ..manifest import crc32_combine
 
@@ -134,8 +138,10 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
         bounce = take_warm_bounce(threads, chunk) or _Bounce(threads, chunk)
     t1 = time.perf_counter()
 
-    def run(piece: tuple[int, int, int]) -> tuple[int, int, int]:
+    def run(piece: tuple[int, int, int]) -> tuple[int, int | None, int]:
         i, a, z = piece
+        if stop is not None and stop.is_set():
+            return i, None, z - a  # left: its buffer is not copied whole
         src, _, dst = jobs[i]
         raw = _bytes(src)[a:z]
         if bounce is not None and i in bounced:
@@ -145,13 +151,17 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
         return i, crc, z - a
 
     sums: dict[int, int] = {}
+    skipped: set[int] = set()
     copying = CopyInFlight([], bounce, any(dst.is_cuda for _, _, dst in jobs), detail,
                            ahead=on_device)
     copying.checks = checks
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for i, crc, n in pool.map(run, pieces):  # in submission order: chunks in order
-                sums[i] = crc if i not in sums else crc32_combine(sums[i], crc, n)
+                if crc is None or i in skipped:
+                    skipped.add(i)
+                else:
+                    sums[i] = crc if i not in sums else crc32_combine(sums[i], crc, n)
     except BaseException:
         copying.finish()  # no buffer is released while a device copy still reads it
         raise
@@ -168,8 +178,9 @@ def start_copy_verified(jobs: Sequence[tuple[torch.Tensor, int, torch.Tensor]], 
                       device_summed_bytes=checks.device_bytes if checks else 0,
                       device_sums_issue_s=checks.issue_s if checks else 0.0,
                       bounce_setup_s=round(t1 - t_direct, 6), copy_s=round(t2 - t1, 6))
-    copying.bad = [i for i, (_, want, _) in enumerate(jobs)
-                   if i not in summed and i not in late and sums.get(i, 0) != want]
+    copying.skipped = sorted(skipped)
+    copying.bad = [i for i, (_, want, _) in enumerate(jobs) if i not in summed
+                   and i not in late and i not in skipped and sums.get(i, 0) != want]
     return copying
 
 

@@ -157,3 +157,39 @@ def test_a_failed_copy_ahead_gives_the_block_back_and_the_load_copies_from_host(
     assert len(made) == 1 and made[0].block.numel() == 0
     assert "could not be copied to the device ahead" in caplog.text
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_a_load_that_comes_during_the_copy_ahead_takes_what_landed_and_copies_the_rest(
+        device, sealed, monkeypatch):
+    """The copy ahead stops when the load comes (a model build shorter than the copy, as at
+    the model-build seam): the load waits for the pieces in flight only, not for the whole
+    copy, and copies the buffers left from host memory, summed on the way. Here the copy
+    ahead would take 8 x 0.1 s (one thread, 2 KiB pieces of the 16 KiB buffer)."""
+    import functools
+    import types
+
+    from megatron_ckpt_ext.staging import restore_copy
+
+    made, _ = device
+    root = sealed()
+    real_crc, real_start = restore_copy._crc32, restore_copy.start_copy_verified
+
+    def slow_crc(data):  # noqa: ANN001
+        time.sleep(0.1)
+        return real_crc(data)
+
+    monkeypatch.setattr(restore_copy, "_crc32", slow_crc)
+    monkeypatch.setattr(restore_copy, "start_copy_verified",  # (the fill's; the load's is
+                        functools.partial(real_start, chunk=2048))  # bound in load/memory.py)
+    monkeypatch.setattr(prepared, "thread_counts", lambda: types.SimpleNamespace(copy=1))
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True
+        assert ck.prepare_restore(root)
+        time.sleep(0.05)  # the copy ahead has started (or not: the same then)
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["prepare_wait_s"] < 0.5, detail
+    assert detail["device_ahead"] == 0 and detail["device_ahead_left"] == 1
+    assert detail["summed_ahead"] == 0 and detail["pieces"] == 1  # copied and summed now
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+    assert len(made) == 1 and made[0].block.numel() == 0  # the block went back
