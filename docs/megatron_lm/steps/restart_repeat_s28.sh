@@ -16,6 +16,8 @@
 #   build_host    MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host: the twenty-seventh session's
 #                 way (prepared beside the model build)
 #   build_device  MCX_PREPARE_RESTORE=build (pinned beside the build, summed on the device)
+#   build_prefetch  MCX_PREPARE_RESTORE=build with --ckpt-restore-prefetch (the copy ahead
+#                 beside the build, stopped when the load comes)
 #   prep0         MCX_PREPARE_RESTORE=0 (nothing ahead: the load does everything)
 #   storage       a copy of the same checkpoint, its pages read first, --no-ckpt-memory-restore
 #                 (prepared as by default), run in every round
@@ -71,6 +73,7 @@ one() {  # ROUND MODE
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
     build_host) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host) ;;
     build_device) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=device) ;;
+    build_prefetch) envs=(MCX_PREPARE_RESTORE=build) args+=(--ckpt-restore-prefetch) ;;
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
     storage) envs=(MCX_RESTORE_SUMS=device) args=(--load $K.copy --no-ckpt-memory-restore) ;;
   esac
