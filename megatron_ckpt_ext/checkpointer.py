@@ -375,7 +375,7 @@ class Checkpointer(_SaveSteps):
         if self._memory_tier:  # (C) this node's sealed snapshot, if it is this checkpoint
             state = restore_from_memory(self._stager, work, path, record, self._group, load_strategy=
                                         load_strategy, proven=self._planner.validated_by_seal,
-                                        partner=self._partner)
+                                        partner=self._partner, metadata=read.get(str(path)))
             release_warm_restore(background=True)  # taken by the restore, or unused: it goes
             if state is None:  # storage reads from objects the memory tier did not touch
                 work = copy_leaves(sharded_state_dict)

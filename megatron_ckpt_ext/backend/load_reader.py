@@ -107,11 +107,12 @@ def parallel_reads(settings: ReadSettings) -> Iterator[ReadResult]:
 
 
 @contextlib.contextmanager
-def metadata_read_once() -> Iterator[None]:
+def metadata_read_once(known: Mapping[str, Any] | None = None) -> Iterator[None]:
     """While inside, the readers megatron-core builds for a load (its sharded load's; on 0.19
-    its common-state load's too) unpickle ``.metadata`` at most once between them, and read as
-    megatron-core does otherwise (a restore from memory's load of the non-tensor state)."""
-    memo = MetadataMemo()
+    its common-state load's too) unpickle ``.metadata`` at most once between them (not at all
+    where ``known`` holds it by checkpoint directory: read by the load's locate step), and read
+    as megatron-core does otherwise (a restore from memory's load of the non-tensor state)."""
+    memo = MetadataMemo(known)
     with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
             factory_wrapped(f"{MCORE_STRATEGIES}.torch", partial(share, memo=memo)), \
             local_plan_at_one_rank():

@@ -54,14 +54,16 @@ def tensor_layout(sharded_state_dict: Any) -> list[tuple[str, list[int], list[in
 def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record: LoadRecord,
                         group: Group, *, load_strategy: Callable[[], Any],
                         proven: Callable[[tuple], None] | None = None,
-                        partner: Any = None) -> dict | None:
+                        partner: Any = None, metadata: Any = None) -> dict | None:
     """Collective: the loaded state restored from this node's sealed snapshots on every rank,
     or None on every rank (storage is read then; rank 0 has said why). Where every rank's
     whole structure is the one its seal names (``Seal.structure``: validated by megatron-core
     in the run that saved it), megatron-core does not validate the sharding again: neither the
     load of the rest nor (``proven``, called with the structure key) the next prepare() and
     save. ``partner`` (``--ckpt-memory-partner``, staging/partner.py): first, the ranks whose
-    node holds no seal of this checkpoint fetch their copy from their partner's node."""
+    node holds no seal of this checkpoint fetch their copy from their partner's node.
+    ``metadata``: the checkpoint's DCP ``.metadata`` the load's locate step unpickled (0.19),
+    used by megatron-core's load of the rest instead of reading it again."""
     t = t0 = time.perf_counter()
     iteration = parse_iteration(path.name)
     if iteration is None:  # not a committed iteration's name: storage decides what it is
@@ -113,7 +115,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
         same = all(v[2] is not None for v in views) and len({v[2] for v in views}) == 1
         record.memory_detail["structure_proven"] = same
         state = _load_rest_and_fill(sharded_state_dict, path, load_strategy,  # while the
-                                    validate=not same, detail=record.memory_detail)  # copies land
+                                    validate=not same, detail=record.memory_detail,  # copies
+                                    metadata=metadata)  # land
         t = _step(steps, "rest_from_storage_s", t)
         if any(v[3] for v in views):  # (C) some ranks' sums were taken on the device: agree again
             why = _late_verdict(stager, copying, tensors) if pending else ""
@@ -275,7 +278,7 @@ def _mismatch(seal: Seal | None, sharded_state_dict: Any, root: Path, iteration:
 
 def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
                         load_strategy: Callable[[], Any], *, validate: bool = True,
-                        detail: dict | None = None) -> dict:
+                        detail: dict | None = None, metadata: Any = None) -> dict:
     """megatron-core's load of everything but the tensors (its files checked first, its
     sharding validated unless ``validate`` is False), the tensors copied from the snapshot
     into their targets. ``detail`` gets the check's time (``rest_check_s``)."""
@@ -291,7 +294,8 @@ def _load_rest_and_fill(sharded_state_dict: Any, path: Path,
     if detail is not None:
         detail["rest_check_s"] = round(time.perf_counter() - t, 6)
     state = copy_structure(sharded_state_dict)  # its tensors' data: the filled targets
-    with backend.metadata_read_once():  # (0.19 loads the common state apart: one unpickle)
+    known = {str(path): metadata} if metadata is not None else None  # (locate's, on 0.19)
+    with backend.metadata_read_once(known):  # (0.19 loads the common state apart: one unpickle)
         return backend.load_with_tensors_from(state, str(path), load_strategy(), lambda t: t.data,
                                               validate=validate)
 

@@ -130,6 +130,60 @@ def test_a_restore_from_memory_reads_the_rest_with_one_metadata_read(tmp_path, m
     assert metadata_reads == [str(path)]
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_restore_from_memory_handed_the_metadata_reads_it_none(tmp_path, metadata_reads,
+                                                                   monkeypatch):
+    """The ``.metadata`` the load's locate step unpickled (0.19) answers both readers of the
+    rest's load: no read of its own."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ckpt_ext import backend
+    from megatron_ckpt_ext.load import memory
+
+    path = _saved(tmp_path)
+    known = FileSystemReader(str(path)).read_metadata()
+    torch_strategy = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    monkeypatch.setattr(serialization, "_get_filesystem_reader",
+                        torch_strategy._get_filesystem_reader, raising=False)
+    got = []
+
+    def as_megatron_core_0_19(state, checkpoint_dir, strategy, fill, **_):  # two readers
+        got.append(serialization._get_filesystem_reader(checkpoint_dir).read_metadata())
+        got.append(torch_strategy._get_filesystem_reader(checkpoint_dir).read_metadata())
+        return {}
+
+    monkeypatch.setattr(backend, "load_with_tensors_from", as_megatron_core_0_19)
+    metadata_reads.clear()
+    memory._load_rest_and_fill(_like(), path, lambda: None, metadata=known)
+    assert metadata_reads == [] and all(md is known for md in got)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_load_hands_what_locate_read_to_the_restore_from_memory(tmp_path, monkeypatch):
+    """Checkpointer.load: the ``.metadata`` its locate step kept goes to the memory tier's load
+    (as to the storage loader)."""
+    from megatron_ckpt_ext import checkpointer
+
+    path = _saved(tmp_path)
+    sentinel, seen = object(), {}
+
+    def locating(root, *, metadata, **_):
+        metadata[str(path)] = sentinel
+        return path
+
+    def restoring(stager, state, at, record, *args, metadata=None, **_):
+        seen["metadata"], record.path = metadata, at
+        return {}
+
+    monkeypatch.setattr(checkpointer, "locate", locating)
+    monkeypatch.setattr(checkpointer, "restore_from_memory", restoring)
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True)
+    with Checkpointer(options) as ck:
+        ck.load(sharded(0, 1, {k: torch.zeros(4096) for k in _STATE}), tmp_path)
+    assert seen["metadata"] is sentinel
+
+
 def test_locate_hands_the_metadata_it_read_to_the_load(tmp_path, metadata_reads):
     """A megatron-core 0.19 checkpoint keeps its common state inside the torch_dist files: the
     check that it is there unpickles ``.metadata`` and keeps it for the load."""
