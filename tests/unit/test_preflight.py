@@ -162,7 +162,7 @@ def test_the_node_memory_limit_lowers_the_measured_budget_and_the_refusal_names_
     sent = []
     got = preflight.admit_node(5, shm=True, gather=lambda mine: sent.append(mine) or [mine],
                                budget=preflight.HostBudget(-1, 50 * GiB, 3),
-                               limit_bytes=10 * GiB, host="h")
+                               limit_bytes=10 * GiB, host="h", held=(0, 0))  # (not this node's)
     assert sent == [("h", 5, (-1, 50 * GiB, 3), (0, 0), 0)]  # measured; capped after the gather
     assert (got["shm_free"], got["mem_available"]) == (10 * GiB, 10 * GiB)  # unknown shm: limit
     assert got["limit_bytes"] == 10 * GiB
@@ -226,7 +226,11 @@ def test_checkpointer_fails_before_the_first_cpu_shm_save_when_shm_is_short(monk
     """End to end in one process (no process group): the start of the first save raises."""
     from megatron_ckpt_ext import Checkpointer, CkptOptions
 
+    from megatron_ckpt_ext.staging import retained
+
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: DiskUsage(2**20, 2**20, 100))
+    # a snapshot an ended run left in this machine's /dev/shm would be freed to make room
+    monkeypatch.setattr(retained, "held_by_ended_runs", lambda *a, **k: (0, 0))
     sharded_tensor = backend.sharded_tensor_cls()
     opts = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
                        ckpt_assume_constant_structure=True)
