@@ -44,7 +44,7 @@ case $MODEL in
                --global-batch-size 2 --save-retain-interval 130000); EVERY=130 ;;
 esac
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-W=/tmp/rr_$MODEL; K=$W/kill; rm -rf "$W"; mkdir -p "$W" "$OUT/logs"
+W=/tmp/rr_$MODEL; K=$W/kill; L=/tmp/rr_logs_$MODEL; rm -rf "$W" "$L"; mkdir -p "$W" "$L"
 BASE=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval $EVERY --lr-decay-iters 1000
   --logging-level 20)
 LINES="$OUT/restart_repeat_$MODEL.jsonl"; : > "$LINES"
@@ -52,10 +52,11 @@ python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no seal of an earlier 
 # the kill: every process of the run, after the commit of 2 x EVERY and its seal
 setsid python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch \
   .mlm/pretrain_gpt.py "${BASE[@]}" --train-iters $((3 * EVERY + 50)) --save $K --load $K \
-  > "$OUT/logs/kill_$MODEL.log" 2>&1 &
+  > "$L/kill_$MODEL.log" 2>&1 &
 pid=$!; t0=$(date +%s)
 until [ "$(cat $K/latest_checkpointed_iteration.txt 2>/dev/null)" = $((2 * EVERY)) ]; do
-  sleep 0.2; [ $(( $(date +%s) - t0 )) -gt 300 ] && { echo "no commit"; kill -9 -- -$pid; exit 1; }
+  sleep 0.2; [ $(( $(date +%s) - t0 )) -gt 300 ] && { echo "no commit"; kill -9 -- -$pid
+    tar -czf "$OUT/restart_repeat_logs_$MODEL.tgz" -C "$L" .; exit 1; }
 done
 until ls /dev/shm/mcxseal_*_0.json >/dev/null 2>&1; do sleep 0.1; done
 sleep 0.5; kill -9 -- -$pid 2>/dev/null; pkill -9 -f -- "--save $K " ; wait $pid 2>/dev/null
@@ -64,7 +65,7 @@ mkdir -p $K.copy; cp $K/latest_checkpointed_iteration.txt $K.copy/
 cp -r $K/iter_$(printf %07d $((2 * EVERY))) $K.copy/
 cat $K.copy/iter_*/* > /dev/null  # its pages in the page cache: the warm comparator
 one() {  # ROUND MODE
-  local log="$OUT/logs/${MODEL}_r$1_$2.log" envs=() args=(--load $K --save $K --ckpt-keep-memory-snapshot)
+  local log="$L/${MODEL}_r$1_$2.log" envs=() args=(--load $K --save $K --ckpt-keep-memory-snapshot)
   local mode=$2 path=$PYTHONPATH
   case $mode in old_*) mode=${mode#old_}; path=$PWD/.ab_old:$PYTHONPATH ;; esac
   case $mode in
@@ -112,8 +113,10 @@ print(json.dumps({k: row[k] for k in ("round", "mode", "tier", "setup_s", "load_
                  | {"build_s": row.get("build_s"), "steps": row["prepared_steps"]}))
 PY
 }
-for r in $(seq 1 "$REPEATS"); do
-  for m in $MODES storage; do one "$r" "$m"; done
+for r in $(seq 1 "$REPEATS"); do  # the logs archived after each restart: a call cut by its
+  for m in $MODES storage; do  # limit still returns them (a call returns at most 8 files)
+    one "$r" "$m"; tar -czf "$OUT/restart_repeat_logs_$MODEL.tgz" -C "$L" .
+  done
 done
 python3 - "$LINES" <<'PY'
 import json, statistics, sys
@@ -127,4 +130,4 @@ for mode in dict.fromkeys(r["mode"] for r in rows):
               statistics.median(r["init_to_model_s"] or 0 for r in got), "n", len(got))
 PY
 rm -rf "$W"; python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1 || true
-tar -czf "$OUT/restart_repeat_logs_$MODEL.tgz" -C "$OUT/logs" . && rm -rf "$OUT/logs"
+tar -czf "$OUT/restart_repeat_logs_$MODEL.tgz" -C "$L" . && rm -rf "$L"
