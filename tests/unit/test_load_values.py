@@ -105,43 +105,20 @@ def test_the_readers_of_one_load_share_one_read(tmp_path, metadata_reads, monkey
 
 
 @pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("handed", [False, True])
 def test_a_restore_from_memory_reads_the_rest_with_one_metadata_read(tmp_path, metadata_reads,
-                                                                     monkeypatch):
+                                                                     monkeypatch, handed):
     """From memory, the rest of the state (common state, ShardedObjects) is megatron-core's load,
     which on 0.19 builds two readers (its common-state load's under serialization's own name,
-    its sharded load's): they share one unpickle of ``.metadata`` (backend.metadata_read_once)."""
-    from megatron_ckpt_ext import backend
-    from megatron_ckpt_ext.load import memory
-
-    path = _saved(tmp_path)
-    torch_strategy = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
-    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
-    monkeypatch.setattr(serialization, "_get_filesystem_reader",
-                        torch_strategy._get_filesystem_reader, raising=False)
-
-    def as_megatron_core_0_19(state, checkpoint_dir, strategy, fill, **_):  # two readers
-        serialization._get_filesystem_reader(checkpoint_dir).read_metadata()
-        torch_strategy._get_filesystem_reader(checkpoint_dir).read_metadata()
-        return {}
-
-    monkeypatch.setattr(backend, "load_with_tensors_from", as_megatron_core_0_19)
-    metadata_reads.clear()
-    memory._load_rest_and_fill(_like(), path, lambda: None)
-    assert metadata_reads == [str(path)]
-
-
-@pytest.mark.usefixtures("one_rank_group")
-def test_a_restore_from_memory_handed_the_metadata_reads_it_none(tmp_path, metadata_reads,
-                                                                   monkeypatch):
-    """The ``.metadata`` the load's locate step unpickled (0.19) answers both readers of the
-    rest's load: no read of its own."""
+    its sharded load's): they share one unpickle of ``.metadata`` (backend.metadata_read_once),
+    and none where the load's locate step handed over the one it unpickled."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from megatron_ckpt_ext import backend
     from megatron_ckpt_ext.load import memory
 
     path = _saved(tmp_path)
-    known = FileSystemReader(str(path)).read_metadata()
+    known = FileSystemReader(str(path)).read_metadata() if handed else None
     torch_strategy = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
     serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
     monkeypatch.setattr(serialization, "_get_filesystem_reader",
@@ -156,7 +133,8 @@ def test_a_restore_from_memory_handed_the_metadata_reads_it_none(tmp_path, metad
     monkeypatch.setattr(backend, "load_with_tensors_from", as_megatron_core_0_19)
     metadata_reads.clear()
     memory._load_rest_and_fill(_like(), path, lambda: None, metadata=known)
-    assert metadata_reads == [] and all(md is known for md in got)
+    assert metadata_reads == ([] if handed else [str(path)])
+    assert got[0] is got[1] and (known is None or got[0] is known)
 
 
 @pytest.mark.usefixtures("one_rank_group")
