@@ -7,7 +7,9 @@ is not taken from the block (the load sums it again from the host, and refuses i
 Only where the device has room: the block holds the snapshot's bytes once more while the model
 and optimizer it fills are built beside it (they take about those bytes again, plus gradients),
 so it is made only when the device's free memory is at least ``ROOM_FACTOR`` times the bytes,
-and given back (``torch.cuda.empty_cache``) once the load's copies have landed.
+and given back once the load's copies have landed. On a CUDA device the block is managed
+memory (load/managed_block.py): a model that needs the room anyway evicts the block's pages to
+host memory instead of failing to build; where managed memory is not given, no block is made.
 ``--ckpt-restore-prefetch`` turns it on (off by default: docs/MEMORY.md says why)."""
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .managed_block import managed_block
 
 __all__ = ["ROOM_FACTOR", "DeviceAhead"]
 
@@ -60,7 +64,10 @@ class DeviceAhead:
                 logger.debug("the snapshot is not copied to the device ahead of the load: %d "
                              "bytes need %d x free, %d free", total, ROOM_FACTOR, free)
                 return None
-            block = torch.empty(total, dtype=torch.uint8, device=device)
+            block = (managed_block(total, device) if device.type == "cuda"
+                     else torch.empty(total, dtype=torch.uint8, device=device))
+            if block is None:
+                return None
         except (RuntimeError, AttributeError, AssertionError) as e:  # no usable device: the
             logger.debug("no copy to the device ahead of the load: %s", e)  # load copies it all
             return None
@@ -100,11 +107,10 @@ class DeviceAhead:
         return dict(self.views)
 
     def release(self) -> None:
-        """Give the block back (after the load's copies were waited for, or never taken)."""
+        """Give the block back (after the load's copies were waited for, or never taken): the
+        managed memory is freed with its last view."""
         self.views.clear()
         self.block = torch.empty(0, dtype=torch.uint8)
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def _free_bytes(device: torch.device) -> int:

@@ -111,3 +111,30 @@ def test_a_verifying_load_sums_on_the_device_and_catches_a_flipped_byte(tmp_path
     with Checkpointer(CkptOptions(ckpt_load_threads=4)) as ck:
         with pytest.raises(CheckpointIntegrityError, match=data.name):
             ck.load(sharded(0, 1, like), tmp_path / "ckpt")
+
+
+def test_the_copy_aheads_block_gives_way_to_the_model_built_beside_it():
+    """The restore's copy-ahead block (--ckpt-restore-prefetch) is taken before the model is built:
+    in managed memory, ordinary allocations beyond what was free beside it succeed (its pages
+    are evicted to host memory) and its bytes stay intact (an ordinary block would make them
+    fail with out of memory)."""
+    from megatron_ckpt_ext.load.managed_block import managed_block
+
+    nbytes, piece = 4 << 30, 1 << 30
+    block = managed_block(nbytes, torch.device("cuda", torch.cuda.current_device()))
+    assert block is not None and block.is_cuda and block.numel() == nbytes
+    pattern = torch.randint(0, 256, (piece,), dtype=torch.uint8).pin_memory()
+    for at in range(0, nbytes, piece):
+        block[at:at + piece].copy_(pattern)
+    torch.cuda.synchronize()
+    free_beside = torch.cuda.mem_get_info()[0]
+    held = []
+    try:
+        while sum(h.numel() for h in held) < free_beside + 2 * piece:
+            held.append(torch.empty(piece, dtype=torch.uint8, device="cuda").fill_(1))
+        torch.cuda.synchronize()
+        for at in range(0, nbytes, piece):
+            assert torch.equal(block[at:at + piece].cpu(), pattern), at
+    finally:
+        del held
+        torch.cuda.empty_cache()
