@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .managed_block import managed_block
+from . import managed_block as managed
 
 __all__ = ["ROOM_FACTOR", "DeviceAhead"]
 
@@ -64,7 +64,7 @@ class DeviceAhead:
                 logger.debug("the snapshot is not copied to the device ahead of the load: %d "
                              "bytes need %d x free, %d free", total, ROOM_FACTOR, free)
                 return None
-            block = (managed_block(total, device) if device.type == "cuda"
+            block = (managed.managed_block(total, device) if device.type == "cuda"
                      else torch.empty(total, dtype=torch.uint8, device=device))
             if block is None:
                 return None
@@ -99,18 +99,26 @@ class DeviceAhead:
         return self.block[at:at + _nbytes(self._buffers[i])]  # the buffer's bytes
 
     def taken(self, stream: Any | None) -> dict[int, torch.Tensor]:
-        """For the load: the buffers on the device (landed: :meth:`fill` waited), the block
-        marked used on the load's ``stream`` so it is not handed out again before its copies
-        read it."""
-        if stream is not None and self.block.is_cuda:
-            self.block.record_stream(stream)
+        """For the load: the buffers on the device (landed: :meth:`fill` waited). The block is
+        given back only after the load's copies from it were waited for (:meth:`release`)."""
         return dict(self.views)
+
+    def copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None:
+        """Each (target bytes, view from :meth:`taken`) copied on the CUDA ``stream`` (the
+        current one of the targets' device), or by ``copy_`` where there is no stream."""
+        if stream is not None and self.block.is_cuda:
+            managed.copy_out(pairs, stream)
+            return
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
 
     def release(self) -> None:
         """Give the block back (after the load's copies were waited for, or never taken): the
         managed memory is freed with its last view."""
         self.views.clear()
-        self.block = torch.empty(0, dtype=torch.uint8)
+        block, self.block = self.block, torch.empty(0, dtype=torch.uint8)
+        if block.is_cuda:
+            managed.free_later(block)
 
 
 def _free_bytes(device: torch.device) -> int:

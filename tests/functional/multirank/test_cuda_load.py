@@ -6,6 +6,8 @@ covers the CPU targets (tests/functional/multirank/test_integrity.py, tests/unit
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -117,11 +119,12 @@ def test_the_copy_aheads_block_gives_way_to_the_model_built_beside_it():
     """The restore's copy-ahead block (--ckpt-restore-prefetch) is taken before the model is built:
     in managed memory, ordinary allocations beyond what was free beside it succeed (its pages
     are evicted to host memory) and its bytes stay intact (an ordinary block would make them
-    fail with out of memory)."""
-    from megatron_ckpt_ext.load.managed_block import managed_block
+    fail with out of memory); the load's raw copies out land the right bytes and the block is
+    freed on its own thread."""
+    from megatron_ckpt_ext.load import managed_block as managed
 
     nbytes, piece = 4 << 30, 1 << 30
-    block = managed_block(nbytes, torch.device("cuda", torch.cuda.current_device()))
+    block = managed.managed_block(nbytes, torch.device("cuda", torch.cuda.current_device()))
     assert block is not None and block.is_cuda and block.numel() == nbytes
     pattern = torch.randint(0, 256, (piece,), dtype=torch.uint8).pin_memory()
     for at in range(0, nbytes, piece):
@@ -138,3 +141,16 @@ def test_the_copy_aheads_block_gives_way_to_the_model_built_beside_it():
     finally:
         del held
         torch.cuda.empty_cache()
+    # the load's copies out (one cudaMemcpyAsync each), then the block freed on its own thread
+    targets = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 1 << 20)]
+    managed.copy_out([(targets[0], block[5:1005]), (targets[1], block[piece:piece + (1 << 20)])],
+                     torch.cuda.current_stream())
+    assert torch.equal(targets[0].cpu(), pattern[5:1005])
+    assert torch.equal(targets[1].cpu(), pattern[:1 << 20])
+    before = torch.cuda.mem_get_info()[0]
+    managed.free_later(block)
+    del block
+    deadline = time.monotonic() + 30
+    while torch.cuda.mem_get_info()[0] < before + nbytes // 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert torch.cuda.mem_get_info()[0] >= before + nbytes // 2
