@@ -178,10 +178,11 @@ class _KnobTable:
         False,
         flag="--ckpt-restore-prefetch",
         help="In a restore from memory prepared ahead of the load, also copy the snapshot to "
-        "the device, summing it on the way (one device block, only where the device's free "
-        "memory is at least 4 times the snapshot; given back once the load's copies landed): "
-        "the load then copies device to device. Off by default: the block is taken before the "
-        "model is built beside it (docs/MEMORY.md: what it gains at 134M and ~1B).",
+        "the device, summing it on the way (one block of CUDA managed memory, only where the "
+        "device's free memory is at least 4 times the snapshot; a model that needs the room "
+        "evicts it to host memory; freed once the load's copies landed): the load then copies "
+        "device to device. Off by default: it gained time at ~1B, not at 134M "
+        "(docs/MEMORY.md).",
     )
     ckpt_keep_memory_snapshot: bool = _knob(
         False,

@@ -68,7 +68,7 @@ def managed_block(nbytes: int, device: torch.device) -> torch.Tensor | None:
         stream.synchronize()
         with torch.cuda.device(index):
             return torch.as_tensor(owner, device=f"cuda:{index}")
-    except (OSError, AttributeError, RuntimeError) as e:
+    except (OSError, AttributeError, RuntimeError, AssertionError) as e:  # (a CPU-only torch)
         logger.debug("no managed device block for the copy ahead: %s", e)
         return None
 

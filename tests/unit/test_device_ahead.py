@@ -193,3 +193,16 @@ def test_a_load_that_comes_during_the_copy_ahead_takes_what_landed_and_copies_th
     assert detail["summed_ahead"] == 0 and detail["pieces"] == 1  # copied and summed now
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
     assert len(made) == 1 and made[0].block.numel() == 0  # the block went back
+
+
+def test_without_cuda_there_is_no_managed_block_and_no_copy_ahead():
+    """Where CUDA (or its managed memory) is not given, the copy ahead makes no block and says
+    so at debug level: the load copies from host memory (no error)."""
+    from megatron_ckpt_ext.load import managed_block
+
+    if torch.cuda.is_available():
+        pytest.skip("a host without CUDA")
+    assert managed_block.managed_block(1 << 20, torch.device("cuda", 0)) is None
+    buffers = [torch.ones(1024, dtype=torch.uint8)]
+    assert device_ahead.DeviceAhead.start(buffers, {0}, "cuda:0",
+                                          free_bytes=lambda d: 1 << 40) is None

@@ -131,6 +131,11 @@ DOCUMENTED_BUILTINS = {
     ("staging/partner_wire.py", "PartnerError"): "internal: as staging/partner.py's",
     ("backend/replay.py", "ValueError"): "internal: a writer it cannot replay; caught there, "
                                          "the save is planned in full",
+    ("load/managed_block.py", "RuntimeError"): "internal: a CUDA runtime call that failed; "
+                                               "caught there: no block, the load copies from "
+                                               "host memory",
+    ("load/managed_block.py", "OSError"): "internal: no CUDA runtime library; caught there, "
+                                          "as its RuntimeError",
 }
 
 
