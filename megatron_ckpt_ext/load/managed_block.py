@@ -88,9 +88,10 @@ def copy_out(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Non
 
 
 def free_later(block: torch.Tensor) -> None:
-    """Free a block (its copies out landed) on a thread of its own: freeing the managed memory
-    took 13 ms for 1.88 GB on one H200, inside the load, where an ordinary block's release
-    had taken 1 ms on another."""
+    """Free a block (its copies out landed) on a thread of its own, after the device's queued
+    work, so the load does not wait for it. Freeing a device block took ~7 ms per GB of driver
+    time on the thirtieth session's H200s (0.8 ms for 1.88 GB on another), and the load's next
+    CUDA calls waited for it there all the same (docs/MEMORY.md)."""
     threading.Thread(target=_drop, args=([block],), name="mcx-managed-free",
                      daemon=True).start()
 
