@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._runtime import rank
 from . import managed_block as managed
 
 __all__ = ["ROOM_FACTOR", "DeviceAhead"]
@@ -61,12 +62,13 @@ class DeviceAhead:
         try:
             free = (free_bytes or _free_bytes)(device)
             if total * ROOM_FACTOR > free:
-                logger.debug("the snapshot is not copied to the device ahead of the load: %d "
-                             "bytes need %d x free, %d free", total, ROOM_FACTOR, free)
+                _not_ahead(f"its {total / 2**30:.2f} GiB need {ROOM_FACTOR}x that free on the "
+                           f"device, {free / 2**30:.2f} GiB are")
                 return None
             block = (managed.managed_block(total, device) if device.type == "cuda"
                      else torch.empty(total, dtype=torch.uint8, device=device))
             if block is None:
+                _not_ahead("the device gives no CUDA managed memory")
                 return None
         except (RuntimeError, AttributeError, AssertionError) as e:  # no usable device: the
             logger.debug("no copy to the device ahead of the load: %s", e)  # load copies it all
@@ -119,6 +121,12 @@ class DeviceAhead:
         block, self.block = self.block, torch.empty(0, dtype=torch.uint8)
         if block.is_cuda:
             managed.free_later(block)
+
+
+def _not_ahead(why: str) -> None:
+    if rank() == 0:
+        logger.info("--ckpt-restore-prefetch: the snapshot is not copied to the device ahead of "
+                    "the load (%s); the load copies it from host memory", why)
 
 
 def _free_bytes(device: torch.device) -> int:

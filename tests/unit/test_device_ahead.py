@@ -71,15 +71,17 @@ def test_the_load_copies_what_was_copied_ahead_from_the_device_and_gives_the_blo
     assert len(made) == 1 and made[0].block.numel() == 0 and not made[0].views  # given back
 
 
-def test_no_copy_ahead_where_the_device_lacks_room(device, sealed):
+def test_no_copy_ahead_where_the_device_lacks_room(device, sealed, caplog):
     made, room = device
     room["free"] = 4096 * 4 * device_ahead.ROOM_FACTOR - 1
     root = sealed()
-    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck, caplog.at_level("INFO"):
         ck._stager.pin = True
         state = _prepare_and_load(ck, root)
         detail = _memory_detail(ck)
     assert not made and detail["tier"] == "memory" and detail["device_ahead"] == 0
+    said = [r.getMessage() for r in caplog.records if "--ckpt-restore-prefetch" in r.getMessage()]
+    assert len(said) == 1 and "need 4x that free" in said[0], said  # the flag's user is told
     assert detail["pinned_ahead"] == 1  # pinned ahead, copied whole
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
