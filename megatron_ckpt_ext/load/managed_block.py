@@ -55,19 +55,22 @@ def managed_block(nbytes: int, device: torch.device) -> torch.Tensor | None:
     uint8 tensor; None where the runtime or the driver does not give it (said at debug level)."""
     try:
         rt = _runtime()
-        ptr = ctypes.c_void_p()
-        rc = rt.cudaMallocManaged(ctypes.byref(ptr), ctypes.c_size_t(nbytes), _ATTACH_GLOBAL)
-        if rc or not ptr.value:
-            raise RuntimeError(f"cudaMallocManaged returned {rc}")
-        owner = _Allocation(rt, ptr.value, nbytes)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.Stream(device=index)
-        rc = _prefetch(rt, ptr.value, nbytes, index, stream.cuda_stream)
-        if rc:
-            raise RuntimeError(f"cudaMemPrefetchAsync returned {rc}")
-        stream.synchronize()
-        with torch.cuda.device(index):
-            return torch.as_tensor(owner, device=f"cuda:{index}")
+        with torch.cuda.device(index):  # the allocation's device: torch places the tensor there
+            ptr = ctypes.c_void_p()
+            rc = rt.cudaMallocManaged(ctypes.byref(ptr), ctypes.c_size_t(nbytes), _ATTACH_GLOBAL)
+            if rc or not ptr.value:
+                raise RuntimeError(f"cudaMallocManaged returned {rc}")
+            owner = _Allocation(rt, ptr.value, nbytes)
+            stream = torch.cuda.Stream(device=index)
+            rc = _prefetch(rt, ptr.value, nbytes, index, stream.cuda_stream)
+            if rc:
+                raise RuntimeError(f"cudaMemPrefetchAsync returned {rc}")
+            stream.synchronize()
+            block = torch.as_tensor(owner, device=f"cuda:{index}")
+        if block.data_ptr() != ptr.value:  # torch copied it elsewhere: not the managed memory
+            raise RuntimeError("torch did not take the managed allocation as it is")
+        return block
     except (OSError, AttributeError, RuntimeError, AssertionError) as e:  # (a CPU-only torch)
         logger.debug("no managed device block for the copy ahead: %s", e)
         return None
