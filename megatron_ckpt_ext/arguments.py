@@ -11,7 +11,7 @@ import argparse
 from typing import Any, Callable
 
 from ._threads import AUTO
-from .options import _DESTS_ATTR, Knob, _field_default, _range_text, knobs
+from .options import _DESTS_ATTR, _INVERTED, Knob, _field_default, _range_text, knobs
 
 __all__ = ["GROUP_TITLE", "add_arguments", "flags"]
 
@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if host_action is None:
             _add(group, knob)
         elif host_action.dest != knob.arg_dest:
-            dests[knob.name] = host_action.dest
+            # a host `--no-x` that stores True (Megatron-LM's --no-save-rng): True means False
+            inverted = knob.negative and isinstance(host_action, argparse._StoreTrueAction)
+            dests[knob.name] = _INVERTED * inverted + host_action.dest
     if dests:  # only a host whose dest differs from Megatron's leaves a trace in the namespace
         previous = parser.get_default(_DESTS_ATTR) or {}
         parser.set_defaults(**{_DESTS_ATTR: {**previous, **dests}})

@@ -52,7 +52,10 @@ class CkptOptions(_KnobTable):
         dests: Mapping[str, str] = getattr(namespace, _DESTS_ATTR, None) or {}
         values = {}
         for knob in knobs():
-            value = getattr(namespace, dests.get(knob.name, knob.arg_dest), _SAME)
+            dest = dests.get(knob.name, knob.arg_dest)
+            value = getattr(namespace, dest.removeprefix(_INVERTED), _SAME)
+            if dest.startswith(_INVERTED) and isinstance(value, bool):  # the host's --no-x: True
+                value = not value  # when given (Megatron-LM's --no-save-rng, store_true)
             if value is not _SAME and (value is not None or knob.optional):
                 values[knob.name] = value
         return cls(**values)
@@ -88,6 +91,7 @@ class CkptOptions(_KnobTable):
 
 
 _DESTS_ATTR = "_megatron_ckpt_ext_dests"
+_INVERTED = "!"  # a host dest whose True means our knob's False (argparse dests have no "!")
 
 
 def knobs() -> Iterator[Knob]:

@@ -148,6 +148,18 @@ def test_host_dest_is_used_for_a_flag_the_host_already_has():
     assert (opts.async_save, opts.async_ckpt_use_cpu_shm, opts.dist_ckpt_workers) == (True, True, 3)
 
 
+@pytest.mark.parametrize("argv,save_rng,load_rng", [
+    ([], True, True), (["--no-save-rng"], False, True), (["--no-load-rng"], True, False)])
+def test_a_host_no_flag_that_stores_true_sets_our_knob_false(argv, save_rng, load_rng):
+    """Megatron-LM 0.19 declares --no-save-rng / --no-load-rng with store_true, default None
+    (dest no_save_rng): given, our save_rng / load_rng read False, not True."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--no-save-rng", action="store_true", default=None)
+    p.add_argument("--no-load-rng", action="store_true", default=None)
+    opts = CkptOptions.from_args(m.add_arguments(p).parse_args(argv))
+    assert (opts.save_rng, opts.load_rng) == (save_rng, load_rng)
+
+
 def test_host_flag_without_our_range_check_is_still_validated():
     ns = m.add_arguments(_new_megatron_parser()).parse_args(["--dist-ckpt-workers", "0"])
     with pytest.raises(CkptOptionsError, match="--dist-ckpt-workers .* must be an integer >= 1, got 0"):
