@@ -1,8 +1,10 @@
 """The direct reader into CUDA targets (issue 22): each item's bytes go file -> pinned chunk ->
 device on the reading threads' streams, several chunks per large item; the values are bit-exact,
 every item is read directly, and the copies are ordered after the work that was queued on the
-targets before the load. Runs on a GPU through scripts/gpu_tests.sh (MCX_TEST_DEVICE=cuda); CI
-covers the CPU targets (tests/functional/multirank/test_integrity.py, tests/unit/test_direct_read.py)."""
+targets before the load. Also the memory tier's copy-ahead block in CUDA managed memory (it
+gives way to the model built beside it). Runs on a GPU through scripts/gpu_tests.sh
+(MCX_TEST_DEVICE=cuda); CI covers the CPU targets (tests/functional/multirank/test_integrity.py,
+tests/unit/test_direct_read.py, tests/unit/test_managed_block.py)."""
 
 from __future__ import annotations
 
