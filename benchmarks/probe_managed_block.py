@@ -12,6 +12,10 @@ room. The probe answers, in one process:
 3. the copy-out rate once evicted.
 
     python benchmarks/probe_managed_block.py --block-gib 16 --fill-frac 0.9 --json out.json
+
+The CUDA runtime and the prefetch call are the package's (``load/managed_block.py``); the
+results in docs/memory/probes/ were made by this probe's first version (6d71c61), which had its
+own copies of them.
 """
 
 from __future__ import annotations
@@ -23,21 +27,8 @@ import time
 
 import torch
 
-
-def _cudart() -> ctypes.CDLL:
-    torch.cuda.init()
-    with open("/proc/self/maps") as f:
-        paths = sorted({line.split()[-1] for line in f if "libcudart" in line})
-    for p in paths + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
-        try:
-            return ctypes.CDLL(p)
-        except OSError:
-            continue
-    raise SystemExit("no libcudart found")
-
-
-class _Location(ctypes.Structure):  # cudaMemLocation (CUDA 12.2+: the _v2 calls; 13: the calls)
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+from megatron_ckpt_ext.load.managed_block import (_LOCATION_DEVICE, _Location, _prefetch,
+                                                  _runtime)
 
 
 def _version(rt: ctypes.CDLL) -> int:
@@ -56,16 +47,13 @@ class _Managed:
         if rc:
             raise RuntimeError(f"cudaMallocManaged: {rc}")
         self.ptr = ptr.value
-        loc, new = _Location(1, device), _version(rt) >= 13000  # cudaMemLocationTypeDevice
-        advise_fn = rt.cudaMemAdvise if new else rt.cudaMemAdvise_v2
-        prefetch_fn = rt.cudaMemPrefetchAsync if new else rt.cudaMemPrefetchAsync_v2
-        if advise:  # cudaMemAdviseSetPreferredLocation = 3
-            rc = advise_fn(ctypes.c_void_p(self.ptr), ctypes.c_size_t(nbytes), 3, loc)
+        if advise:  # cudaMemAdviseSetPreferredLocation = 3 (CUDA 12.2+: the _v2 call)
+            advise_fn = rt.cudaMemAdvise if _version(rt) >= 13000 else rt.cudaMemAdvise_v2
+            rc = advise_fn(ctypes.c_void_p(self.ptr), ctypes.c_size_t(nbytes), 3,
+                           _Location(_LOCATION_DEVICE, device))
             if rc:
                 print(f"cudaMemAdvise preferred location: {rc}")
-        stream = torch.cuda.current_stream().cuda_stream
-        rc = prefetch_fn(ctypes.c_void_p(self.ptr), ctypes.c_size_t(nbytes), loc, 0,
-                         ctypes.c_void_p(stream))
+        rc = _prefetch(rt, self.ptr, nbytes, device, torch.cuda.current_stream().cuda_stream)
         if rc:
             print(f"cudaMemPrefetchAsync: {rc} (driver or API mismatch; pages fault in)")
         torch.cuda.synchronize()
@@ -97,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_managed_block needs a CUDA device")
-    rt, dev = _cudart(), torch.cuda.current_device()
+    rt, dev = _runtime(), torch.cuda.current_device()
     free0, total = torch.cuda.mem_get_info()
     nbytes = int(args.block_gib * (1 << 30)) >> 20 << 20
     out: dict = {"device": torch.cuda.get_device_name(), "cudart": _version(rt),

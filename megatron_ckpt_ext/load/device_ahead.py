@@ -105,15 +105,6 @@ class DeviceAhead:
         given back only after the load's copies from it were waited for (:meth:`release`)."""
         return dict(self.views)
 
-    def copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None:
-        """Each (target bytes, view from :meth:`taken`) copied on the CUDA ``stream`` (the
-        current one of the targets' device), or by ``copy_`` where there is no stream."""
-        if stream is not None and self.block.is_cuda:
-            managed.copy_out(pairs, stream)
-            return
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
-
     def release(self) -> None:
         """Give the block back (after the load's copies were waited for, or never taken): the
         managed memory is freed with its last view."""

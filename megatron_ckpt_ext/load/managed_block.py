@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["copy_out", "free_later", "managed_block"]
+__all__ = ["free_later", "managed_block"]
 
 logger = logging.getLogger(__name__)
 
 _ATTACH_GLOBAL = 1  # cudaMemAttachGlobal
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers
 _LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
 
 
@@ -74,20 +73,6 @@ def managed_block(nbytes: int, device: torch.device) -> torch.Tensor | None:
     except (OSError, AttributeError, RuntimeError, AssertionError) as e:  # (a CPU-only torch)
         logger.debug("no managed device block for the copy ahead: %s", e)
         return None
-
-
-def copy_out(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None:
-    """Each (target bytes, block view) copied by the device on ``stream`` (a torch CUDA stream),
-    one ``cudaMemcpyAsync`` each: a torch ``copy_`` costs 8-19 us to issue, 400 of them at
-    134M 4.5-10 ms of the load (docs/notes/memory.md). A copy the runtime refuses is made by
-    torch instead."""
-    rt, handle = _runtime(), ctypes.c_void_p(stream.cuda_stream)
-    for dst, src in pairs:
-        rc = rt.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()),
-                                ctypes.c_size_t(src.numel()), _MEMCPY_DEFAULT, handle)
-        if rc:
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
 
 
 def free_later(block: torch.Tensor) -> None:

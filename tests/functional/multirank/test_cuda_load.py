@@ -121,8 +121,7 @@ def test_the_copy_aheads_block_gives_way_to_the_model_built_beside_it():
     """The restore's copy-ahead block (--ckpt-restore-prefetch) is taken before the model is built:
     in managed memory, ordinary allocations beyond what was free beside it succeed (its pages
     are evicted to host memory) and its bytes stay intact (an ordinary block would make them
-    fail with out of memory); the load's raw copies out land the right bytes and the block is
-    freed on its own thread."""
+    fail with out of memory); a block is freed on its own thread."""
     from megatron_ckpt_ext.load import managed_block as managed
 
     nbytes, piece = 4 << 30, 1 << 30
@@ -143,12 +142,6 @@ def test_the_copy_aheads_block_gives_way_to_the_model_built_beside_it():
     finally:
         del held
         torch.cuda.empty_cache()
-    # the load's copies out (one cudaMemcpyAsync each), then the block freed on its own thread
-    targets = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 1 << 20)]
-    managed.copy_out([(targets[0], block[5:1005]), (targets[1], block[piece:piece + (1 << 20)])],
-                     torch.cuda.current_stream())
-    assert torch.equal(targets[0].cpu(), pattern[5:1005])
-    assert torch.equal(targets[1].cpu(), pattern[:1 << 20])
     del block  # (part of it was evicted: a second block, resident, shows the free)
     block = managed.managed_block(piece, torch.device("cuda", torch.cuda.current_device()))
     before = torch.cuda.mem_get_info()[0]
