@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._runtime import rank
+from ..debug import env_switch
 from . import managed_block as managed
 
 __all__ = ["ROOM_FACTOR", "DeviceAhead"]
@@ -46,6 +47,7 @@ class DeviceAhead:
         self.views: dict[int, torch.Tensor] = {}  # the buffers copied and matching their seal
         self.seconds = 0.0  # how long fill() took (the load report's device_ahead_fill_s)
         self.left = 0  # buffers fill() left because the load came first
+        self.cached = False  # the block is torch's (MCX_PREFETCH_BLOCK=cached), not managed
 
     @classmethod
     def start(cls, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any, *,
@@ -65,15 +67,18 @@ class DeviceAhead:
                 _not_ahead(f"its {total / 2**30:.2f} GiB need {ROOM_FACTOR}x that free on the "
                            f"device, {free / 2**30:.2f} GiB are")
                 return None
-            block = (managed.managed_block(total, device) if device.type == "cuda"
-                     else torch.empty(total, dtype=torch.uint8, device=device))
+            cached = device.type != "cuda" or env_switch("MCX_PREFETCH_BLOCK") == "cached"
+            block = (torch.empty(total, dtype=torch.uint8, device=device) if cached
+                     else managed.managed_block(total, device))
             if block is None:
                 _not_ahead("the device gives no CUDA managed memory")
                 return None
         except (RuntimeError, AttributeError, AssertionError) as e:  # no usable device: the
             logger.debug("no copy to the device ahead of the load: %s", e)  # load copies it all
             return None
-        return cls(buffers, device, block, offsets)
+        ahead = cls(buffers, device, block, offsets)
+        ahead.cached = cached
+        return ahead
 
     def fill(self, crcs: Sequence[int], *, threads: int,
              stop: threading.Event | None = None) -> set[int]:
@@ -110,8 +115,8 @@ class DeviceAhead:
         managed memory is freed with its last view."""
         self.views.clear()
         block, self.block = self.block, torch.empty(0, dtype=torch.uint8)
-        if block.is_cuda:
-            managed.free_later(block)
+        if block.is_cuda and not self.cached:
+            managed.free_later(block)  # (a cached block goes back to torch's cache: no free)
 
 
 def _not_ahead(why: str) -> None:

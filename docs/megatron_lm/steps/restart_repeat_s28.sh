@@ -13,6 +13,8 @@
 #   early_host    MCX_RESTORE_SUMS=host (the default since this session): prepared there,
 #                 faulted in and summed on the host, pinned
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
+#   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
+#                 left in its cache at the release, not managed memory freed there)
 #   build_host    MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host: the twenty-seventh session's
 #                 way (prepared beside the model build)
 #   build_device  MCX_PREPARE_RESTORE=build (pinned beside the build, summed on the device)
@@ -72,6 +74,8 @@ one() {  # ROUND MODE
     early_device) envs=(MCX_RESTORE_SUMS=device) ;;
     early_host) envs=(MCX_RESTORE_SUMS=host) ;;
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
+    early_prefetch_cached) envs=(MCX_RESTORE_SUMS=host MCX_PREFETCH_BLOCK=cached)
+      args+=(--ckpt-restore-prefetch) ;;
     build_host) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=host) ;;
     build_device) envs=(MCX_PREPARE_RESTORE=build MCX_RESTORE_SUMS=device) ;;
     build_prefetch) envs=(MCX_PREPARE_RESTORE=build) args+=(--ckpt-restore-prefetch) ;;
