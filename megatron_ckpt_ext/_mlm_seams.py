@@ -27,6 +27,7 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
+_EARLY = "Megatron's initialisation"  # where the launcher prepares a restore seconds early
 _DEFAULT_STRICT = ("assume_ok_unexpected", "StrictHandling.ASSUME_OK_UNEXPECTED")
 
 CheckpointerFactory = Callable[[CkptOptions], Any]
@@ -310,7 +311,8 @@ def _prepare_restore(before: str) -> None:
         t1 = time.perf_counter()
         prepare = env_switch("MCX_PREPARE_RESTORE") != "0"
         if prepare and hasattr(checkpointer, "prepare_restore"):
-            checkpointer.prepare_restore(load)
+            early = before == _EARLY  # the copy ahead by default only there (docs/MEMORY.md)
+            checkpointer.prepare_restore(load, early=early)
     if rank() == 0:  # (a diagnostic: Megatron's own timers show what the build took)
         logger.debug("megatron-ckpt-ext: before %s: checkpointer %.3f s, restore %s %.3f s",
                      before, t1 - t0, "prepared (started) in" if prepare
@@ -376,7 +378,7 @@ def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:
         _state.get_checkpointer()
     if env_switch("MCX_PREPARE_RESTORE") not in ("build", "0") and _device_set_early():
         # the restore prepared now, seconds before the model build
-        _prepare_restore("Megatron's initialisation")
+        _prepare_restore(_EARLY)
 
 
 def _device_set_early() -> bool:

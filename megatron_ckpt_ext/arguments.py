@@ -56,8 +56,9 @@ def _add(group: Any, knob: Knob) -> None:
     elif isinstance(default, bool):
         group.add_argument(knob.flag, action="store_true", dest=knob.arg_dest, help=knob.help)
     elif knob.choices is not None:
+        alone = {"nargs": "?", "const": knob.bare} if knob.bare is not None else {}
         group.add_argument(knob.flag, choices=knob.choices, default=default, dest=knob.arg_dest,
-                           help=f"{knob.help} (default: {default})")
+                           help=f"{knob.help} (default: {default})", **alone)
     else:
         group.add_argument(
             knob.flag,

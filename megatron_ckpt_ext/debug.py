@@ -92,10 +92,11 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "device: a restore from memory prepared ahead pins every buffer without summing it, "
               "and the load sums the copies on the device, instead of faulting in and summing "
               "every buffer on the host's copy threads ahead"),
-    EnvSwitch("MCX_PREFETCH_BLOCK", "managed",
-              "cached: --ckpt-restore-prefetch's device block is an ordinary allocation of "
-              "torch's caching allocator, left in its cache at the release (no free), instead "
-              "of CUDA managed memory freed at the release"),
+    EnvSwitch("MCX_PREFETCH_BLOCK", "auto",
+              "cached / managed: the copy ahead of a restore (--ckpt-restore-prefetch) takes "
+              "that kind of device block wherever the free memory is 4x its bytes, instead of "
+              "torch's block only where it fits beside the sealing run's peak, else (with 'on') "
+              "a managed one"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

@@ -33,6 +33,9 @@ class Knob:
     excluded: tuple[int, ...] = ()  # integers in [minimum, maximum] that are not valid
     valid: str | None = None  # the valid values in words, where a range does not say it
     auto: bool = False  # an integer knob that also takes "auto": a count derived at run time
+    # a text knob whose flag may be given without a value (then this one); its config value may
+    # also be a boolean (true: this value, false: "off"), as when it was a switch
+    bare: str | None = None
 
     @property
     def arg_dest(self) -> str:
@@ -174,15 +177,21 @@ class _KnobTable:
         "provably the checkpoint being loaded (save root, world size, iteration, commit, every "
         "tensor's layout and CRC-32), on every rank, else reads storage.",
     )
-    ckpt_restore_prefetch: bool = _knob(
-        False,
+    ckpt_restore_prefetch: str = _knob(
+        "auto",
         flag="--ckpt-restore-prefetch",
+        choices=("auto", "on", "off"),
+        bare="on",
         help="In a restore from memory prepared ahead of the load, also copy the snapshot to "
-        "the device, summing it on the way (one block of CUDA managed memory, only where the "
-        "device's free memory is at least 4 times the snapshot; a model that needs the room "
-        "evicts it to host memory; freed once the load's copies landed): the load then copies "
-        "device to device. Off by default: it gained time at ~1B, not at 134M "
-        "(docs/MEMORY.md).",
+        "the device, summing it on the way: the load then copies device to device. The block "
+        "is torch's own (kept in its cache for training after the load) where the device's "
+        "free memory holds it beside all the memory the saving run's process ever held (its "
+        "seal records it), else, with 'on', CUDA managed memory where the free memory is at "
+        "least 4 times the snapshot (a model that needs the room evicts it to host memory; "
+        "freed after the load), else none. 'auto' (the default): only in the launcher's early "
+        "preparation (in Megatron's initialisation, seconds before the model build) and only "
+        "into torch's own block; 'on' (the flag given alone): wherever a restore is "
+        "prepared; 'off': never (docs/MEMORY.md).",
     )
     ckpt_keep_memory_snapshot: bool = _knob(
         False,

@@ -38,6 +38,9 @@ class CkptOptions(_KnobTable):
         if not isinstance(self.exit_signal, str) and hasattr(self.exit_signal, "name"):
             object.__setattr__(self, "exit_signal", self.exit_signal.name)  # Megatron's Signals
         for knob in knobs():
+            value = getattr(self, knob.name)
+            if knob.bare is not None and isinstance(value, bool):  # a switch once: true / false
+                object.__setattr__(self, knob.name, knob.bare if value else "off")
             _check_value(knob, getattr(self, knob.name))
 
     # -- constructors -----------------------------------------------------------------------

@@ -5,12 +5,16 @@ device to device into its targets (tens of GB/s become a TB/s); a buffer whose s
 is not taken from the block (the load sums it again from the host, and refuses it).
 
 Only where the device has room: the block holds the snapshot's bytes once more while the model
-and optimizer it fills are built beside it (they take about those bytes again, plus gradients),
-so it is made only when the device's free memory is at least ``ROOM_FACTOR`` times the bytes,
-and given back once the load's copies have landed. On a CUDA device the block is managed
-memory (load/managed_block.py): a model that needs the room anyway evicts the block's pages to
-host memory instead of failing to build; where managed memory is not given, no block is made.
-``--ckpt-restore-prefetch`` turns it on (off by default: docs/MEMORY.md says why)."""
+and optimizer it fills are built beside it. Which block (docs/MEMORY.md, thirty-first session):
+- torch's own (its caching allocator), where the device's free memory holds the block beside
+  all the memory torch held in the process that sealed the snapshot (``Seal.device_peak``),
+  plus a margin: given back to torch's cache after the load, where training reuses it. Freeing
+  a device block costs ~7 ms per GB of driver time on some H200s, which the next allocation
+  waits for; a cached block is never freed.
+- else (``kinds="any"``: ``--ckpt-restore-prefetch on``) CUDA managed memory where the free
+  memory is at least ``ROOM_FACTOR`` times the bytes (load/managed_block.py): a model that needs
+  the room evicts its pages to host memory instead of failing to build; freed after the load.
+- else none: the load copies from host memory."""
 
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ __all__ = ["ROOM_FACTOR", "DeviceAhead"]
 
 logger = logging.getLogger(__name__)
 
-ROOM_FACTOR = 4  # free device memory at least this many times the bytes copied ahead
+ROOM_FACTOR = 4  # a managed block: free device memory at least this many times its bytes
+BESIDE_MARGIN = 1 << 30  # a cached block: room beyond the sealing run's peak (CUDA context,
+# NCCL's and cuBLAS's memory outside torch's allocator), and a tenth of that peak again
 _ALIGN = 512  # each buffer's place in the block starts on this boundary
 
 
@@ -47,13 +53,15 @@ class DeviceAhead:
         self.views: dict[int, torch.Tensor] = {}  # the buffers copied and matching their seal
         self.seconds = 0.0  # how long fill() took (the load report's device_ahead_fill_s)
         self.left = 0  # buffers fill() left because the load came first
-        self.cached = False  # the block is torch's (MCX_PREFETCH_BLOCK=cached), not managed
+        self.kind = "cached"  # "cached": torch's block (on CPU always); "managed" (CUDA)
 
     @classmethod
     def start(cls, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any, *,
-              free_bytes: Callable[[Any], int] | None = None) -> DeviceAhead | None:
+              free_bytes: Callable[[Any], int] | None = None, kinds: str = "any",
+              beside: int = 0) -> DeviceAhead | None:
         """The block for the ``wanted`` buffers on ``device`` (a CUDA device, or a CPU device
-        in tests), or None where the device lacks room (said at debug level)."""
+        in tests), or None where the device lacks room (said on rank 0). ``kinds``: "cached"
+        (torch's block only) or "any"; ``beside``: the sealing run's peak (0: unknown)."""
         device = torch.device(device)
         offsets, total = {}, 0
         for i in sorted(wanted):
@@ -63,12 +71,12 @@ class DeviceAhead:
             return None
         try:
             free = (free_bytes or _free_bytes)(device)
-            if total * ROOM_FACTOR > free:
-                _not_ahead(f"its {total / 2**30:.2f} GiB need {ROOM_FACTOR}x that free on the "
-                           f"device, {free / 2**30:.2f} GiB are")
+            kind, why = _kind(total, free, kinds, beside)
+            if kind is None:
+                _not_ahead(why)
                 return None
-            cached = device.type != "cuda" or env_switch("MCX_PREFETCH_BLOCK") == "cached"
-            block = (torch.empty(total, dtype=torch.uint8, device=device) if cached
+            block = (torch.empty(total, dtype=torch.uint8, device=device)
+                     if device.type != "cuda" or kind == "cached"
                      else managed.managed_block(total, device))
             if block is None:
                 _not_ahead("the device gives no CUDA managed memory")
@@ -77,7 +85,7 @@ class DeviceAhead:
             logger.debug("no copy to the device ahead of the load: %s", e)  # load copies it all
             return None
         ahead = cls(buffers, device, block, offsets)
-        ahead.cached = cached
+        ahead.kind = kind
         return ahead
 
     def fill(self, crcs: Sequence[int], *, threads: int,
@@ -115,8 +123,32 @@ class DeviceAhead:
         managed memory is freed with its last view."""
         self.views.clear()
         block, self.block = self.block, torch.empty(0, dtype=torch.uint8)
-        if block.is_cuda and not self.cached:
+        if block.is_cuda and self.kind == "managed":
             managed.free_later(block)  # (a cached block goes back to torch's cache: no free)
+
+
+def _kind(total: int, free: int, kinds: str, beside: int) -> tuple[str | None, str]:
+    """Which block for ``total`` bytes with ``free`` bytes free on the device ("cached",
+    "managed" or None), and why none. ``MCX_PREFETCH_BLOCK`` may force one kind."""
+    gib = 2**30
+    forced = env_switch("MCX_PREFETCH_BLOCK")
+    if forced in ("cached", "managed"):
+        if total * ROOM_FACTOR > free:
+            return None, (f"its {total / gib:.2f} GiB need {ROOM_FACTOR}x that free on the "
+                          f"device, {free / gib:.2f} GiB are")
+        return forced, ""
+    need = beside + beside // 10 + BESIDE_MARGIN
+    if beside and free - total >= need:
+        return "cached", ""
+    why = (f"its {total / gib:.2f} GiB and the {need / gib:.2f} GiB the sealing run held (with a "
+           f"margin) do not fit the {free / gib:.2f} GiB free" if beside
+           else "the seal does not say what device memory its run held")
+    if kinds != "any":
+        return None, why
+    if total * ROOM_FACTOR > free:
+        return None, (f"{why}, and a managed block's {total / gib:.2f} GiB need {ROOM_FACTOR}x "
+                      "that free")
+    return "managed", ""
 
 
 def _not_ahead(why: str) -> None:

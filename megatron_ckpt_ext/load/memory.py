@@ -82,7 +82,8 @@ def restore_from_memory(stager: Any, sharded_state_dict: Any, path: Path, record
                                     pinned_ahead=len(ahead.pinned), prepared_steps=ahead.steps)
         if ahead.device is not None:  # --ckpt-restore-prefetch: its part of prepared_s
             record.memory_detail.update(device_ahead_fill_s=ahead.device.seconds,
-                                        device_ahead_left=ahead.device.left)
+                                        device_ahead_left=ahead.device.left,
+                                        device_ahead_block=ahead.device.kind)
     copying: CopyInFlight | None = None
     if tensors is not None:  # checked and the copies into the targets issued in one pass (a
         why, copying = _check_and_copy(stager, tensors, sharded_state_dict,  # refusal is
@@ -146,13 +147,14 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
     return now
 
 
-def warm_restore(stager: Any, root: Path, *, to_device: bool = False) -> bool:
+def warm_restore(stager: Any, root: Path, *, to_device: str = "") -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, background threads prepare its restore: one maps the snapshot, faults it in,
     sums every buffer against the seal and pins buffers until the load comes (with
     ``MCX_RESTORE_SUMS=device`` and CUDA it only pins every buffer, the load then summing
-    them on the device) (``to_device``: instead copies it to the device, summed on the way,
-    where the device has room; :mod:`.prepared`, :mod:`.device_ahead`), another one then
+    them on the device) (``to_device``, "cached" or "any": instead copies it to the device,
+    summed on the way, where the device has room; :mod:`.prepared`, :mod:`.device_ahead`),
+    another one then
     builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.

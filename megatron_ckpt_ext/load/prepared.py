@@ -58,12 +58,12 @@ _lock = threading.Lock()
 _pending: list[dict] = []  # at most one: {"stager", "stop", "thread", "prepared" or "error"}
 
 
-def start(stager: Any, root: Any, device: int | None = None, *, to_device: bool = False,
+def start(stager: Any, root: Any, device: int | None = None, *, to_device: str = "",
           device_sums: bool = False) -> bool:
     """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
-    CUDA ``device``) pin its buffers until the load comes; with ``to_device``, instead copy it
-    to the device through the bounce pool, summed on the way, where the device has room
-    (:mod:`.device_ahead`; pinned after the load). With ``device_sums`` (and a CUDA ``device``)
+    CUDA ``device``) pin its buffers until the load comes; with ``to_device`` ("cached" or
+    "any": the blocks it may take), instead copy it to the device through the bounce pool,
+    summed on the way, where the device has room (:mod:`.device_ahead`; pinned after the load). With ``device_sums`` (and a CUDA ``device``)
     map and pin every buffer without summing it: the load sums them on the device after their
     copy (staging/restore_sums.py), and the device CRC is built meanwhile. Whether it started
     (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
@@ -98,7 +98,7 @@ def _adopt(entry: dict, seal: Seal) -> list | None:
     return None
 
 
-def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> None:
+def _prepare(entry: dict, seal: Seal, device: int | None, to_device: str) -> None:
     stager, t0 = entry["stager"], time.perf_counter()
     buffers = _adopt(entry, seal)
     if buffers is None:
@@ -106,7 +106,8 @@ def _prepare(entry: dict, seal: Seal, device: int | None, to_device: bool) -> No
     mapped = round(time.perf_counter() - t0, 6)
     if device is not None:
         restore_copy.use_device(device)
-    ahead = (DeviceAhead.start(buffers, set(range(len(buffers))), f"cuda:{device}")
+    ahead = (DeviceAhead.start(buffers, set(range(len(buffers))), f"cuda:{device}",
+                               kinds=to_device, beside=seal.device_peak)
              if device is not None and to_device else None)
     verified: set[int] | None = None
     if ahead is not None:  # copied to the device, summed on the way

@@ -81,6 +81,9 @@ class Seal:
     host: str = ""
     pid: int = 0
     replica_of: str = ""  # a partner copy (staging/partner.py): the node it was copied from
+    # the most device memory torch's allocator held in the process that sealed it (bytes; 0:
+    # unknown): what its restart needs beside a copy ahead of the load (load/device_ahead.py)
+    device_peak: int = 0
     format: str = _FORMAT
     file: str = field(default="", compare=False)  # where it was read from (not stored)
 

@@ -85,7 +85,7 @@ class _Sealing:
                    for (k, o, sh, dt), t in zip(layout, batch.tensors)]
         seal = Seal(root=os.path.realpath(root), rank=self.rank, world=world,
                     iteration=iteration, manifest_crc32=manifest_crc32, entries=entries,
-                    structure=structure[0], objects=structure[1])
+                    structure=structure[0], objects=structure[1], device_peak=_device_peak())
         self._sealed = (buffer_set, seal.root)
         self._seal_cancel = threading.Event()
         self._seal_thread = threading.Thread(
@@ -279,3 +279,12 @@ class _Sealing:
         # the rank's share of the host's cores: every rank of the host pins at once
         with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:
             list(pool.map(pin, todo))
+
+
+def _device_peak() -> int:
+    """The most memory torch's caching allocator has held on this process's device (0 where
+    CUDA was never used here): read without a synchronisation."""
+    try:
+        return int(torch.cuda.max_memory_reserved()) if torch.cuda.is_initialized() else 0
+    except (RuntimeError, AssertionError):
+        return 0

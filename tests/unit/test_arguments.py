@@ -50,6 +50,24 @@ def test_text_knobs_take_only_their_choices_from_every_source():
         CkptOptions(most_recent_k=0)
 
 
+@pytest.mark.parametrize("argv,want", [([], "auto"), (["--ckpt-restore-prefetch"], "on"),
+                                       (["--ckpt-restore-prefetch", "off"], "off"),
+                                       (["--ckpt-restore-prefetch", "auto"], "auto")])
+def test_the_restore_prefetch_flag_alone_means_on_and_takes_a_mode(argv, want):
+    """--ckpt-restore-prefetch was a switch: given alone it still turns the copy ahead on; it
+    now also takes auto (the default) or off, and a config's true / false still mean on / off."""
+    assert CkptOptions.from_args(parse(argv)).ckpt_restore_prefetch == want
+
+
+@pytest.mark.parametrize("value,want", [(True, "on"), (False, "off"), ("auto", "auto")])
+def test_the_restore_prefetch_key_takes_a_boolean_as_it_did(value, want):
+    from megatron_ckpt_ext.errors import CkptOptionsError
+
+    assert CkptOptions.from_config({"ckpt_restore_prefetch": value}).ckpt_restore_prefetch == want
+    with pytest.raises(CkptOptionsError, match="ckpt_restore_prefetch.*auto, on, off"):
+        CkptOptions.from_config({"ckpt_restore_prefetch": "yes"})
+
+
 def parse(argv, parser=None):
     return m.add_arguments(parser or argparse.ArgumentParser()).parse_args(argv)
 

@@ -31,7 +31,8 @@ def device(monkeypatch, pool):
     start = device_ahead.DeviceAhead.start.__func__
 
     def cpu_start(cls, buffers, wanted, _device, **kwargs):
-        made_now = start(cls, buffers, wanted, "cpu", free_bytes=lambda d: room["free"])
+        made_now = start(cls, buffers, wanted, "cpu", free_bytes=lambda d: room["free"],
+                         **kwargs)
         if made_now is not None:
             made.append(made_now)
         return made_now
@@ -208,3 +209,77 @@ def test_without_cuda_there_is_no_managed_block_and_no_copy_ahead():
     buffers = [torch.ones(1024, dtype=torch.uint8)]
     assert device_ahead.DeviceAhead.start(buffers, {0}, "cuda:0",
                                           free_bytes=lambda d: 1 << 40) is None
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("free,kinds,beside,want", [
+    (20 * GIB, "cached", 8 * GIB, "cached"),  # 2 + 8 + 0.8 + 1 <= 20: torch's block
+    (11 * GIB, "cached", 8 * GIB, None),  # 2 GiB beside 9.8 GiB do not fit 11
+    (11 * GIB, "any", 8 * GIB, "managed"),  # ... but 4 x 2 GiB are free: a managed block
+    (7 * GIB, "any", 8 * GIB, None),  # not even that
+    (40 * GIB, "cached", 0, None),  # the seal does not say what its run held: never cached
+    (40 * GIB, "any", 0, "managed"),
+])
+def test_the_block_is_torchs_only_where_it_fits_beside_the_sealing_runs_peak(free, kinds, beside,
+                                                                             want):
+    """A cached block is never freed (training reuses it) but cannot give way to the model
+    built beside it: it is taken only where the device's free memory holds it beside all the
+    memory the run that sealed the snapshot held (its seal's ``device_peak``), plus a margin;
+    otherwise, where the flag asks for any block, a managed one under the 4x rule."""
+    kind, why = device_ahead._kind(2 * GIB, free, kinds, beside)
+    assert kind == want
+    assert bool(why) == (want is None)
+
+
+@pytest.mark.parametrize("switch", ["cached", "managed"])
+def test_mcx_prefetch_block_forces_a_kind_under_the_4x_rule(monkeypatch, switch):
+    monkeypatch.setenv("MCX_PREFETCH_BLOCK", switch)
+    assert device_ahead._kind(2 * GIB, 8 * GIB, "cached", 0) == (switch, "")
+    assert device_ahead._kind(2 * GIB, 8 * GIB - 1, "any", 40 * GIB)[0] is None
+
+
+@pytest.mark.parametrize("mode,early,peak,copied", [
+    ("auto", True, 1 << 20, True),  # the launcher's early preparation: torch's block
+    ("auto", False, 1 << 20, False),  # at the model build: no copy ahead by default
+    ("auto", True, 0, False),  # a seal that does not say what its run held
+    ("off", True, 1 << 20, False),
+    ("on", False, 0, True),  # asked for: wherever, any block
+])
+def test_by_default_the_copy_ahead_runs_only_in_the_early_preparation_into_torchs_block(
+        device, sealed, monkeypatch, caplog, mode, early, peak, copied):
+    made, _ = device
+    monkeypatch.setattr(sealing, "_device_peak", lambda: peak)
+    root = sealed()
+    options = dict(_OPTIONS, ckpt_restore_prefetch=mode)
+    with Checkpointer(CkptOptions(**options)) as ck, caplog.at_level("INFO"):
+        ck._stager.pin = True
+        assert ck.prepare_restore(root, early=early) and prepared.wait(30)
+        state = ck.load(_like(), str(root))
+        detail = _memory_detail(ck)
+    assert detail["tier"] == "memory" and detail["device_ahead"] == int(copied)
+    assert len(made) == int(copied)
+    if copied:
+        assert made[0].kind == ("cached" if mode == "auto" else "managed")  # (CPU: host memory)
+    said = [r.getMessage() for r in caplog.records if "--ckpt-restore-prefetch" in r.getMessage()]
+    assert len(said) == (mode == "auto" and early and not peak), said  # why, once, when asked
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
+def test_the_seal_records_the_peak_device_memory_of_its_run(sealed, monkeypatch):
+    """The seal says how much device memory torch held in the run that sealed it; a seal written
+    before that field existed reads as 0 (unknown: no cached block for it)."""
+    import json
+
+    from megatron_ckpt_ext.staging import retained
+
+    monkeypatch.setattr(sealing, "_device_peak", lambda: 12345)
+    root = sealed()
+    path = retained.seal_path("/dev/shm", root, 0)
+    assert retained.read_seal(path).device_peak == 12345
+    data = json.loads(open(path).read())
+    del data["device_peak"]
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+    assert retained.read_seal(path).device_peak == 0

@@ -31,6 +31,7 @@ class FakeCheckpointer:
         self.reports = []
         self.prepared: list = []  # states given to prepare()
         self.restores_prepared: list = []  # (--load, what Megatron had done by then)
+        self.prepared_early: list[bool] = []  # each prepare_restore's early= (the copy ahead)
         self.events: list = []
         self.common_checks: list = []  # the preprocess_common each save/prepare was given
 
@@ -38,8 +39,9 @@ class FakeCheckpointer:
         self.prepared.append(sharded_state_dict)
         self.common_checks.append(("prepare", preprocess_common))
 
-    def prepare_restore(self, checkpoint_dir):
+    def prepare_restore(self, checkpoint_dir, *, early=False):
         self.restores_prepared.append((checkpoint_dir, list(self.events)))
+        self.prepared_early.append(early)
         return True
 
     def save(self, sharded_state_dict, checkpoint_dir, *, iteration, preprocess_common=None):
@@ -679,6 +681,8 @@ def test_the_restore_is_prepared_in_megatrons_initialisation_on_the_ranks_device
     mlm.mods["training"].setup_model_and_optimizer("provider", "t")
     assert made[0].restores_prepared == ([] if switch == "0" else
                                          [("/ckpt", [] if cuda_early else ["initialised"])])
+    # only the early preparation may copy the snapshot to the device by default
+    assert made[0].prepared_early == ([] if switch == "0" else [cuda_early])
 
 
 def test_no_device_is_set_early_for_a_rank_megatron_cannot_place(mlm, monkeypatch):

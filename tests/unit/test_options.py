@@ -14,7 +14,7 @@ CLI_DEFAULTS = dict(
     ckpt_assume_constant_structure=False, use_persistent_ckpt_worker=False, ckpt_overlap_snapshot=False,
     ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, save_rng=True, load_rng=True,
     exit_on_missing_checkpoint=False, ckpt_verify_load=True, ckpt_load_threads="auto",
-    ckpt_load_fallback=False, ckpt_memory_restore=True, ckpt_restore_prefetch=False,
+    ckpt_load_fallback=False, ckpt_memory_restore=True, ckpt_restore_prefetch="auto",
     ckpt_keep_memory_snapshot=False,
     ckpt_memory_snapshot_sets=1, ckpt_memory_partner=False,
     distributed_timeout_minutes=10, check_for_nan_in_grad=True, logging_level=None,

@@ -11,7 +11,10 @@
 #   early_device  MCX_RESTORE_SUMS=device: prepared in initialize_megatron, pinned only, summed
 #                 on the device at the load
 #   early_host    MCX_RESTORE_SUMS=host (the default since this session): prepared there,
-#                 faulted in and summed on the host, pinned
+#                 faulted in and summed on the host, pinned (since the thirty-first session
+#                 with --ckpt-restore-prefetch off: no copy ahead)
+#   early_default no switch, no flag: since the thirty-first session the copy ahead into
+#                 torch's block where it fits beside the sealing run's peak (auto)
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
 #                 left in its cache at the release, not managed memory freed there)
@@ -72,7 +75,8 @@ one() {  # ROUND MODE
   case $mode in old_*) mode=${mode#old_}; path=$PWD/.ab_old:$PYTHONPATH ;; esac
   case $mode in
     early_device) envs=(MCX_RESTORE_SUMS=device) ;;
-    early_host) envs=(MCX_RESTORE_SUMS=host) ;;
+    early_host) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch off) ;;
+    early_default) ;;
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
     early_prefetch_cached) envs=(MCX_RESTORE_SUMS=host MCX_PREFETCH_BLOCK=cached)
       args+=(--ckpt-restore-prefetch) ;;
@@ -107,6 +111,7 @@ row = {"round": int(rnd), "mode": mode, "setup_s": timer("model-and-optimizer-se
        "prepared_s": md.get("prepared_s"), "prepared_steps": md.get("prepared_steps"),
        "device_summed": md.get("device_summed"), "memory_steps": r.get("memory_steps"),
        "phases": r.get("phases"), "direct_issue_s": md.get("direct_issue_s"),
+       "block": md.get("device_ahead_block"),
        "init_to_model_s": round((b - a).total_seconds(), 3) if a and b else None,
        "init_s": timer("startup-initialize-megatron"), "jit_s": timer("startup-set-jit-fusion-options")}
 if row["setup_s"] and row["load_s"]:
@@ -114,7 +119,8 @@ if row["setup_s"] and row["load_s"]:
 open(out, "a").write(json.dumps(row) + "\n")
 print(json.dumps({k: row[k] for k in ("round", "mode", "tier", "setup_s", "load_s", "prepared_s",
                                       "init_to_model_s", "init_s", "jit_s")}
-                 | {"build_s": row.get("build_s"), "steps": row["prepared_steps"]}))
+                 | {"build_s": row.get("build_s"), "steps": row["prepared_steps"],
+                    "block": row["block"]}))
 PY
 }
 for r in $(seq 1 "$REPEATS"); do  # the logs archived after each restart: a call cut by its
