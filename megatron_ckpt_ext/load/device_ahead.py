@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._runtime import rank
+from .._threads import local_world_size
 from ..debug import env_switch
 from . import managed_block as managed
 
@@ -71,7 +72,7 @@ class DeviceAhead:
             return None
         try:
             free = (free_bytes or _free_bytes)(device)
-            kind, why = _kind(total, free, kinds, beside)
+            kind, why = _kind(total, free, kinds, beside, _sharers(device))
             if kind is None:
                 _not_ahead(why)
                 return None
@@ -127,9 +128,12 @@ class DeviceAhead:
             managed.free_later(block)  # (a cached block goes back to torch's cache: no free)
 
 
-def _kind(total: int, free: int, kinds: str, beside: int) -> tuple[str | None, str]:
+def _kind(total: int, free: int, kinds: str, beside: int,
+          sharers: int = 1) -> tuple[str | None, str]:
     """Which block for ``total`` bytes with ``free`` bytes free on the device ("cached",
-    "managed" or None), and why none. ``MCX_PREFETCH_BLOCK`` may force one kind."""
+    "managed" or None), and why none. ``MCX_PREFETCH_BLOCK`` may force one kind. ``sharers``:
+    the ranks of this host on each device (each counts only its own share of ``free``: they
+    decide at once, each knowing only its own seal's peak)."""
     gib = 2**30
     forced = env_switch("MCX_PREFETCH_BLOCK")
     if forced in ("cached", "managed"):
@@ -137,11 +141,12 @@ def _kind(total: int, free: int, kinds: str, beside: int) -> tuple[str | None, s
             return None, (f"its {total / gib:.2f} GiB need {ROOM_FACTOR}x that free on the "
                           f"device, {free / gib:.2f} GiB are")
         return forced, ""
-    need = beside + beside // 10 + BESIDE_MARGIN
-    if beside and free - total >= need:
+    need, share = beside + beside // 10 + BESIDE_MARGIN, free // max(1, sharers)
+    if beside and share - total >= need:
         return "cached", ""
+    shared = f" (this rank's share of {sharers} on the device)" if sharers > 1 else ""
     why = (f"its {total / gib:.2f} GiB and the {need / gib:.2f} GiB the sealing run held (with a "
-           f"margin) do not fit the {free / gib:.2f} GiB free" if beside
+           f"margin) do not fit the {share / gib:.2f} GiB free{shared}" if beside
            else "the seal does not say what device memory its run held")
     if kinds != "any":
         return None, why
@@ -149,6 +154,12 @@ def _kind(total: int, free: int, kinds: str, beside: int) -> tuple[str | None, s
         return None, (f"{why}, and a managed block's {total / gib:.2f} GiB need {ROOM_FACTOR}x "
                       "that free")
     return "managed", ""
+
+
+def _sharers(device: torch.device) -> int:
+    """This host's ranks on each of its devices (8 ranks on one GPU: 8)."""
+    devices = torch.cuda.device_count() if device.type == "cuda" else 1
+    return max(1, -(-local_world_size() // max(1, devices)))
 
 
 def _not_ahead(why: str) -> None:

@@ -233,6 +233,26 @@ def test_the_block_is_torchs_only_where_it_fits_beside_the_sealing_runs_peak(fre
     assert bool(why) == (want is None)
 
 
+def test_ranks_sharing_a_device_each_count_only_their_share_of_its_free_memory(monkeypatch):
+    """8 ranks on one GPU decide at once, each knowing only its own seal's peak: each counts an
+    eighth of the free memory, so together they never take more than the device holds."""
+    assert device_ahead._kind(2 * GIB, 20 * GIB, "cached", 8 * GIB, sharers=1)[0] == "cached"
+    kind, why = device_ahead._kind(2 * GIB, 20 * GIB, "cached", 8 * GIB, sharers=2)
+    assert kind is None and "share of 2" in why
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_ahead._sharers(torch.device("cuda", 0)) == 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert device_ahead._sharers(torch.device("cuda", 0)) == 1
+    buffers = [torch.ones(1024, dtype=torch.uint8)]
+    start = device_ahead.DeviceAhead.start  # (on CPU one "device": 8 ranks share it)
+    assert start(buffers, {0}, "cpu", free_bytes=lambda d: 20 * GIB, kinds="cached",
+                 beside=12 * GIB) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert start(buffers, {0}, "cpu", free_bytes=lambda d: 20 * GIB, kinds="cached",
+                 beside=12 * GIB).kind == "cached"
+
+
 @pytest.mark.parametrize("switch", ["cached", "managed"])
 def test_mcx_prefetch_block_forces_a_kind_under_the_4x_rule(monkeypatch, switch):
     monkeypatch.setenv("MCX_PREFETCH_BLOCK", switch)
