@@ -102,6 +102,8 @@ def test_a_restart_prepared_while_the_model_is_built_only_copies(root, tmp_path,
             ahead = buffers if prefetch else 0
             assert detail["pinned_ahead"] == buffers - ahead  # (pinned after a copy ahead)
             assert detail["device_ahead"] == ahead and detail["direct"] == buffers - ahead
+            if prefetch:  # the saving run's device peak is in its seal, and fits beside: the
+                assert detail["device_ahead_block"] == "cached"  # block is torch's own
 
 
 @pytest.mark.parametrize("flipped", [False, True])
