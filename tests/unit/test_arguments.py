@@ -68,6 +68,13 @@ def test_the_restore_prefetch_key_takes_a_boolean_as_it_did(value, want):
         CkptOptions.from_config({"ckpt_restore_prefetch": "yes"})
 
 
+def test_the_restore_prefetch_key_in_yaml_reads_on_and_off_as_yaml_does(tmp_path):
+    """YAML 1.1 reads a bare on / off as a boolean: they still mean on / off."""
+    for text, want in (("on", "on"), ("off", "off"), ("auto", "auto")):
+        (tmp_path / "c.yaml").write_text(f"ckpt_restore_prefetch: {text}\n")
+        assert CkptOptions.from_yaml(tmp_path / "c.yaml").ckpt_restore_prefetch == want
+
+
 def parse(argv, parser=None):
     return m.add_arguments(parser or argparse.ArgumentParser()).parse_args(argv)
 
