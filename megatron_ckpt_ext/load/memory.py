@@ -154,8 +154,7 @@ def warm_restore(stager: Any, root: Path, *, to_device: str = "") -> bool:
     ``MCX_RESTORE_SUMS=device`` and CUDA it only pins every buffer, the load then summing
     them on the device) (``to_device``, "cached" or "any": instead copies it to the device,
     summed on the way, where the device has room; :mod:`.prepared`, :mod:`.device_ahead`),
-    another one then
-    builds the pinned bounce pool the rest is copied through
+    another one then builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.
     Whether anything started."""

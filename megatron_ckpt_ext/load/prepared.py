@@ -63,9 +63,10 @@ def start(stager: Any, root: Any, device: int | None = None, *, to_device: str =
     """Map and sum this rank's sealed snapshot of ``root`` on a background thread, then (with a
     CUDA ``device``) pin its buffers until the load comes; with ``to_device`` ("cached" or
     "any": the blocks it may take), instead copy it to the device through the bounce pool,
-    summed on the way, where the device has room (:mod:`.device_ahead`; pinned after the load). With ``device_sums`` (and a CUDA ``device``)
-    map and pin every buffer without summing it: the load sums them on the device after their
-    copy (staging/restore_sums.py), and the device CRC is built meanwhile. Whether it started
+    summed on the way, where the device has room (:mod:`.device_ahead`; pinned after the
+    load). With ``device_sums`` (and a CUDA ``device``) map and pin every buffer without
+    summing it: the load sums them on the device after their copy (staging/restore_sums.py),
+    and the device CRC is built meanwhile. Whether it started
     (a seal of ``root`` for this rank, no snapshot of this run's own, none pending)."""
     if not hasattr(stager, "adopt") or stager.sealed_root() is not None:
         return False

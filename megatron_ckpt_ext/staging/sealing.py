@@ -283,8 +283,12 @@ class _Sealing:
 
 def _device_peak() -> int:
     """The most memory torch's caching allocator has held on this process's device (0 where
-    CUDA was never used here): read without a synchronisation."""
+    CUDA was never used here), read without a synchronisation. The largest over the devices:
+    a rank uses one, and a commit on another thread would read the thread's current device."""
     try:
-        return int(torch.cuda.max_memory_reserved()) if torch.cuda.is_initialized() else 0
+        if not torch.cuda.is_initialized():
+            return 0
+        return max((int(torch.cuda.max_memory_reserved(d))
+                    for d in range(torch.cuda.device_count())), default=0)
     except (RuntimeError, AssertionError):
         return 0

@@ -303,3 +303,16 @@ def test_the_seal_records_the_peak_device_memory_of_its_run(sealed, monkeypatch)
     with open(path, "w") as fh:
         json.dump(data, fh)
     assert retained.read_seal(path).device_peak == 0
+
+
+def test_the_seals_peak_is_the_largest_of_the_processs_devices(monkeypatch):
+    """A rank uses one device, but the commit that seals may run on a thread whose current
+    device is another: the peak is read over every device (0 where CUDA was never used)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert sealing._device_peak() == 0
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                        lambda d=None: {0: 0, 1: 7 * GIB, 2: 0}[0 if d is None else d])
+    assert sealing._device_peak() == 7 * GIB
