@@ -93,10 +93,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "and the load sums the copies on the device, instead of faulting in and summing "
               "every buffer on the host's copy threads ahead"),
     EnvSwitch("MCX_PREFETCH_BLOCK", "auto",
-              "cached / managed: the copy ahead of a restore (--ckpt-restore-prefetch) takes "
-              "that kind of device block wherever the free memory is 4x its bytes, instead of "
-              "torch's block only where it fits beside the sealing run's peak, else (with 'on') "
-              "a managed one"),
+              "cached: the copy ahead of a restore (--ckpt-restore-prefetch) takes torch's own "
+              "device block wherever the free memory is 4x its bytes (managed: a CUDA managed "
+              "one there), instead of torch's block only where it fits beside the sealing run's "
+              "peak, else (with 'on') a managed one"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),
