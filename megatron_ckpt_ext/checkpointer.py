@@ -150,20 +150,14 @@ class Checkpointer(_SaveSteps):
         self._stager.prepare([t.data for t in tensors], keys=[t.key for t in tensors],
                              background=True, then=ahead)
 
-    def prepare_restore(self, checkpoint_dir: str | os.PathLike[str], *,
-                        early: bool = False) -> bool:
-        """Optional, before :meth:`load` of ``checkpoint_dir``, best before the model build: threads
-        map, sum and pin this rank's sealed snapshot of it where this node holds one (the memory
-        tier, docs/MEMORY.md; whether that started: returned), else pin the storage read's host
-        chunks (CUDA); the device CRC is built. The load takes what was made, or releases it.
-        ``early``: called seconds before the model build (the launcher, in Megatron's
-        initialisation), where ``--ckpt-restore-prefetch auto`` also copies the snapshot to the
-        device; beside the build that copy would hold the build up (docs/MEMORY.md)."""
+    def prepare_restore(self, checkpoint_dir: str | os.PathLike, *, early: bool = False) -> bool:
+        """Optional, before :meth:`load` of ``checkpoint_dir`` (``early``: seconds before the model
+        build), threads map, sum and pin this rank's sealed snapshot of it where this node holds
+        one (the memory tier, docs/MEMORY.md; whether that started: returned), else pin the
+        storage read's host chunks (CUDA). The load takes what was made, or releases it."""
         self._check_open()
-        mode = self.options.ckpt_restore_prefetch
-        to_device = "any" if mode == "on" else "cached" if mode == "auto" and early else ""
-        memory = bool(self._memory_tier and warm_restore(
-            self._stager, Path(checkpoint_dir), to_device=to_device))
+        memory = self._memory_tier and warm_restore(self._stager, Path(checkpoint_dir),
+                                                    self.options.ckpt_restore_prefetch, early)
         read_ahead(self.options, Path(checkpoint_dir), pin_chunks=not memory)
         return memory
 

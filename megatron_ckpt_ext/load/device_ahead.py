@@ -30,7 +30,7 @@ from .._threads import local_world_size
 from ..debug import env_switch
 from . import managed_block as managed
 
-__all__ = ["ROOM_FACTOR", "DeviceAhead"]
+__all__ = ["ROOM_FACTOR", "DeviceAhead", "blocks_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +49,12 @@ class DeviceAhead:
     (:meth:`fill`, on the preparing thread); :meth:`taken` by the load."""
 
     def __init__(self, buffers: Sequence[torch.Tensor], device: Any, block: torch.Tensor,
-                 offsets: dict[int, int]) -> None:
+                 offsets: dict[int, int], kind: str = "cached") -> None:
         self._buffers, self._device, self.block, self._offsets = buffers, device, block, offsets
         self.views: dict[int, torch.Tensor] = {}  # the buffers copied and matching their seal
         self.seconds = 0.0  # how long fill() took (the load report's device_ahead_fill_s)
         self.left = 0  # buffers fill() left because the load came first
-        self.kind = "cached"  # "cached": torch's block (on CPU always); "managed" (CUDA)
+        self.kind = kind  # "cached": torch's block (on CPU always); "managed" (CUDA)
 
     @classmethod
     def start(cls, buffers: Sequence[torch.Tensor], wanted: set[int], device: Any, *,
@@ -85,9 +85,7 @@ class DeviceAhead:
         except (RuntimeError, AttributeError, AssertionError) as e:  # no usable device: the
             logger.debug("no copy to the device ahead of the load: %s", e)  # load copies it all
             return None
-        ahead = cls(buffers, device, block, offsets)
-        ahead.kind = kind
-        return ahead
+        return cls(buffers, device, block, offsets, kind)
 
     def fill(self, crcs: Sequence[int], *, threads: int,
              stop: threading.Event | None = None) -> set[int]:
@@ -126,6 +124,14 @@ class DeviceAhead:
         block, self.block = self.block, torch.empty(0, dtype=torch.uint8)
         if block.is_cuda and self.kind == "managed":
             managed.free_later(block)  # (a cached block goes back to torch's cache: no free)
+
+
+def blocks_for(mode: str, *, early: bool) -> str:
+    """The blocks a restore prepared ahead may copy the snapshot into, by
+    ``--ckpt-restore-prefetch`` ``mode``: "any" (on), "cached" (auto, only where the restore is
+    prepared ``early``: in Megatron's initialisation, not beside the model build, which the
+    copy holds up: docs/MEMORY.md), "" (none)."""
+    return "any" if mode == "on" else "cached" if mode == "auto" and early else ""
 
 
 def _kind(total: int, free: int, kinds: str, beside: int,

@@ -29,6 +29,7 @@ from ..staging import restore_copy, restore_sums
 from ..staging.restore_copy import CopyInFlight, drop_warm_bounce, start_copy_verified, warm_bounce
 from ..staging.retained import Seal, read_seal, seal_path
 from . import prepared as _prepared
+from .device_ahead import blocks_for
 from .report import LoadRecord
 
 __all__ = ["discard_snapshot", "release_warm_restore", "restore_from_memory", "tensor_layout",
@@ -147,13 +148,14 @@ def _step(steps: dict[str, float], name: str, since: float) -> float:
     return now
 
 
-def warm_restore(stager: Any, root: Path, *, to_device: str = "") -> bool:
+def warm_restore(stager: Any, root: Path, prefetch: str = "off", early: bool = False) -> bool:
     """Before the load, while the model is built: where this node holds this rank's seal of
     ``root``, background threads prepare its restore: one maps the snapshot, faults it in,
     sums every buffer against the seal and pins buffers until the load comes (with
     ``MCX_RESTORE_SUMS=device`` and CUDA it only pins every buffer, the load then summing
-    them on the device) (``to_device``, "cached" or "any": instead copies it to the device,
-    summed on the way, where the device has room; :mod:`.prepared`, :mod:`.device_ahead`),
+    them on the device) (``prefetch``, --ckpt-restore-prefetch, and ``early``: the blocks
+    :func:`.device_ahead.blocks_for` gives: instead copies it to the device, summed on the way,
+    where the device has room; :mod:`.prepared`, :mod:`.device_ahead`),
     another one then builds the pinned bounce pool the rest is copied through
     (:func:`.restore_copy.warm_bounce`).
     The load still decides, and takes what was prepared only for the seal it finds then.
@@ -162,6 +164,7 @@ def warm_restore(stager: Any, root: Path, *, to_device: str = "") -> bool:
     if shm_dir is None or read_seal(seal_path(shm_dir, root, rank())) is None:
         return False
     device = restore_copy.cuda_device()
+    to_device = blocks_for(prefetch, early=early)
     device_sums = device is not None and not to_device and restore_sums.wanted()
     started = _prepared.start(stager, root, device, to_device=to_device, device_sums=device_sums)
     if device_sums and started:  # every buffer pinned: no pool to copy through (a buffer that
