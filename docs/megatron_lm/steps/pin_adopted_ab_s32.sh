@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One call on one GPU (carry .whl .mlm): does pinning the restored snapshot (1.88 GB at 134M,
+# 0.15 s of cudaHostRegister on several threads, started as our load returns) slow the rest of
+# Megatron-LM's load_checkpoint? The 134M restart from memory repeated (restart_repeat_s28.sh),
+# with the defaults (early_default) and with the pinning left to after the first training step
+# (early_pinstep: MCX_PIN_ADOPTED=step), and from storage, REPEATS rounds.
+#   OUT=$OUT bash docs/megatron_lm/steps/pin_adopted_ab_s32.sh
+set -uo pipefail
+source docs/megatron_lm/steps/_prologue.sh
+OUT=$OUT MODEL=${MODEL:-134m} REPEATS=${REPEATS:-3} MODES="${MODES:-early_default early_pinstep}" \
+  bash docs/megatron_lm/steps/restart_repeat_s28.sh
