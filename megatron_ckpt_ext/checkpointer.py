@@ -7,12 +7,14 @@
 * the planner (``save/planner.py``) keeps megatron-core's save strategy while the structure holds;
 * the write path (``save/write_path.py``) changes megatron-core's request in one ordered list;
 * the writer pool (``save/writers.py``) runs it and agrees over ranks on the writers' state;
-* the layout (``save/layout.py``) writes under ``iter_N.incomplete`` and commits (rank 0 renames
-  it ``iter_N``, rewrites the tracker atomically: a crash before leaves the previous the latest);
+* the layout (``save/layout.py``) writes under ``iter_N.incomplete`` and commits: rank 0 renames
+  it to ``iter_N`` and rewrites the tracker atomically; a crash before that leaves the previous
+  checkpoint the latest;
 * the report (``save/report.py``) and the load path (``load/``).
 
-The steps of :meth:`Checkpointer.save` after staging and the failure policy are in
-``save/steps.py``; tests and harnesses act on a save through :class:`.hooks.SaveHooks`.
+The steps of :meth:`Checkpointer.save` after staging (plan, hand over, commit) and the failure
+policy are methods of the class, kept in ``save/steps.py``; tests and harnesses act on a save
+through :class:`~megatron_ckpt_ext.hooks.SaveHooks`.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Checkpointer(_SaveSteps):
         self.process_group, self.dp_group = process_group, dp_group
         self.reports: list[dict] = Recent()  # the last Recent.KEPT saves' (and loads')
         self.load_reports: list[dict] = Recent()
-        self._closed, self.pin_adopted_later = False, False  # later: the caller's pin_adopted()
+        self._closed = False
         self._group = Group(process_group, options)
         self._joblock = JobLock(self._group)  # one job per save directory (save/joblock.py)
         if save_dir is not None:  # (C) a second job on this directory fails here
@@ -353,7 +355,8 @@ class Checkpointer(_SaveSteps):
         mismatch raises :class:`CheckpointIntegrityError` naming the files (the tensors may hold
         the bad values then), or with ``--ckpt-load-fallback`` loads the newest older checkpoint
         that verifies. A plain tensor target raises ``ValueError`` (as in save()). With cpu-shm
-        staging the first save's buffers are then prepared in the background (:meth:`prepare`)."""
+        staging the loaded structure's buffers are then allocated in the background
+        (:meth:`prepare`): the first save after a resume stages like a steady one."""
         self._check_open()
         refuse_plain_targets(sharded_state_dict, self._group)  # (C)
         record = LoadRecord(root=Path(checkpoint_dir))
@@ -382,19 +385,16 @@ class Checkpointer(_SaveSteps):
             loader = Loader(self.options, self._group, load_strategy=load_strategy)
             state = loader.load(work, path, record, explicit=iteration is not None,
                                 metadata=read.get(str(path)))
-        with record.timed("prepare_save_s"):  # every rank (the first: the node admission)
+        # The first save after a resume stages into buffers allocated meanwhile (none for an
+        # adopted snapshot); every rank: its first call is the collective node admission
+        with record.timed("prepare_save_s"):
             self.prepare(sharded_state_dict)
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)
-        if not self.pin_adopted_later:  # an adopted snapshot (the next save stages into it):
-            self.pin_adopted()  # pinned in the background, as the load returns
+        if hasattr(self._stager, "pin_adopted"):  # an adopted snapshot, staged into by the next
+            self._stager.pin_adopted()  # save: pinned in the background, after the load
         return state
-
-    def pin_adopted(self) -> None:
-        """Pin an adopted memory snapshot (the next save's staging) in the background, once."""
-        if hasattr(self._stager, "pin_adopted"):
-            self._stager.pin_adopted()
 
     def close(self, *, after_error: bool = False) -> None:
         """Drain pending saves (after an error only those every rank has written, each

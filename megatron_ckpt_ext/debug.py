@@ -97,10 +97,6 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "device block wherever the free memory is 4x its bytes (managed: a CUDA managed "
               "one there), instead of torch's block only where it fits beside the sealing run's "
               "peak, else (with 'on') a managed one"),
-    EnvSwitch("MCX_PIN_ADOPTED", "load",
-              "step: through the launcher, a snapshot restored from memory is pinned (for the "
-              "next save's staging) after the first training step, not as the load returns, "
-              "beside the rest of Megatron-LM's load_checkpoint"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

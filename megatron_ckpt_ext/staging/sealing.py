@@ -273,9 +273,8 @@ class _Sealing:
 
         todo = sorted((b for b in buffers if b.path), key=lambda b: -b.nbytes)
 
-        def pin(buffer: _Buffer) -> None:  # (not twice: pin_adopted may be asked again)
-            if not buffer.registered:
-                buffer.registered = _register(buffer.tensor, buffer.nbytes)
+        def pin(buffer: _Buffer) -> None:
+            buffer.registered = _register(buffer.tensor, buffer.nbytes)
 
         # the rank's share of the host's cores: every rank of the host pins at once
         with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:

@@ -124,18 +124,3 @@ def test_a_prepare_allocating_the_ready_flag_meanwhile_does_not_skip_the_pinning
     stager.stage([s + 1 for s in state], keys=["w", "b"])  # waits for prepare and pinning
     assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)
     stager.close()
-
-
-def test_pinning_asked_twice_registers_each_buffer_once(tmp_path, pins):
-    """Checkpointer.pin_adopted() may come from the load and again from the launcher's first
-    step: the second pinning runs after the first and skips what it registered."""
-    done, _ = pins
-    root = tmp_path / "ckpt"
-    _sealed_snapshot(tmp_path, root)
-    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
-                       sweep=False)
-    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
-    stager.pin_adopted()
-    stager.pin_adopted()  # while the first runs
-    stager.close()  # waits for both
-    assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)

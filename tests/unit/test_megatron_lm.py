@@ -58,11 +58,6 @@ class FakeCheckpointer:
         done, self.durable = self.durable, []
         return done
 
-    pin_adopted_later = False
-
-    def pin_adopted(self):
-        self.events.append("pin_adopted")
-
     def load(self, sharded_state_dict, checkpoint_dir, *, iteration=None):
         self.loads.append((checkpoint_dir, iteration))
         return {"loaded_by": "checkpointer"}
@@ -299,25 +294,6 @@ def test_the_first_train_step_imports_what_megatrons_first_async_save_would(mlm,
     monkeypatch.delitem(sys.modules, "mcx_first_save_stand_in")
     assert megatron_training.import_first_save_modules(argparse.Namespace(async_save=False)) == []
     assert "mcx_first_save_stand_in" not in sys.modules  # a synchronous save imports nothing
-
-
-@pytest.mark.parametrize("switch", [None, "step"])
-def test_a_restored_snapshot_is_pinned_after_the_first_step_with_the_switch(mlm, monkeypatch,
-                                                                            switch):
-    """MCX_PIN_ADOPTED=step: the Checkpointer is told to leave the pinning of a snapshot
-    restored from memory to the launcher, which asks for it after the first training step
-    (before the first save's staging is prepared); by default the load pins it."""
-    if switch:
-        monkeypatch.setenv("MCX_PIN_ADOPTED", switch)
-    _train_step_stand_ins(mlm)
-    made = _install(mlm, async_save=True)
-    mlm.mods["checkpointing"].dist_checkpointing.load({}, "/ckpt/iter_0000005")
-    assert made[0].pin_adopted_later is bool(switch)
-    assert "pin_adopted" not in made[0].events
-    for i in (1, 2):
-        mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
-    assert made[0].events.count("pin_adopted") == (1 if switch else 0)
-    assert len(made[0].prepared) == 1
 
 
 def test_the_first_train_step_prepares_nothing_without_save(mlm):

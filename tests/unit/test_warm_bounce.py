@@ -181,32 +181,6 @@ def test_the_prepare_pins_buffers_until_the_load_comes_and_not_twice(pool, seale
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
-def test_a_load_asked_to_pin_later_leaves_the_pinning_to_pin_adopted(pool, sealed, monkeypatch):
-    """``pin_adopted_later`` (the launcher's MCX_PIN_ADOPTED=step): the load restores from memory
-    without pinning the adopted buffers; pin_adopted() pins them, on its thread."""
-    from megatron_ckpt_ext.staging import sealing
-
-    class _Cudart:
-        def cudaHostUnregister(self, ptr):
-            return 0
-
-    registered: list[int] = []
-    monkeypatch.setattr(sealing, "_register", lambda t, n: registered.append(n) or True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
-    root = sealed()
-    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
-        ck._stager.pin = True  # as with a device
-        ck.pin_adopted_later = True
-        state = ck.load(_like(), str(root))
-        assert _memory_detail(ck)["tier"] == "memory"
-        time.sleep(0.2)  # a pinning started by the load would have begun by now
-        assert registered == []
-        ck.pin_adopted()
-        ck._stager._prepare_thread.join(30)
-        assert registered == [4096 * 4]
-    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
-
-
 def test_pinning_ahead_stops_when_the_load_comes(sealed):
     import threading
 

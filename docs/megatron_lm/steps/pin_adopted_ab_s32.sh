@@ -5,6 +5,8 @@
 # with the defaults (early_default) and with the pinning left to after the first training step
 # (early_pinstep: MCX_PIN_ADOPTED=step), and from storage, REPEATS rounds.
 #   OUT=$OUT bash docs/megatron_lm/steps/pin_adopted_ab_s32.sh
+# Ran at eb7beb0, where MCX_PIN_ADOPTED existed (taken out after it: docs/MEMORY.md, thirty-
+# second session); at later code early_pinstep runs as early_default.
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 OUT=$OUT MODEL=${MODEL:-134m} REPEATS=${REPEATS:-3} MODES="${MODES:-early_default early_pinstep}" \
