@@ -178,6 +178,30 @@ def test_the_first_save_after_a_load_stages_into_the_buffers_the_load_prepared(o
         assert detail["allocations"] == 0 and detail["sets_built_at_stage"] == 0, detail
 
 
+def test_a_load_told_not_to_prepare_leaves_the_staging_to_the_callers_prepare(one_rank_group,
+                                                                              tmp_path):
+    """``prepare_at_load = False`` (the launcher, whose first training step prepares): the load
+    allocates no staging beside what follows it; the first save allocates where nothing else
+    prepared it."""
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    state = {"w": [torch.randn(4, 6) for _ in range(3)]}
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.save(_stacked_state(state), tmp_path, iteration=1)
+        ck.maybe_finalize(blocking=True)
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True, ckpt_memory_restore=False)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        ck.prepare_at_load = False
+        ck.load(_stacked_state(state), tmp_path)
+        assert ck.wait_prepared(timeout_s=60)
+        assert ck.staging_stats().get("allocations", 0) == 0
+        assert ck.load_reports[-1]["phases"]["prepare_save_s"] == 0.0
+        ck.save(_stacked_state(state), tmp_path, iteration=2)
+        ck.maybe_finalize(blocking=True)
+        assert ck.reports[-1]["stage_detail"]["allocations"] > 0
+
+
 @pytest.fixture
 def plannings(monkeypatch):
     """How many times a save's planning made a global plan (megatron-core's save from its

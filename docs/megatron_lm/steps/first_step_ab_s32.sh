@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One call on one GPU (carry .whl .mlm): what a resume from storage costs the first training
+# iterations through the launcher. Megatron-LM's pretrain_gpt.py (MODEL 134m or 1b), ours: one
+# run to 2 x EVERY (committed), a copy of that checkpoint with its pages read; then REPEATS
+# rounds, each resuming from the copy once per MODES entry, training TRAIN_AFTER iterations into a
+# fresh --save (its end-of-training save is the first after the resume):
+#   after   the default since the thirty-second session: the first save's staging is prepared
+#           after the first training step (as in a run that starts fresh)
+#   atload  MCX_PREPARE_AT_LOAD=1: prepared as the load returns, beside the first step
+#   stock   Megatron-LM's own checkpointing (no launcher), the same resume
+# Per resume: Megatron's load-checkpoint timer, the wall time from "[before the start of training
+# step]" to the log of each of the first three iterations, and (ours) the first save's blocking
+# time and allocations. Writes $OUT/first_step_$MODEL.jsonl and $OUT/first_step_logs_$MODEL.tgz.
+#   OUT=$OUT MODEL=134m REPEATS=2 bash docs/megatron_lm/steps/first_step_ab_s32.sh
+set -uo pipefail
+source docs/megatron_lm/steps/_prologue.sh
+source scripts/mlm_recipe.sh
+mlm_ready || exit 2
+MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-2}; MODES=${MODES:-after atload stock}
+TRAIN_AFTER=${TRAIN_AFTER:-20}
+case $MODEL in
+  134m) MARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+               --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 4
+               --global-batch-size 4); EVERY=100 ;;
+  1b)   MARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024
+               --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 2
+               --global-batch-size 2); EVERY=130 ;;
+esac
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+W=/tmp/fs_$MODEL; L=/tmp/fs_logs_$MODEL; rm -rf "$W" "$L"; mkdir -p "$W" "$L"
+BASE=("${COMMON[@]}" "${MARGS[@]}" --save-interval $EVERY --lr-decay-iters 1000 --logging-level 20)
+LINES="$OUT/first_step_$MODEL.jsonl"; : > "$LINES"
+python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1
+timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch \
+  .mlm/pretrain_gpt.py "${BASE[@]}" "${OURS[@]}" --train-iters $((2 * EVERY)) --save $W/run \
+  > "$L/run_$MODEL.log" 2>&1
+echo "run rc=$? tracker $(cat $W/run/latest_checkpointed_iteration.txt)"
+python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no memory tier: these resumes read storage
+cat $W/run/iter_*/* > /dev/null
+one() {  # ROUND MODE
+  local log="$L/${MODEL}_r$1_$2.log" save=$W/save_$1_$2 envs=() launch=(-m megatron_ckpt_ext.launch)
+  local ours=("${OURS[@]}" --no-ckpt-memory-restore)
+  case $2 in
+    atload) envs=(MCX_PREPARE_AT_LOAD=1) ;;
+    stock) launch=(); ours=(--async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm
+                             --ckpt-assume-constant-structure --dist-ckpt-workers 1) ;;
+  esac
+  env "${envs[@]}" timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
+    --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
+    "${ours[@]}" "${RESUME[@]}" --load $W/run --save $save \
+    --train-iters $((2 * EVERY + TRAIN_AFTER)) > "$log" 2>&1
+  echo "rc=$? $2 round $1"
+  python3 - "$log" "$1" "$2" "$LINES" "$save/ckpt_report.jsonl" <<'PY'
+import json, os, re, sys
+from datetime import datetime
+log, rnd, mode, out, report = sys.argv[1:6]
+text = open(log, errors="replace").read()
+m = re.search(r"load-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)", text)
+start = re.search(r"\[before the start of training step\] datetime: ([0-9-]+ [0-9:.]+)", text)
+its = re.findall(r"\[([0-9-]+ [0-9:.]+)\] iteration +([0-9]+)/", text)
+row = {"round": int(rnd), "mode": mode, "load_s": round(float(m.group(2)) / 1000, 4) if m else None}
+if start and its:
+    t0 = datetime.fromisoformat(start.group(1))
+    row["first_iterations_s"] = [round((datetime.fromisoformat(t) - t0).total_seconds(), 3)
+                                 for t, _ in its[:3]]
+reports = [json.loads(l) for l in open(report)] if os.path.exists(report) else []
+if reports:
+    r = reports[0]
+    row["first_save"] = {"iteration": r.get("iteration"), "blocking_s": r.get("blocking_s"),
+                         "allocations": r.get("stage_detail", {}).get("allocations")}
+saves = re.findall(r"save-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)", text)
+row["save_checkpoint_s"] = [round(float(b) / 1000, 4) for _, b in saves]
+open(out, "a").write(json.dumps(row) + "\n")
+print(json.dumps(row))
+PY
+  rm -rf "$save"; python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1
+}
+for r in $(seq 1 "$REPEATS"); do
+  for m in $MODES; do one "$r" "$m"; tar -czf "$OUT/first_step_logs_$MODEL.tgz" -C "$L" .; done
+done
+rm -rf "$W"; tar -czf "$OUT/first_step_logs_$MODEL.tgz" -C "$L" . && rm -rf "$L"
