@@ -370,8 +370,8 @@ def _prepare_after_first_step(arguments: dict[str, Any]) -> None:
     backend.import_first_save_modules(margs)  # (not inside the first save's stall)
     if rank() == 0:
         logger.info("megatron-ckpt-ext: staging for the first save prepared after the first "
-                    "training step (state built in %.3f s; allocation continues in the "
-                    "background)", time.perf_counter() - start)
+                    "training step (state built, admitted and handed to the background in "
+                    "%.3f s; allocation continues there)", time.perf_counter() - start)
 
 
 def _init_persistent_async_worker(rank: int, mp_mode: str = "spawn") -> None:

@@ -3,7 +3,8 @@
 # iterations through the launcher. Megatron-LM's pretrain_gpt.py (MODEL 134m or 1b), ours: one
 # run to 2 x EVERY (committed), a copy of that checkpoint with its pages read; then REPEATS
 # rounds, each resuming from the copy once per MODES entry, training TRAIN_AFTER iterations into a
-# fresh --save (its end-of-training save is the first after the resume):
+# fresh --save, saved at the last of them (an interval save: stock's save after its training
+# loop fails on this stack, scripts/gpu_real_client.sh):
 #   after   the default since the thirty-second session: the first save's staging is prepared
 #           after the first training step (as in a run that starts fresh)
 #   atload  MCX_PREPARE_AT_LOAD=1: prepared as the load returns, beside the first step
@@ -47,7 +48,7 @@ one() {  # ROUND MODE
   esac
   env "${envs[@]}" timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
-    "${ours[@]}" "${RESUME[@]}" --load $W/run --save $save \
+    "${ours[@]}" "${RESUME[@]}" --load $W/run --save $save --save-interval $TRAIN_AFTER \
     --train-iters $((2 * EVERY + TRAIN_AFTER)) > "$log" 2>&1
   echo "rc=$? $2 round $1"
   python3 - "$log" "$1" "$2" "$LINES" "$save/ckpt_report.jsonl" <<'PY'
