@@ -44,14 +44,7 @@ source docs/megatron_lm/steps/_prologue.sh
 source scripts/mlm_recipe.sh
 mlm_ready || exit 2
 MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-3}; MODES=${MODES:-early_device early_host build_host}
-case $MODEL in
-  134m) MARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
-               --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 4
-               --global-batch-size 4); EVERY=100 ;;
-  1b)   MARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024
-               --max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 2
-               --global-batch-size 2 --save-retain-interval 130000); EVERY=130 ;;
-esac
+mlm_model "$MODEL" || exit 2  # MARGS, EVERY
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 W=/tmp/rr_$MODEL; K=$W/kill; L=/tmp/rr_logs_$MODEL; rm -rf "$W" "$L"; mkdir -p "$W" "$L"
 BASE=("${COMMON[@]}" "${MARGS[@]}" "${OURS[@]}" --save-interval $EVERY --lr-decay-iters 1000
