@@ -36,8 +36,7 @@ one() {  # ROUND MODE
   local ours=("${OURS[@]}" --no-ckpt-memory-restore)
   case $2 in
     atload) envs=(MCX_PREPARE_AT_LOAD=1) ;;
-    stock) launch=(); ours=(--async-save --use-persistent-ckpt-worker --async-ckpt-use-cpu-shm
-                             --ckpt-assume-constant-structure --dist-ckpt-workers 1) ;;
+    stock) launch=(); ours=("${OURS[@]}") ;;  # Megatron's own flags; no flag of ours
   esac
   env "${envs[@]}" timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
