@@ -303,7 +303,7 @@ def test_a_resumes_first_save_is_prepared_after_the_first_step_not_at_the_load(m
                                                                               case):
     """Where the first training step prepares the first save (Megatron's state builder found),
     the Checkpointer's load prepares nothing itself: its staging would be allocated and pinned
-    beside the first step (+0.7-1.2 s on an H200 at 134M). MCX_PREPARE_AT_LOAD=1 keeps the
+    beside the first step (+0.6-1.2 s on an H200 at 134M). MCX_PREPARE_AT_LOAD=1 keeps the
     load's; a Megatron whose state the adapter cannot build keeps it too."""
     _train_step_stand_ins(mlm)
     if case == "switch":
