@@ -65,25 +65,19 @@ class _State:
     closed_reports: list[dict] = field(default_factory=Recent)  # closed Checkpointers', kept
     stepped: bool = False  # train_step ran once in this process (staging prepared then)
     restore_prepared: bool = False  # prepare_restore was asked (once per process)
-    step_seam: bool = False  # train_step wrapped: the first save is prepared after the first step
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
               factory: CheckpointerFactory) -> None:
         self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
         self.checkpointer, self.scheduled = None, {}
         self.records, self.closed_reports = Recent(), Recent()
-        self.stepped = self.restore_prepared = self.step_seam = False
+        self.stepped = self.restore_prepared = False
 
     def get_checkpointer(self) -> Any:
         if self.checkpointer is None:
             if self.options is None:
                 self.options = CkptOptions.from_args(self.modules["checkpointing"].get_args())
             self.checkpointer = self.factory(self.options)
-            if self.step_seam and env_switch("MCX_PREPARE_AT_LOAD") != "1" and \
-                    backend.builds_sharded_state(self.modules.get("checkpointing")):
-                # a resume's first save is prepared after the first step, as a fresh run's:
-                # not allocated and pinned beside that step (docs/MEGATRON_LM.md, s32)
-                self.checkpointer.prepare_at_load = False
             _close_at_exit.register()
         _bind_dp_group(self.checkpointer)
         return self.checkpointer
@@ -209,6 +203,8 @@ class _DistCheckpointingProxy:
         if not _state.route_load or iteration is None or strict not in _DEFAULT_STRICT:
             return self._real.load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         checkpointer = _state.get_checkpointer()
+        if hasattr(checkpointer, "prepare_at_load"):  # without --save nothing will be staged:
+            checkpointer.prepare_at_load = _save_dir() is not None  # no staging allocated
         return checkpointer.load(sharded_state_dict, os.path.dirname(checkpoint_dir),
                                  iteration=iteration)
 
@@ -345,7 +341,6 @@ def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., 
             _prepare_after_first_step(arguments(*args, **kwargs))
         return result
 
-    _state.step_seam = True
     return train_step
 
 

@@ -97,7 +97,7 @@ class Checkpointer(_SaveSteps):
         self.process_group, self.dp_group = process_group, dp_group
         self.reports: list[dict] = Recent()  # the last Recent.KEPT saves' (and loads')
         self.load_reports: list[dict] = Recent()
-        self._closed, self.prepare_at_load = False, True  # (False: the caller prepares later)
+        self._closed, self.prepare_at_load = False, True  # (False: nothing will be saved)
         self._group = Group(process_group, options)
         self._joblock = JobLock(self._group)  # one job per save directory (save/joblock.py)
         if save_dir is not None:  # (C) a second job on this directory fails here
@@ -356,8 +356,8 @@ class Checkpointer(_SaveSteps):
         the bad values then), or with ``--ckpt-load-fallback`` loads the newest older checkpoint
         that verifies. A plain tensor target raises ``ValueError`` (as in save()). With cpu-shm
         staging the loaded structure's buffers are then allocated in the background
-        (:meth:`prepare`; unless ``prepare_at_load`` is False: the launcher prepares after the
-        first training step), so the first save after a resume stages like a steady one."""
+        (:meth:`prepare`, unless ``prepare_at_load`` is False: the launcher's, without
+        ``--save``): the first save after a resume stages like a steady one."""
         self._check_open()
         refuse_plain_targets(sharded_state_dict, self._group)  # (C)
         record = LoadRecord(root=Path(checkpoint_dir))

@@ -178,11 +178,9 @@ def test_the_first_save_after_a_load_stages_into_the_buffers_the_load_prepared(o
         assert detail["allocations"] == 0 and detail["sets_built_at_stage"] == 0, detail
 
 
-def test_a_load_told_not_to_prepare_leaves_the_staging_to_the_callers_prepare(one_rank_group,
-                                                                              tmp_path):
-    """``prepare_at_load = False`` (the launcher, whose first training step prepares): the load
-    allocates no staging beside what follows it; the first save allocates where nothing else
-    prepared it."""
+def test_a_load_told_not_to_prepare_allocates_no_staging(one_rank_group, tmp_path):
+    """``prepare_at_load = False`` (the launcher's, for a run without ``--save``): the load
+    allocates no staging; a save that comes anyway allocates its own."""
     options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
                           ckpt_assume_constant_structure=True)
     state = {"w": [torch.randn(4, 6) for _ in range(3)]}

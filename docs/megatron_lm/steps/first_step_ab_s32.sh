@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # One call on one GPU (carry .whl .mlm): what a resume from storage costs the first training
-# iterations through the launcher. Megatron-LM's pretrain_gpt.py (MODEL 134m or 1b), ours: one
-# run to 2 x EVERY (committed), a copy of that checkpoint with its pages read; then REPEATS
-# rounds, each resuming from the copy once per MODES entry, training TRAIN_AFTER iterations into a
-# fresh --save, saved at the last of them (an interval save: stock's save after its training
-# loop fails on this stack, scripts/gpu_real_client.sh):
-#   after   the default since the thirty-second session: the first save's staging is prepared
-#           after the first training step (as in a run that starts fresh)
-#   atload  MCX_PREPARE_AT_LOAD=1: prepared as the load returns, beside the first step
-#   stock   Megatron-LM's own checkpointing (no launcher), the same resume
-# Per resume: Megatron's load-checkpoint timer, the wall time from "[before the start of training
-# step]" to the log of each of the first three iterations, and (ours) the first save's blocking
-# time and allocations. Writes $OUT/first_step_$MODEL.jsonl and $OUT/first_step_logs_$MODEL.tgz.
+# iterations through the launcher, against stock. Megatron-LM's pretrain_gpt.py (MODEL 134m or
+# 1b), ours: one run to 2 x EVERY (committed), its pages read; then REPEATS rounds, each
+# resuming from it once per MODES entry and training TRAIN_AFTER iterations:
+#   ours          the launcher, a fresh --save (saved at the last iteration: an interval save,
+#                 since stock's save after its training loop fails on this stack)
+#   nosave        the launcher without --save (since the thirty-second session the load then
+#                 prepares no staging: nothing allocated or pinned beside the first steps)
+#   stock         Megatron-LM's own checkpointing, a fresh --save
+#   stock_nosave  stock without --save
+# Per resume: Megatron's load-checkpoint timer, the wall time of each of the first ten
+# iterations (from the log's stamps, the first from "[before the start of training step]") and
+# their sum, and (ours) the first save's blocking time and allocations. Writes
+# $OUT/first_step_$MODEL.jsonl and $OUT/first_step_logs_$MODEL.tgz.
 #   OUT=$OUT MODEL=134m REPEATS=2 bash docs/megatron_lm/steps/first_step_ab_s32.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 source scripts/mlm_recipe.sh
 mlm_ready || exit 2
-MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-2}; MODES=${MODES:-after atload stock}
+MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-2}; MODES=${MODES:-ours nosave stock stock_nosave}
 TRAIN_AFTER=${TRAIN_AFTER:-20}
 mlm_model "$MODEL" || exit 2  # MARGS, EVERY
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -32,15 +33,15 @@ echo "run rc=$? tracker $(cat $W/run/latest_checkpointed_iteration.txt)"
 python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no memory tier: these resumes read storage
 cat $W/run/iter_*/* > /dev/null
 one() {  # ROUND MODE
-  local log="$L/${MODEL}_r$1_$2.log" save=$W/save_$1_$2 envs=() launch=(-m megatron_ckpt_ext.launch)
-  local ours=("${OURS[@]}" --no-ckpt-memory-restore)
+  local log="$L/${MODEL}_r$1_$2.log" save=$W/save_$1_$2 launch=(-m megatron_ckpt_ext.launch)
+  local ours=("${OURS[@]}" --no-ckpt-memory-restore) saving=(--save $save)
   case $2 in
-    atload) envs=(MCX_PREPARE_AT_LOAD=1) ;;
-    stock) launch=(); ours=("${OURS[@]}") ;;  # Megatron's own flags; no flag of ours
+    stock*) launch=(); ours=("${OURS[@]}") ;;  # Megatron's own flags; no flag of ours
   esac
-  env "${envs[@]}" timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
+  case $2 in *nosave) saving=() ;; esac
+  timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
-    "${ours[@]}" "${RESUME[@]}" --load $W/run --save $save --save-interval $TRAIN_AFTER \
+    "${ours[@]}" "${RESUME[@]}" --load $W/run "${saving[@]}" --save-interval $TRAIN_AFTER \
     --train-iters $((2 * EVERY + TRAIN_AFTER)) > "$log" 2>&1
   echo "rc=$? $2 round $1"
   python3 - "$log" "$1" "$2" "$LINES" "$save/ckpt_report.jsonl" <<'PY'
@@ -53,9 +54,10 @@ start = re.search(r"\[before the start of training step\] datetime: ([0-9-]+ [0-
 its = re.findall(r"\[([0-9-]+ [0-9:.]+)\] iteration +([0-9]+)/", text)
 row = {"round": int(rnd), "mode": mode, "load_s": round(float(m.group(2)) / 1000, 4) if m else None}
 if start and its:
-    t0 = datetime.fromisoformat(start.group(1))
-    row["first_iterations_s"] = [round((datetime.fromisoformat(t) - t0).total_seconds(), 3)
-                                 for t, _ in its[:3]]
+    stamps = [datetime.fromisoformat(start.group(1))]
+    stamps += [datetime.fromisoformat(t) for t, _ in its[:10]]
+    row["iterations_s"] = [round((b - a).total_seconds(), 3) for a, b in zip(stamps, stamps[1:])]
+    row["first_ten_s"] = round(sum(row["iterations_s"]), 3)
 reports = [json.loads(l) for l in open(report)] if os.path.exists(report) else []
 if reports:
     r = reports[0]
