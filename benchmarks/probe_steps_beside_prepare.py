@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             row["repeat"] = r
             rows.append(row)
             print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
     summary = {}
     for variant in args.variants:
         got = [r for r in rows if r["variant"] == variant]
@@ -141,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         "step_device": args.step_device,
         "torch": torch.__version__, "command": " ".join(sys.argv), "rows": rows,
         "summary": summary}
-    print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    dist.destroy_process_group()
+    print(json.dumps(summary, indent=1))
     return 0
 
 
