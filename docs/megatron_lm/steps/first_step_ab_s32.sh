@@ -11,7 +11,9 @@
 #   stock_nosave  stock without --save
 # Per resume: Megatron's load-checkpoint timer, the wall time of each of the first ten
 # iterations (from the log's stamps, the first from "[before the start of training step]") and
-# their sum, and (ours) the first save's blocking time and allocations. Writes
+# their sum, and (ours) the first save's blocking time and allocations. The resumes train to
+# another --train-iters than the run: --override-opt_param-scheduler (else Megatron refuses the
+# checkpoint's weight-decay horizon; the first call, thirty-third session, lost every resume so). Writes
 # $OUT/first_step_$MODEL.jsonl and $OUT/first_step_logs_$MODEL.tgz.
 #   OUT=$OUT MODEL=134m REPEATS=2 bash docs/megatron_lm/steps/first_step_ab_s32.sh
 set -uo pipefail
@@ -25,26 +27,8 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 W=/tmp/fs_$MODEL; L=/tmp/fs_logs_$MODEL; rm -rf "$W" "$L"; mkdir -p "$W" "$L"
 BASE=("${COMMON[@]}" "${MARGS[@]}" --save-interval $EVERY --lr-decay-iters 1000 --logging-level 20)
 LINES="$OUT/first_step_$MODEL.jsonl"; : > "$LINES"
-python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1
-timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch \
-  .mlm/pretrain_gpt.py "${BASE[@]}" "${OURS[@]}" --train-iters $((2 * EVERY)) --save $W/run \
-  > "$L/run_$MODEL.log" 2>&1
-echo "run rc=$? tracker $(cat $W/run/latest_checkpointed_iteration.txt)"
-python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no memory tier: these resumes read storage
-cat $W/run/iter_*/* > /dev/null
-one() {  # ROUND MODE
-  local log="$L/${MODEL}_r$1_$2.log" save=$W/save_$1_$2 launch=(-m megatron_ckpt_ext.launch)
-  local ours=("${OURS[@]}" --no-ckpt-memory-restore) saving=(--save $save)
-  case $2 in
-    stock*) launch=(); ours=("${OURS[@]}") ;;  # Megatron's own flags; no flag of ours
-  esac
-  case $2 in *nosave) saving=() ;; esac
-  timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
-    --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
-    "${ours[@]}" "${RESUME[@]}" --load $W/run "${saving[@]}" --save-interval $TRAIN_AFTER \
-    --train-iters $((2 * EVERY + TRAIN_AFTER)) > "$log" 2>&1
-  echo "rc=$? $2 round $1"
-  python3 - "$log" "$1" "$2" "$LINES" "$save/ckpt_report.jsonl" <<'PY'
+parse() {  # LOG ROUND MODE REPORT: one JSON line of the run into $LINES
+  python3 - "$1" "$2" "$3" "$LINES" "$4" <<'PY'
 import json, os, re, sys
 from datetime import datetime
 log, rnd, mode, out, report = sys.argv[1:6]
@@ -68,6 +52,28 @@ row["save_checkpoint_s"] = [round(float(b) / 1000, 4) for _, b in saves]
 open(out, "a").write(json.dumps(row) + "\n")
 print(json.dumps(row))
 PY
+}
+python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1
+timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt_ext.launch \
+  .mlm/pretrain_gpt.py "${BASE[@]}" "${OURS[@]}" --train-iters $((2 * EVERY)) --save $W/run \
+  > "$L/run_$MODEL.log" 2>&1
+echo "run rc=$? tracker $(cat $W/run/latest_checkpointed_iteration.txt)"
+parse "$L/run_$MODEL.log" 0 fresh_ours "$W/run/ckpt_report.jsonl"  # a fresh start, for scale
+python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no memory tier: these resumes read storage
+cat $W/run/iter_*/* > /dev/null
+one() {  # ROUND MODE
+  local log="$L/${MODEL}_r$1_$2.log" save=$W/save_$1_$2 launch=(-m megatron_ckpt_ext.launch)
+  local ours=("${OURS[@]}" --no-ckpt-memory-restore) saving=(--save $save)
+  case $2 in
+    stock*) launch=(); ours=("${OURS[@]}") ;;  # Megatron's own flags; no flag of ours
+  esac
+  case $2 in *nosave) saving=() ;; esac
+  timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
+    --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
+    "${ours[@]}" "${RESUME[@]}" --load $W/run "${saving[@]}" --save-interval $TRAIN_AFTER \
+    --override-opt_param-scheduler --train-iters $((2 * EVERY + TRAIN_AFTER)) > "$log" 2>&1
+  echo "rc=$? $2 round $1"
+  parse "$log" "$1" "$2" "$save/ckpt_report.jsonl"
   rm -rf "$save"; python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1
 }
 for r in $(seq 1 "$REPEATS"); do
