@@ -17,6 +17,13 @@ each variant ``--repeats`` times, alternated:
   none       the steps alone
   prepare    beside ``prepare()`` (allocation, plan, hand-over), as the launcher runs it
   interval   the same with the interpreter's switch interval at ``--interval-ms`` meanwhile
+  nopin      ``prepare()`` with the staging left unpinned (no ``cudaHostRegister``: what the
+             driver's lock held by pinning costs the steps; a diagnosis, not a setting)
+  unpopulated ``prepare()`` pinning pages not faulted in yet, as before the thirty-third
+             session (``cudaHostRegister`` then faults them in inside the driver's lock; now
+             ``MADV_POPULATE_WRITE`` faults them in first: staging/segments.py ``_register``)
+  noplan     ``prepare()`` without the plan ahead (``MCX_PLAN_AHEAD=0``: what the planning's
+             hold of the interpreter's lock costs the steps)
 
 Per variant: the median step time alone and while the preparation ran, their ratio, and how
 long the preparation took.
@@ -34,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions  # noqa: E402
 from plan_cost import GptState  # noqa: E402
 
-VARIANTS = ("none", "prepare", "interval")
+VARIANTS = ("none", "prepare", "interval", "nopin", "unpopulated", "noplan")
 
 
 def step(x: torch.Tensor, ops: int) -> torch.Tensor:
@@ -55,6 +63,26 @@ def step(x: torch.Tensor, ops: int) -> torch.Tensor:
     if x.is_cuda:
         torch.cuda.synchronize()
     return x
+
+
+def _patch(variant: str) -> Any:
+    """What a diagnosis variant changes for its ``prepare()``; returns the undo."""
+    from megatron_ckpt_ext.staging import shm
+
+    if variant == "nopin":
+        register, shm._register = shm._register, lambda tensor, nbytes: False
+        return lambda: setattr(shm, "_register", register)
+    if variant == "unpopulated":
+        from megatron_ckpt_ext.staging import segments
+
+        populate, segments.populate = segments.populate, lambda *a, **k: False
+        return lambda: setattr(segments, "populate", populate)
+    if variant == "noplan":
+        old = os.environ.get("MCX_PLAN_AHEAD")
+        os.environ["MCX_PLAN_AHEAD"] = "0"
+        return lambda: (os.environ.pop("MCX_PLAN_AHEAD") if old is None
+                        else os.environ.__setitem__("MCX_PLAN_AHEAD", old))
+    return lambda: None
 
 
 def run(variant: str, state: GptState, ops: int, steps_after: int, interval_ms: float,
@@ -72,7 +100,7 @@ def run(variant: str, state: GptState, ops: int, steps_after: int, interval_ms: 
             alone.append(time.perf_counter() - t0)
         beside, prepared_s = [], None
         if variant != "none":
-            old = sys.getswitchinterval()
+            old, patched = sys.getswitchinterval(), _patch(variant)
             if variant == "interval":
                 sys.setswitchinterval(interval_ms / 1000)
             try:
@@ -86,6 +114,8 @@ def run(variant: str, state: GptState, ops: int, steps_after: int, interval_ms: 
                         prepared_s = time.perf_counter() - t_prep
             finally:
                 sys.setswitchinterval(old)
+                patched()
+        stats = dict(getattr(ck._stager, "stats", {}))
         after = []
         for _ in range(steps_after):
             t0 = time.perf_counter()
@@ -97,7 +127,9 @@ def run(variant: str, state: GptState, ops: int, steps_after: int, interval_ms: 
     med = lambda v: round(statistics.median(v), 6) if v else None  # noqa: E731
     out = {"variant": variant, "step_alone_s": med(alone), "step_beside_s": med(beside),
            "steps_beside": len(beside), "beside_total_s": round(sum(beside), 4),
-           "step_after_s": med(after), "prepare_s": round(prepared_s, 4) if prepared_s else None}
+           "step_after_s": med(after), "prepare_s": round(prepared_s, 4) if prepared_s else None,
+           "register_s": round(stats.get("register_s", 0.0), 4),
+           "allocate_s": round(stats.get("allocate_s", 0.0), 4)}
     if beside:
         out["beside_over_alone"] = round(out["step_beside_s"] / out["step_alone_s"], 3)
     return out
@@ -136,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         got = [r for r in rows if r["variant"] == variant]
         summary[variant] = {k: statistics.median(r[k] for r in got if r.get(k) is not None)
                             for k in ("step_alone_s", "step_beside_s", "beside_over_alone",
-                                      "prepare_s") if any(r.get(k) is not None for r in got)}
+                                      "prepare_s", "register_s", "allocate_s") if any(r.get(k) is not None for r in got)}
     result = {"state_bytes": state_bytes, "tensors": sum(len(v) for v in (
         *state.model.values(), *state.optim.values())), "ops": args.ops, "cores": os.cpu_count(),
         "step_device": args.step_device,

@@ -16,8 +16,8 @@ import time
 from typing import Any, Iterator
 
 __all__ = ["ForkStarts", "Recent", "die_with_parent", "forks_die_with_this_process",
-           "ignore_job_signals", "note_exit_signal", "pid_alive", "rank", "show_our_logs", "unheld",
-           "warn_once"]
+           "ignore_job_signals", "note_exit_signal", "pid_alive", "populate", "rank",
+           "show_our_logs", "unheld", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,26 @@ def unheld(path: str) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels refuse them
+_libc: list = []
+
+
+def populate(address: int, nbytes: int, *, write: bool = False) -> bool:
+    """Fault the pages of ``nbytes`` at ``address`` into this process's page tables with one
+    ``madvise`` (``write``: writable, as pinning needs them); whether the kernel did. Where it
+    refuses (before Linux 5.14), the pages fault in when first touched, as without it."""
+    if nbytes <= 0:
+        return True
+    if not _libc:
+        import ctypes
+
+        _libc.append(ctypes.CDLL(None, use_errno=True))
+        _libc[0].madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = address & ~4095
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    return _libc[0].madvise(start, address + nbytes - start, advice) == 0
 
 
 def rank() -> int:

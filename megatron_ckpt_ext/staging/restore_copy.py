@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from .._crc import crc32 as _crc32
+from .._runtime import populate
 from .._threads import cores_per_local_rank, thread_counts
 from .copies import _copy_all
 from .restore_sums import DeviceChecks, usable
@@ -310,6 +311,7 @@ class _Bounce:
     def __init__(self, threads: int, chunk: int) -> None:
         self.chunk = chunk
         self.host = torch.empty(2 * threads * chunk, dtype=torch.uint8)
+        populate(self.host.data_ptr(), self.host.numel(), write=True)  # not in the driver's lock
         err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.host.numel(), 0)
         self.pinned = self.was_pinned = int(err) == 0  # else pageable copies: correct, slower
         self.warm = False  # built ahead by warm_bounce()
@@ -357,20 +359,10 @@ class _Bounce:
             self.pinned = False
 
 
-_MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it and the copy faults pages in
-_libc: list = []
-
-
 def _populate(address: int, nbytes: int) -> None:
     """Fault ``nbytes`` at ``address`` in with one call (a fresh mapping of a segment would
     otherwise take a fault per few pages during the copy)."""
-    if not _libc:
-        import ctypes
-
-        _libc.append(ctypes.CDLL(None, use_errno=True))
-        _libc[0].madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = address & ~4095
-    _libc[0].madvise(start, address + nbytes - start, _MADV_POPULATE_READ)
+    populate(address, nbytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._runtime import pid_alive, unheld, warn_once
+from .._runtime import pid_alive, populate, unheld, warn_once
 from ..errors import InsufficientSharedMemory
 
 __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "drop_kept_mappings", "is_mapped", "sweep_orphans"]
@@ -98,6 +98,11 @@ def _forget_segment(storage_ptr: int, path: str, *, unlink: bool = True) -> None
 
 
 def _register(tensor: torch.Tensor, nbytes: int) -> bool:
+    """``cudaHostRegister`` ``nbytes`` at ``tensor``, its pages faulted in first: pinning faults
+    the missing ones in itself while it holds the driver's lock, which every CUDA call of the
+    process waits for (a training step beside the first save's preparation ran 3.3x slower,
+    1.2x with the pages faulted in first: docs/MEGATRON_LM.md, thirty-third session)."""
+    populate(tensor.data_ptr(), nbytes, write=True)
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(err) != 0:
         logger.warning("cudaHostRegister of %d bytes failed (%s): staging into unpinned shared "
