@@ -64,6 +64,7 @@ class _State:
     records: list[dict] = field(default_factory=Recent)  # the last Recent.KEPT
     closed_reports: list[dict] = field(default_factory=Recent)  # closed Checkpointers', kept
     stepped: bool = False  # train_step ran once in this process (staging prepared then)
+    step_seam: bool = False  # train_step wrapped: it prepares the first save after one step
     restore_prepared: bool = False  # prepare_restore was asked (once per process)
 
     def reset(self, modules: dict[str, Any], *, options: CkptOptions | None, route_load: bool,
@@ -71,7 +72,7 @@ class _State:
         self.modules, self.options, self.route_load, self.factory = modules, options, route_load, factory
         self.checkpointer, self.scheduled = None, {}
         self.records, self.closed_reports = Recent(), Recent()
-        self.stepped = self.restore_prepared = False
+        self.stepped = self.restore_prepared = self.step_seam = False
 
     def get_checkpointer(self) -> Any:
         if self.checkpointer is None:
@@ -203,10 +204,24 @@ class _DistCheckpointingProxy:
         if not _state.route_load or iteration is None or strict not in _DEFAULT_STRICT:
             return self._real.load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         checkpointer = _state.get_checkpointer()
-        if hasattr(checkpointer, "prepare_at_load"):  # without --save nothing will be staged:
-            checkpointer.prepare_at_load = _save_dir() is not None  # no staging allocated
+        if hasattr(checkpointer, "prepare_at_load"):
+            checkpointer.prepare_at_load = _prepares_at_load()
         return checkpointer.load(sharded_state_dict, os.path.dirname(checkpoint_dir),
                                  iteration=iteration)
+
+
+def _prepares_at_load() -> bool:
+    """Whether the load prepares the first save's staging (allocated and pinned in the
+    background beside Megatron's first training step): not without ``--save`` (nothing is ever
+    staged), nor where the first training step will (``train_step`` wrapped and Megatron's state
+    buildable), as in a run that starts fresh: after the first step nothing of it competes with
+    the step's first allocations, cuBLAS set-up and kernel loads for the driver
+    (docs/MEGATRON_LM.md, thirty-third session). ``MCX_PREPARE_AT_LOAD=1`` keeps it at the load."""
+    if _save_dir() is None:
+        return False
+    if env_switch("MCX_PREPARE_AT_LOAD") == "1" or _state.stepped or not _state.step_seam:
+        return True
+    return not backend.builds_sharded_state(_state.modules.get("checkpointing"))
 
 
 def _iteration_of(checkpoint_dir: Any) -> int | None:
@@ -341,6 +356,7 @@ def _preparing_train_step(original: Callable[..., Any] | None) -> Callable[..., 
             _prepare_after_first_step(arguments(*args, **kwargs))
         return result
 
+    _state.step_seam = True
     return train_step
 
 

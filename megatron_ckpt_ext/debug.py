@@ -97,6 +97,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "device block wherever the free memory is 4x its bytes (managed: a CUDA managed "
               "one there), instead of torch's block only where it fits beside the sealing run's "
               "peak, else (with 'on') a managed one"),
+    EnvSwitch("MCX_PREPARE_AT_LOAD", "0",
+              "1: through the launcher, the first save's staging is prepared as a resume's load "
+              "returns (allocated and pinned beside the first training step), not after the "
+              "first training step as in a run that starts fresh"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

@@ -70,9 +70,9 @@ from .load_reader import (ReadResult, ReadSettings, metadata_read_once, parallel
                           pin_chunks_ahead, release_read_chunks)
 from .writer_files import checksummed_writes
 from .layouts_ahead import discard as discard_layouts, start as parse_layouts_ahead
-from .megatron_training import (MLM_MODULES, MegatronSeams, import_first_save_modules,
-                                megatron_sharded_state, megatron_training_module,
-                                megatron_training_seams)
+from .megatron_training import (MLM_MODULES, MegatronSeams, builds_sharded_state,
+                                import_first_save_modules, megatron_sharded_state,
+                                megatron_training_module, megatron_training_seams)
 
 __all__ = [
     "Capabilities",
@@ -95,6 +95,7 @@ __all__ = [
     "MegatronSeams",
     "NVRX_ASYNC",
     "accepted_kwargs",
+    "builds_sharded_state",
     "call_arguments",
     "adapt_async_request",
     "async_calls_queue_cls",

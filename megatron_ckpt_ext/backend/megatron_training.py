@@ -135,6 +135,15 @@ _STATE_FN_PARAMS = ("args", "model", "optimizer", "opt_param_scheduler", "rng_st
                     "optim_sd_kwargs", "model_sd_kwargs")
 
 
+def builds_sharded_state(checkpointing: Any) -> bool:
+    """Whether :func:`megatron_sharded_state` can build the state with this Megatron's
+    ``checkpointing`` module (its ``generate_state_dict`` found by its parameters, and
+    ``unwrap_model``): the launcher's first training step then prepares the first save."""
+    generate = _attr(checkpointing, "generate_state_dict")
+    return (generate is not None and all(_names_param(generate, p) for p in _STATE_FN_PARAMS)
+            and callable(_attr(checkpointing, "unwrap_model")))
+
+
 def megatron_sharded_state(checkpointing: Any, args: Any, model: Any, optimizer: Any,
                            opt_param_scheduler: Any) -> Any | None:
     """The sharded state dict Megatron's ``save_checkpoint`` would build for these objects now,
@@ -143,17 +152,15 @@ def megatron_sharded_state(checkpointing: Any, args: Any, model: Any, optimizer:
     a state without them never matches the first save's). Collective where Megatron's RNG
     gathering is (``--data-parallel-random-init``). None where this Megatron has no such
     function (found by its parameters), or for a checkpoint format other than torch_dist."""
-    generate = _attr(checkpointing, "generate_state_dict")
-    if generate is None or not all(_names_param(generate, p) for p in _STATE_FN_PARAMS):
+    if not builds_sharded_state(checkpointing):
         return None
     if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
         return None
+    generate = _attr(checkpointing, "generate_state_dict")
     # save_checkpoint unwraps the model (DDP, Float16Module) before it builds the state: the
     # wrapped modules' state names every tensor under "module." (seen on the H100: 400 of 400
     # prepared buffers named otherwise than the save's tensors, so the first save allocated)
     unwrap = _attr(checkpointing, "unwrap_model")
-    if not callable(unwrap):
-        return None
     build_metadata = _attr(checkpointing, "_build_sharded_state_dict_metadata")
     metadata = build_metadata(args) if callable(build_metadata) else None
     kwargs = dict(metadata=metadata) if metadata is not None else None

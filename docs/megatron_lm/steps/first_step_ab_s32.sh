@@ -5,6 +5,8 @@
 # resuming from it once per MODES entry and training TRAIN_AFTER iterations:
 #   ours          the launcher, a fresh --save (saved at the last iteration: an interval save,
 #                 since stock's save after its training loop fails on this stack)
+#   atload        ours with MCX_PREPARE_AT_LOAD=1: the staging prepared as the load returns (the
+#                 default until the thirty-third session), not after the first training step
 #   nosave        the launcher without --save (since the thirty-second session the load then
 #                 prepares no staging: nothing allocated or pinned beside the first steps)
 #   stock         Megatron-LM's own checkpointing, a fresh --save
@@ -63,12 +65,13 @@ python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no memory tier: these 
 cat $W/run/iter_*/* > /dev/null
 one() {  # ROUND MODE
   local log="$L/${MODEL}_r$1_$2.log" save=$W/save_$1_$2 launch=(-m megatron_ckpt_ext.launch)
-  local ours=("${OURS[@]}" --no-ckpt-memory-restore) saving=(--save $save)
+  local ours=("${OURS[@]}" --no-ckpt-memory-restore) saving=(--save $save) envs=()
   case $2 in
+    atload) envs=(MCX_PREPARE_AT_LOAD=1) ;;
     stock*) launch=(); ours=("${OURS[@]}") ;;  # Megatron's own flags; no flag of ours
   esac
   case $2 in *nosave) saving=() ;; esac
-  timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
+  env "${envs[@]}" timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) "${launch[@]}" .mlm/pretrain_gpt.py "${BASE[@]}" \
     "${ours[@]}" "${RESUME[@]}" --load $W/run "${saving[@]}" --save-interval $TRAIN_AFTER \
     --override-opt_param-scheduler --train-iters $((2 * EVERY + TRAIN_AFTER)) > "$log" 2>&1
