@@ -356,8 +356,8 @@ class Checkpointer(_SaveSteps):
         the bad values then), or with ``--ckpt-load-fallback`` loads the newest older checkpoint
         that verifies. A plain tensor target raises ``ValueError`` (as in save()). With cpu-shm
         staging the loaded structure's buffers are then allocated in the background
-        (:meth:`prepare`, unless ``prepare_at_load`` is False: the launcher's, without
-        ``--save``): the first save after a resume stages like a steady one."""
+        (:meth:`prepare`, unless ``prepare_at_load`` is False: the launcher's without ``--save``,
+        or where its first training step prepares): the first save stages like a steady one."""
         self._check_open()
         refuse_plain_targets(sharded_state_dict, self._group)  # (C)
         record = LoadRecord(root=Path(checkpoint_dir))
