@@ -25,8 +25,10 @@ each variant ``--repeats`` times, alternated:
   noplan     ``prepare()`` without the plan ahead (``MCX_PLAN_AHEAD=0``: what the planning's
              hold of the interpreter's lock costs the steps)
 
-Per variant: the median step time alone and while the preparation ran, their ratio, and how
-long the preparation took.
+Per variant: the median step time alone and while the preparation ran, their ratio, how long
+the preparation took, and the stager's allocation and registration seconds. On one H200 at
+1.87 GB (thirty-third session, docs/MEGATRON_LM.md): ``unpopulated`` 3.1-3.8x, ``nopin``
+1.04-1.08x, ``noplan`` 3.8x, ``prepare`` (the pages faulted in first) 1.2-1.3x.
 
     python benchmarks/probe_steps_beside_prepare.py --json out.json
 """
