@@ -336,7 +336,7 @@ class _Bounce:
         n = src.numel()
         chunk = local.chunks[turn][:n]
         if not summed:
-            _populate(src.data_ptr(), n)
+            populate(src.data_ptr(), n)  # a fresh mapping: faulted in by one call
         chunk.numpy()[:] = src.numpy()  # numpy's copy releases the GIL
         crc = 0 if summed else _crc32(memoryview(chunk.numpy()))
         stream = local.streams.get(dst.device)
@@ -357,12 +357,6 @@ class _Bounce:
                 torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
             self.pinned = False
-
-
-def _populate(address: int, nbytes: int) -> None:
-    """Fault ``nbytes`` at ``address`` in with one call (a fresh mapping of a segment would
-    otherwise take a fault per few pages during the copy)."""
-    populate(address, nbytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:

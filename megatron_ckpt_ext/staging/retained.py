@@ -29,9 +29,9 @@ from typing import Callable, Sequence
 import torch
 
 from .._crc import crc32 as _crc32
-from .._runtime import pid_alive
+from .._runtime import pid_alive, populate
 from .._threads import cores_per_local_rank
-from .restore_copy import _bytes, _nbytes, _pieces, _populate
+from .restore_copy import _bytes, _nbytes, _pieces
 
 __all__ = ["MAX_AGE_S", "SEAL_PREFIX", "Seal", "SealEntry", "buffer_crc32", "clean", "discard",
            "any_mapped", "held_by_ended_runs", "list_seals", "presum_pieces", "read_seal",
@@ -296,7 +296,7 @@ def presum_pieces(buffers: Sequence[torch.Tensor], *, threads: int,
     def run(piece: tuple[int, int, int]) -> int:
         i, a, z = piece
         raw = _bytes(buffers[i])[a:z]
-        _populate(raw.data_ptr(), z - a)
+        populate(raw.data_ptr(), z - a)
         return _crc32(memoryview(raw.numpy()))
 
     sums = [0] * len(buffers)
