@@ -48,6 +48,7 @@ def unheld(path: str) -> Iterator[bool]:
 
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels refuse them
+_PAGE = os.sysconf("SC_PAGE_SIZE")  # 4 KiB on x86; 64 KiB on many aarch64 (GH200) kernels
 _libc: list = []
 
 
@@ -62,7 +63,7 @@ def populate(address: int, nbytes: int, *, write: bool = False) -> bool:
 
         _libc.append(ctypes.CDLL(None, use_errno=True))
         _libc[0].madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = address & ~4095
+    start = address & ~(_PAGE - 1)  # madvise takes a page-aligned start
     advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
     return _libc[0].madvise(start, address + nbytes - start, advice) == 0
 

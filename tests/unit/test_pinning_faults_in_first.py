@@ -8,6 +8,7 @@ pages it was given are present."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -17,7 +18,7 @@ from megatron_ckpt_ext._runtime import populate
 from megatron_ckpt_ext.staging import restore_copy
 from megatron_ckpt_ext.staging.shm import ShmStager
 
-PAGE = 4096
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _present(address: int, nbytes: int) -> tuple[int, int]:
