@@ -49,7 +49,7 @@ def unheld(path: str) -> Iterator[bool]:
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels refuse them
 _PAGE = os.sysconf("SC_PAGE_SIZE")  # 4 KiB on x86; 64 KiB on many aarch64 (GH200) kernels
-_libc: list = []
+_madvise: list = []  # the bound madvise, once made
 
 
 def populate(address: int, nbytes: int, *, write: bool = False) -> bool:
@@ -58,14 +58,15 @@ def populate(address: int, nbytes: int, *, write: bool = False) -> bool:
     refuses (before Linux 5.14), the pages fault in when first touched, as without it."""
     if nbytes <= 0:
         return True
-    if not _libc:
+    if not _madvise:  # threads may get here at once: each publishes a whole binding, never half
         import ctypes
 
-        _libc.append(ctypes.CDLL(None, use_errno=True))
-        _libc[0].madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise.append(madvise)
     start = address & ~(_PAGE - 1)  # madvise takes a page-aligned start
     advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    return _libc[0].madvise(start, address + nbytes - start, advice) == 0
+    return _madvise[0](start, address + nbytes - start, advice) == 0
 
 
 def rank() -> int:

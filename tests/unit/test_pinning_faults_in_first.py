@@ -76,3 +76,22 @@ def test_the_restore_bounce_pool_is_faulted_in_before_it_is_pinned(registered):
         assert present == pages, f"{present} of {pages} pages present when pinned"
     finally:
         bounce.pinned = False  # nothing was pinned for real
+
+
+def test_the_madvise_binding_is_published_whole(monkeypatch):
+    """The first populate() calls of a process may come from several pinning threads at once
+    (an adopted snapshot is pinned on several): a thread must never find the binding without
+    its argument types (ctypes would then pass the address as a 32-bit int)."""
+    from megatron_ckpt_ext import _runtime
+
+    class _Checked(list):
+        def append(self, item):
+            assert getattr(item, "argtypes", None), "published before its argument types"
+            super().append(item)
+
+    monkeypatch.setattr(_runtime, "_madvise", _Checked())
+    buffer = torch.empty(64 * PAGE, dtype=torch.uint8)
+    if not populate(buffer.data_ptr(), buffer.numel(), write=True):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert len(_runtime._madvise) == 1
+    assert _present(buffer.data_ptr(), buffer.numel())[0] >= 64
