@@ -16,7 +16,7 @@ import time
 from typing import Any, Iterator
 
 __all__ = ["ForkStarts", "Recent", "die_with_parent", "forks_die_with_this_process",
-           "ignore_job_signals", "note_exit_signal", "pid_alive", "populate", "rank",
+           "ignore_job_signals", "madvise", "note_exit_signal", "pid_alive", "populate", "rank",
            "show_our_logs", "unheld", "warn_once"]
 
 logger = logging.getLogger(__name__)
@@ -52,21 +52,26 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")  # 4 KiB on x86; 64 KiB on many aarch64 (GH20
 _madvise: list = []  # the bound madvise, once made
 
 
+def madvise(start: int, length: int, advice: int) -> bool:
+    """``madvise(2)`` on ``length`` bytes at the page-aligned ``start``; whether it succeeded."""
+    if not _madvise:  # threads may get here at once: each publishes a whole binding, never half
+        import ctypes
+
+        bound = ctypes.CDLL(None, use_errno=True).madvise
+        bound.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise.append(bound)
+    return _madvise[0](start, length, advice) == 0
+
+
 def populate(address: int, nbytes: int, *, write: bool = False) -> bool:
     """Fault the pages of ``nbytes`` at ``address`` into this process's page tables with one
     ``madvise`` (``write``: writable, as pinning needs them); whether the kernel did. Where it
     refuses (before Linux 5.14), the pages fault in when first touched, as without it."""
     if nbytes <= 0:
         return True
-    if not _madvise:  # threads may get here at once: each publishes a whole binding, never half
-        import ctypes
-
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _madvise.append(madvise)
     start = address & ~(_PAGE - 1)  # madvise takes a page-aligned start
-    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    return _madvise[0](start, address + nbytes - start, advice) == 0
+    return madvise(start, address + nbytes - start,
+                   _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
 
 
 def rank() -> int:

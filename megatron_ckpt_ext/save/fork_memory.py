@@ -18,7 +18,6 @@ storages are left alone. ``MCX_FORK_SKIPS_TENSORS=0`` turns this off.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import mmap
@@ -26,6 +25,7 @@ import sys
 import time
 from typing import Iterator
 
+from .._runtime import madvise
 from ..debug import env_switch
 
 __all__ = ["kept_from_fork", "tensor_regions"]
@@ -81,10 +81,6 @@ def tensor_regions(min_bytes: int = MIN_BYTES) -> list[tuple[int, int]]:
     return sorted(regions.items())
 
 
-def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> bool:
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
-
-
 @contextlib.contextmanager
 def kept_from_fork(enabled: bool = True) -> Iterator[dict]:
     """While inside (around the writer's fork), the live CPU tensors' pages are not inherited by
@@ -95,9 +91,7 @@ def kept_from_fork(enabled: bool = True) -> Iterator[dict]:
         yield info
         return
     t0 = time.perf_counter()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    marked = [(s, n) for s, n in tensor_regions() if _madvise(libc, s, n, _MADV_DONTFORK)]
+    marked = [(s, n) for s, n in tensor_regions() if madvise(s, n, _MADV_DONTFORK)]
     info.update(regions=len(marked), bytes=sum(n for _, n in marked),
                 mark_s=round(time.perf_counter() - t0, 6))
     if marked:
@@ -107,4 +101,4 @@ def kept_from_fork(enabled: bool = True) -> Iterator[dict]:
         yield info
     finally:
         for start, length in marked:
-            _madvise(libc, start, length, _MADV_DOFORK)
+            madvise(start, length, _MADV_DOFORK)
