@@ -17,6 +17,7 @@
 # another --train-iters than the run: --override-opt_param-scheduler (else Megatron refuses the
 # checkpoint's weight-decay horizon; the first call, thirty-third session, lost every resume so). Writes
 # $OUT/first_step_$MODEL.jsonl and $OUT/first_step_logs_$MODEL.tgz.
+# FRESH_STOCK=1 also starts stock fresh (its first ten iterations beside ours' fresh start).
 #   OUT=$OUT MODEL=134m REPEATS=2 bash docs/megatron_lm/steps/first_step_ab_s32.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
@@ -61,6 +62,13 @@ timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_ckpt
   > "$L/run_$MODEL.log" 2>&1
 echo "run rc=$? tracker $(cat $W/run/latest_checkpointed_iteration.txt)"
 parse "$L/run_$MODEL.log" 0 fresh_ours "$W/run/ckpt_report.jsonl"  # a fresh start, for scale
+if [ -n "${FRESH_STOCK:-}" ]; then  # stock's fresh start too, for its first ten iterations
+  timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29611 \
+    .mlm/pretrain_gpt.py "${BASE[@]}" "${OURS[@]}" --train-iters $((2 * EVERY)) \
+    --save $W/fresh_stock > "$L/fresh_stock_$MODEL.log" 2>&1
+  echo "fresh stock rc=$?"
+  parse "$L/fresh_stock_$MODEL.log" 0 fresh_stock /nonexistent; rm -rf "$W/fresh_stock"
+fi
 python3 -m megatron_ckpt_ext shm clean >/dev/null 2>&1  # no memory tier: these resumes read storage
 cat $W/run/iter_*/* > /dev/null
 one() {  # ROUND MODE
