@@ -84,7 +84,9 @@ class _SaveSteps:
         Megatron-LM's ``save_checkpoint``). The save takes them only where its tensors are those
         very ones, unchanged (:mod:`.ahead`); :meth:`drop_ahead` gives back what no save took.
         Only for an async shared-memory save with no save pending (the writer's warm-up may be),
-        the node admitted, and every tensor of the last save (or of :meth:`prepare`'s state,
+        the node admitted, :meth:`prepare`'s allocation and planning done (never waited for
+        here, before the save's clock starts: the save waits inside, and its report counts it as
+        ``prepare_wait_s``), and every tensor of the last save (or of :meth:`prepare`'s state,
         before the first) alive; ``MCX_STAGE_AHEAD=0`` never. Whether copies were issued."""
         if (self._ahead is not None or self._ahead_off or self._ahead_sources is None
                 or not (self._async and self.admission is not None
@@ -97,7 +99,8 @@ class _SaveSteps:
             self._ahead_sources = None
             return False
         keys = self._ahead_sources.keys
-        self._stager.wait_prepared()  # (the save waits for a prepare() in its thread anyway)
+        if not self._stager.wait_prepared(0):  # prepare() still at work
+            return False
         if not self._stager.idle_set_fits(tensors, keys=keys):  # it would allocate: not ahead
             return False
         self._ahead = Ahead.issue(self._stager, tensors, keys, self.staging_stats())

@@ -215,3 +215,35 @@ def test_after_a_load_the_prepare_of_the_live_state_is_what_the_first_save_copie
         _save(ck, model, root, 2)
         _check(ck, root, 2, _expected(2.0))
         assert _ahead_in(ck) == [True]
+
+
+def test_no_wait_for_a_prepare_at_work_before_the_save_whose_report_then_counts_it(tmp_path,
+                                                                                  monkeypatch):
+    """Megatron-LM's save_checkpoint entered while prepare() still allocates (on one H200 a 1B
+    state's 12 GB took longer than the 20 steps to the first save after a resume): staging
+    ahead issues nothing and returns at once, and the save waits inside, where its report's
+    blocking_s and prepare_wait_s count the wait (waiting on entry hid 4.8 s from the report)."""
+    import time
+
+    from megatron_ckpt_ext.staging.shm import ShmStager
+
+    real = ShmStager._prepare_locked
+
+    def slow(self, specs):
+        time.sleep(0.6)
+        return real(self, specs)
+
+    monkeypatch.setattr(ShmStager, "_prepare_locked", slow)
+    model, root = _Model(), tmp_path / "ckpt"
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck.prepare(model.state())
+        model.step(1.0)
+        start = time.perf_counter()
+        issued = ck.stage_ahead()
+        entry_s = time.perf_counter() - start
+        _save(ck, model, root, 1)
+        _check(ck, root, 1, _expected(1.0))
+        report = ck.reports[0]
+    assert not issued and entry_s < 0.3, entry_s
+    assert report["stage_detail"]["prepare_wait_s"] >= 0.3, report["stage_detail"]
+    assert report["blocking_s"] >= 0.3, report
