@@ -24,6 +24,10 @@ each variant ``--repeats`` times, alternated:
              ``MADV_POPULATE_WRITE`` faults them in first: staging/segments.py ``_register``)
   noplan     ``prepare()`` without the plan ahead (``MCX_PLAN_AHEAD=0``: what the planning's
              hold of the interpreter's lock costs the steps)
+  populated  the pages faulted in, none pinned (what the fault-in alone costs the steps; tmpfs
+             zeroes a page allocated by ``posix_fallocate`` only when it is first faulted in)
+  prezeroed  ``prepare()`` with every segment written with zeros (``pwrite``, no mapping of
+             this process touched) as it is allocated, so the fault-in only maps pages
 
 Per variant: the median step time alone and while the preparation ran, their ratio, how long
 the preparation took, and the stager's allocation and registration seconds. On one H200 at
@@ -54,7 +58,8 @@ import torch.distributed as dist  # noqa: E402
 from megatron_ckpt_ext import Checkpointer, CkptOptions  # noqa: E402
 from plan_cost import GptState  # noqa: E402
 
-VARIANTS = ("none", "prepare", "interval", "nopin", "unpopulated", "noplan")
+VARIANTS = ("none", "prepare", "interval", "nopin", "unpopulated", "noplan", "populated",
+            "prezeroed")
 
 
 def step(x: torch.Tensor, ops: int) -> torch.Tensor:
@@ -79,6 +84,33 @@ def _patch(variant: str) -> Any:
 
         populate, segments.populate = segments.populate, lambda *a, **k: False
         return lambda: setattr(segments, "populate", populate)
+    if variant == "populated":
+        from megatron_ckpt_ext.staging import segments
+
+        register = shm._register
+
+        def fault_in_only(tensor: torch.Tensor, nbytes: int) -> bool:
+            segments.populate(tensor.data_ptr(), nbytes, write=True)
+            return False
+
+        shm._register = fault_in_only
+        return lambda: setattr(shm, "_register", register)
+    if variant == "prezeroed":
+        made = shm._shared_segment
+
+        def zeroed(path: str, nbytes: int, *, key: str) -> torch.UntypedStorage:
+            storage = made(path, nbytes, key=key)
+            fd, zeros, done = os.open(path, os.O_WRONLY), bytes(8 << 20), 0
+            try:
+                while done < nbytes:
+                    done += os.pwrite(fd, memoryview(zeros)[:min(len(zeros), nbytes - done)],
+                                      done)
+            finally:
+                os.close(fd)
+            return storage
+
+        shm._shared_segment = zeroed
+        return lambda: setattr(shm, "_shared_segment", made)
     if variant == "noplan":
         old = os.environ.get("MCX_PLAN_AHEAD")
         os.environ["MCX_PLAN_AHEAD"] = "0"
