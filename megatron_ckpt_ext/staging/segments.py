@@ -97,6 +97,30 @@ def _forget_segment(storage_ptr: int, path: str, *, unlink: bool = True) -> None
         _unlink(path)
 
 
+# threads that fault a buffer set's fresh segments in at once (a rank's cores permitting): tmpfs
+# zeroes a page posix_fallocate reserved only at its first fault, ~1.5-2.7 GB/s on one thread of
+# an H200 host and 6.5-7.1 GB/s on four (benchmarks/probe_register_rate.py, thirty-fourth
+# session), while registering the faulted-in pages runs at 17-29 GB/s: the fault-in is most of
+# a preparation (a 1B state's 12 GB: ~7 s on one thread)
+FAULT_IN_THREADS = 4
+
+
+def _fault_in(tensors: list[torch.Tensor]) -> None:
+    """Fault the pages of ``tensors`` (fresh segments about to be pinned) in, on up to
+    :data:`FAULT_IN_THREADS` threads (each ``madvise`` runs without the interpreter's lock);
+    :func:`_register` then finds them present."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .._threads import cores_per_local_rank
+
+    work = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+    threads = min(FAULT_IN_THREADS, cores_per_local_rank(), len(work))
+    if threads < 2:
+        return  # (_register faults each one in itself)
+    with ThreadPoolExecutor(threads, thread_name_prefix="mcx-fault-in") as pool:
+        list(pool.map(lambda w: populate(w[0], w[1], write=True), work))
+
+
 def _register(tensor: torch.Tensor, nbytes: int) -> bool:
     """``cudaHostRegister`` ``nbytes`` at ``tensor``, its pages faulted in first: pinning faults
     the missing ones in itself while it holds the driver's lock, which every CUDA call of the

@@ -18,8 +18,8 @@ from .copies import _CopyStreams
 from .ready import run_when_staged
 from .retained import SealEntry
 from .sealing import _Sealing
-from .segments import (SHM_DIR, _ensure_fd_room, _forget_segment, _open_segment, _register,
-                       _register_segment, _sanitize, _segment_path, _shared_segment,
+from .segments import (SHM_DIR, _ensure_fd_room, _fault_in, _forget_segment, _open_segment,
+                       _register, _register_segment, _sanitize, _segment_path, _shared_segment,
                        _warn_file_system_strategy, sweep_orphans)
 
 __all__ = ["ShmStager", "StagingKey"]
@@ -186,7 +186,7 @@ class ShmStager(_Sealing, _CopyStreams):
 
     def _ready_flag_locked(self) -> torch.Tensor:
         if self._flag is None:  # not pinned: nothing is copied into it by the device
-            self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64), pin=False)
+            self._flag = self._allocate(("mcx-ready-flag", (1,), torch.int64))
             self._flag.tensor.zero_()
         return self._flag.tensor
 
@@ -332,6 +332,14 @@ class ShmStager(_Sealing, _CopyStreams):
         _ensure_fd_room(len(missing))
         for spec in missing:
             buffers[spec] = self._allocate(spec)
+        if self.pin and missing:  # pinned once all are faulted in, on several threads at once
+            t0 = time.perf_counter()
+            _fault_in([buffers[s].tensor for s in missing])
+            for spec in missing:
+                buffer = buffers[spec]
+                if buffer.path:
+                    buffer.registered = _register(buffer.tensor, buffer.tensor.nbytes)
+            self.stats["register_s"] += time.perf_counter() - t0
         return _BufferSet(buffers)
 
     def _release(self, buffer_set: _BufferSet) -> None:
@@ -343,9 +351,8 @@ class ShmStager(_Sealing, _CopyStreams):
                 self._free_all(buffer_set.buffers.values())
 
     # -- one buffer ------------------------------------------------------------------------------
-    def _allocate(self, spec: _Spec, *, pin: bool | None = None) -> _Buffer:
-        """One segment for ``spec``, pinned with CUDA (``pin``: the stager's own setting unless
-        given; never by changing it, which other threads read)."""
+    def _allocate(self, spec: _Spec) -> _Buffer:
+        """One segment for ``spec``, unpinned (:meth:`_build` pins a set's fresh segments)."""
         _, shape, dtype = spec
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
@@ -355,15 +362,10 @@ class ShmStager(_Sealing, _CopyStreams):
         storage = _shared_segment(path, nbytes, key=spec[0])
         _register_segment(storage, path, nbytes, reuse=self.reuse)
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-        buffer = _Buffer(tensor, path)
-        t1 = time.perf_counter()
-        if self.pin if pin is None else pin:
-            buffer.registered = _register(tensor, nbytes)
-        self.stats["register_s"] += time.perf_counter() - t1
-        self.stats["allocate_s"] += t1 - t0
+        self.stats["allocate_s"] += time.perf_counter() - t0
         self.stats["allocations"] += 1
         self.stats["bytes_allocated"] += nbytes
-        return buffer
+        return _Buffer(tensor, path)
 
     def _map(self, entry: SealEntry) -> _Buffer:
         """One buffer of a sealed snapshot, mapped from its segment (adopt())."""

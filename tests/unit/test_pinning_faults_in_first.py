@@ -67,6 +67,38 @@ def test_staging_segments_are_faulted_in_before_they_are_pinned(tmp_path, regist
         stager.close()
 
 
+def test_a_sets_fresh_segments_are_faulted_in_on_several_threads_before_any_is_pinned(
+        tmp_path, registered, monkeypatch):
+    """The fault-in (tmpfs zeroes each page then) is most of a preparation: one thread ran
+    1.5-2.7 GB/s on an H200 host, four 6.5-7.1 GB/s. A set's fresh segments are faulted in on
+    several threads at once, all of them before the first is pinned."""
+    import threading
+
+    from megatron_ckpt_ext import _threads
+    from megatron_ckpt_ext.staging import segments
+
+    real, calls = segments.populate, []
+
+    def recorded(address: int, nbytes: int, *, write: bool = False) -> bool:
+        calls.append((threading.get_ident(), len(registered)))
+        return real(address, nbytes, write=write)
+
+    monkeypatch.setattr(segments, "populate", recorded)
+    monkeypatch.setattr(_threads, "cores_per_local_rank", lambda: 4)
+    stager = ShmStager(job_id="pin", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    try:
+        stager.prepare([torch.zeros(1 << 20, dtype=torch.float32) for _ in range(8)],
+                       keys=[f"t{i}" for i in range(8)])
+        assert stager.wait_prepared(timeout_s=30)
+    finally:
+        stager.close()
+    ahead = calls[:8]  # then each register's own (cheap: the pages are there)
+    assert len(calls) == 16 and all(done == 0 for _, done in ahead), calls
+    assert len({thread for thread, _ in ahead}) > 1, calls
+    assert len(registered) == 8 and all(p == n for p, n in registered), registered
+
+
 def test_the_restore_bounce_pool_is_faulted_in_before_it_is_pinned(registered):
     bounce = restore_copy._Bounce(threads=2, chunk=8 << 20)
     try:
