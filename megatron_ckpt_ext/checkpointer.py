@@ -112,7 +112,6 @@ class Checkpointer(_SaveSteps):
         self._writers = WriterPool(options, self.caps, self._group, cpu_shm=cpu_shm,
                                    is_async=self._async, reports=self.reports)
         self.startup = self._writers.startup
-        # --ckpt-overlap-snapshot: save() returns with the copies in flight (save/publish.py)
         overlap = bool(options.ckpt_overlap_snapshot and cpu_shm and self._writers.persistent)
         self._publisher = Publisher(self._stager, self._hooks, overlap=overlap,
                                     on_step=lambda: self.wait_for_snapshot())
@@ -212,8 +211,7 @@ class Checkpointer(_SaveSteps):
         return self._stager.wait_prepared(timeout_s)
 
     def staging_stats(self) -> dict:
-        """A copy of the stager's counters (``stages``, ``allocations``, ``bytes_allocated``,
-        ...; empty where saves stage nothing)."""
+        """A copy of the stager's counters (``allocations``, ...; empty where none stages)."""
         return dict(getattr(self._stager, "stats", None) or {})
 
     @property
@@ -278,7 +276,9 @@ class Checkpointer(_SaveSteps):
             discard_snapshot(self._stager, record.root)  # before this run stages (prepare()d)
         self._finish_previous(record)
         t = record.phase("wait_previous_s", record.started)
-        before = self.staging_stats()  # (the wait for prepare() in _open counts too)
+        self._stager.wait_prepared()  # a prepare() at work: its allocations are not this save's
+        t = record.phase("wait_prepare_s", t)
+        before = self.staging_stats()
         staged = self._stage_first(sharded_state_dict, record, before)  # a steady save's
         if staged is not None:
             t = record.phase("stage_s", t)

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 # save's commit, creating the .incomplete directory (a barrier), staging (device-to-host copies),
 # megatron-core's planning (dist_checkpointing.save: metadata exchange, write buckets), and handing
 # the request to the writer (async) or writing and committing it (sync).
-PHASES = ("wait_previous_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s", "copy_wait_s",
-          "write_commit_s")
+PHASES = ("wait_previous_s", "wait_prepare_s", "prepare_dir_s", "stage_s", "plan_s", "schedule_s",
+          "copy_wait_s", "write_commit_s")
 
 
 @dataclass

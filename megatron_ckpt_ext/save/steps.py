@@ -85,8 +85,8 @@ class _SaveSteps:
         very ones, unchanged (:mod:`.ahead`); :meth:`drop_ahead` gives back what no save took.
         Only for an async shared-memory save with no save pending (the writer's warm-up may be),
         the node admitted, :meth:`prepare`'s allocation and planning done (never waited for
-        here, before the save's clock starts: the save waits inside, and its report counts it as
-        ``prepare_wait_s``), and every tensor of the last save (or of :meth:`prepare`'s state,
+        here, before the save's clock starts: the save waits first, its report's phase
+        ``wait_prepare_s``), and every tensor of the last save (or of :meth:`prepare`'s state,
         before the first) alive; ``MCX_STAGE_AHEAD=0`` never. Whether copies were issued."""
         if (self._ahead is not None or self._ahead_off or self._ahead_sources is None
                 or not (self._async and self.admission is not None
@@ -410,7 +410,7 @@ def _stager_delta(before: dict, after: dict) -> dict:
     """What one save's staging cost the stager beyond the copies (rank 0's report names it):
     waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
     out = {}
-    for key in ("prepare_wait_s", "allocate_s", "register_s", "allocations",
+    for key in ("allocate_s", "register_s", "allocations",
                 "sets_built_at_stage"):
         if key in after:
             out[key] = after[key] - before.get(key, 0)

@@ -152,6 +152,7 @@ def test_copies_no_save_took_go_back_and_the_next_save_stages_into_them(tmp_path
         monkeypatch.setenv("MCX_STAGE_AHEAD", "0")
         assert not ck.stage_ahead()
         monkeypatch.delenv("MCX_STAGE_AHEAD")
+        assert ck.wait_prepared(60)  # (the load in _check prepares its state's staging)
         assert ck.stage_ahead()  # and close() gives these back
 
 
@@ -222,7 +223,8 @@ def test_no_wait_for_a_prepare_at_work_before_the_save_whose_report_then_counts_
     """Megatron-LM's save_checkpoint entered while prepare() still allocates (on one H200 a 1B
     state's 12 GB took longer than the 20 steps to the first save after a resume): staging
     ahead issues nothing and returns at once, and the save waits inside, where its report's
-    blocking_s and prepare_wait_s count the wait (waiting on entry hid 4.8 s from the report)."""
+    blocking_s and its phase wait_prepare_s count the wait (waiting on entry hid 4.8 s from the
+    report), and what the preparation allocated meanwhile is not counted as the save's."""
     import time
 
     from megatron_ckpt_ext.staging.shm import ShmStager
@@ -245,5 +247,6 @@ def test_no_wait_for_a_prepare_at_work_before_the_save_whose_report_then_counts_
         _check(ck, root, 1, _expected(1.0))
         report = ck.reports[0]
     assert not issued and entry_s < 0.3, entry_s
-    assert report["stage_detail"]["prepare_wait_s"] >= 0.3, report["stage_detail"]
+    assert report["phases"]["wait_prepare_s"] >= 0.3, report["phases"]
+    assert report["stage_detail"]["allocations"] == 0, report["stage_detail"]
     assert report["blocking_s"] >= 0.3, report

@@ -42,7 +42,8 @@ def test_a_save_records_where_it_waited_for_the_device(tmp_path, monkeypatch):
     assert [x["label"] for x in lines] == ["save iteration 1", "save iteration 2"]
     for line in lines:
         [point] = line["points"]
-        assert point["after_phases"] == ["wait_previous_s", "prepare_dir_s"]  # during staging
+        assert point["after_phases"] == ["wait_previous_s", "wait_prepare_s",
+                                         "prepare_dir_s"]  # during staging
         assert any("stage_that_syncs" in frame for frame in point["stack"]), point["stack"]
 
 
