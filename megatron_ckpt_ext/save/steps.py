@@ -408,7 +408,8 @@ class _SaveSteps:
 
 def _stager_delta(before: dict, after: dict) -> dict:
     """What one save's staging cost the stager beyond the copies (rank 0's report names it):
-    waiting for a background prepare(), buffers allocated and pinned, sets built at the save."""
+    buffers allocated and pinned, sets built at the save (a prepare() at work was waited for
+    before, in the phase ``wait_prepare_s``)."""
     out = {}
     for key in ("allocate_s", "register_s", "allocations",
                 "sets_built_at_stage"):
