@@ -49,7 +49,8 @@ reports = [json.loads(l) for l in open(report)] if os.path.exists(report) else [
 if reports:
     r = reports[0]
     row["first_save"] = {"iteration": r.get("iteration"), "blocking_s": r.get("blocking_s"),
-                         "allocations": r.get("stage_detail", {}).get("allocations")}
+                         "allocations": r.get("stage_detail", {}).get("allocations"),
+                         "wait_prepare_s": r.get("phases", {}).get("wait_prepare_s")}
 saves = re.findall(r"save-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)", text)
 row["save_checkpoint_s"] = [round(float(b) / 1000, 4) for _, b in saves]
 open(out, "a").write(json.dumps(row) + "\n")
