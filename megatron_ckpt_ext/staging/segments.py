@@ -108,8 +108,9 @@ FAULT_IN_THREADS = 4
 def _fault_in(tensors: list[torch.Tensor]) -> None:
     """Fault the pages of ``tensors`` (fresh segments about to be pinned) in, on up to
     :data:`FAULT_IN_THREADS` threads (each ``madvise`` runs without the interpreter's lock);
-    :func:`_register` then finds them present."""
-    from concurrent.futures import ThreadPoolExecutor
+    :func:`_register` then finds them present. Daemon threads: a process exiting meanwhile (a
+    SIGTERM's exit) does not wait for the rest of the fault-in, as it would for a pool's."""
+    import threading
 
     from .._threads import cores_per_local_rank
 
@@ -117,8 +118,13 @@ def _fault_in(tensors: list[torch.Tensor]) -> None:
     threads = min(FAULT_IN_THREADS, cores_per_local_rank(), len(work))
     if threads < 2:
         return  # (_register faults each one in itself)
-    with ThreadPoolExecutor(threads, thread_name_prefix="mcx-fault-in") as pool:
-        list(pool.map(lambda w: populate(w[0], w[1], write=True), work))
+    pool = [threading.Thread(target=lambda share=work[i::threads]: [
+                populate(address, nbytes, write=True) for address, nbytes in share],
+                name=f"mcx-fault-in-{i}", daemon=True) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
 
 
 def _register(tensor: torch.Tensor, nbytes: int) -> bool:

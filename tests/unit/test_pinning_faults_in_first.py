@@ -71,7 +71,8 @@ def test_a_sets_fresh_segments_are_faulted_in_on_several_threads_before_any_is_p
         tmp_path, registered, monkeypatch):
     """The fault-in (tmpfs zeroes each page then) is most of a preparation: one thread ran
     1.5-2.7 GB/s on an H200 host, four 6.5-7.1 GB/s. A set's fresh segments are faulted in on
-    several threads at once, all of them before the first is pinned."""
+    several threads at once (daemon threads: an exit does not wait for them), all of them
+    before the first is pinned."""
     import threading
 
     from megatron_ckpt_ext import _threads
@@ -80,7 +81,7 @@ def test_a_sets_fresh_segments_are_faulted_in_on_several_threads_before_any_is_p
     real, calls = segments.populate, []
 
     def recorded(address: int, nbytes: int, *, write: bool = False) -> bool:
-        calls.append((threading.get_ident(), len(registered)))
+        calls.append((threading.get_ident(), len(registered), threading.current_thread().daemon))
         return real(address, nbytes, write=write)
 
     monkeypatch.setattr(segments, "populate", recorded)
@@ -94,8 +95,9 @@ def test_a_sets_fresh_segments_are_faulted_in_on_several_threads_before_any_is_p
     finally:
         stager.close()
     ahead = calls[:8]  # then each register's own (cheap: the pages are there)
-    assert len(calls) == 16 and all(done == 0 for _, done in ahead), calls
-    assert len({thread for thread, _ in ahead}) > 1, calls
+    assert len(calls) == 16 and all(done == 0 for _, done, _ in ahead), calls
+    assert len({thread for thread, _, _ in ahead}) > 1, calls
+    assert all(daemon for _, _, daemon in ahead), "an exit would wait for the fault-in"
     assert len(registered) == 8 and all(p == n for p, n in registered), registered
 
 
