@@ -172,6 +172,16 @@ def run_variant(state: GptState, options: CkptOptions, saves: int, switch: dict)
                                                              "prepare_dir_s", "schedule_s")}}
 
 
+def process_group(port: int) -> None:
+    """The gloo process group these probes run in: torchrun's, or one of this process alone
+    (``MASTER_PORT`` default ``port``) when run as a plain script."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -186,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.breakdown:
         install_breakdown()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29561")
-        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    process_group(29561)
     name, value = args.baseline_switch.split("=", 1)
     from megatron_ckpt_ext.debug import env_switch
     env_switch(name)  # a misspelt switch fails here

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions  # noqa: E402
-from plan_cost import GptState  # noqa: E402
+from plan_cost import GptState, process_group  # noqa: E402
 
 
 def _figures(times: list[float]) -> dict:
@@ -49,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29571")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    process_group(29571)
     state = GptState(args.layers, args.hidden, "cpu")
     options = CkptOptions(async_save=True, use_persistent_ckpt_worker=True,
                           async_ckpt_use_cpu_shm=True, ckpt_assume_constant_structure=True,

@@ -56,7 +56,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ckpt_ext import Checkpointer, CkptOptions  # noqa: E402
-from plan_cost import GptState  # noqa: E402
+from plan_cost import GptState, process_group  # noqa: E402
 
 VARIANTS = ("none", "prepare", "interval", "nopin", "unpopulated", "noplan", "populated",
             "prezeroed")
@@ -181,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29563")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    process_group(29563)
     state = GptState(args.layers, args.hidden, "cpu")
     state_bytes = sum(t.numel() * t.element_size() for v in (*state.model.values(),
                                                              *state.optim.values()) for _, t in v)
