@@ -105,10 +105,11 @@ def _forget_segment(storage_ptr: int, path: str, *, unlink: bool = True) -> None
 FAULT_IN_THREADS = 4
 
 
-def _fault_in(tensors: list[torch.Tensor]) -> None:
+def _fault_in(tensors: list[torch.Tensor]) -> bool:
     """Fault the pages of ``tensors`` (fresh segments about to be pinned) in, on up to
     :data:`FAULT_IN_THREADS` threads (each ``madvise`` runs without the interpreter's lock);
-    :func:`_register` then finds them present. Daemon threads: a process exiting meanwhile (a
+    whether it did (False: one thread would do, and :func:`_register` faults each in). Daemon
+    threads: a process exiting meanwhile (a
     SIGTERM's exit) does not wait for the rest of the fault-in, as it would for a pool's."""
     import threading
 
@@ -117,7 +118,7 @@ def _fault_in(tensors: list[torch.Tensor]) -> None:
     work = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
     threads = min(FAULT_IN_THREADS, cores_per_local_rank(), len(work))
     if threads < 2:
-        return  # (_register faults each one in itself)
+        return False
     pool = [threading.Thread(target=lambda share=work[i::threads]: [
                 populate(address, nbytes, write=True) for address, nbytes in share],
                 name=f"mcx-fault-in-{i}", daemon=True) for i in range(threads)]
@@ -125,14 +126,17 @@ def _fault_in(tensors: list[torch.Tensor]) -> None:
         thread.start()
     for thread in pool:
         thread.join()
+    return True
 
 
-def _register(tensor: torch.Tensor, nbytes: int) -> bool:
-    """``cudaHostRegister`` ``nbytes`` at ``tensor``, its pages faulted in first: pinning faults
-    the missing ones in itself while it holds the driver's lock, which every CUDA call of the
-    process waits for (a training step beside the first save's preparation ran 3.3x slower,
-    1.2x with the pages faulted in first: docs/MEGATRON_LM.md, thirty-third session)."""
-    populate(tensor.data_ptr(), nbytes, write=True)
+def _register(tensor: torch.Tensor, nbytes: int, *, faulted_in: bool = False) -> bool:
+    """``cudaHostRegister`` ``nbytes`` at ``tensor``, its pages faulted in first (here unless
+    ``faulted_in``, :func:`_fault_in` did): pinning faults the missing ones in itself while it
+    holds the driver's lock, which every CUDA call of the process waits for (a training step
+    beside the first save's preparation ran 3.3x slower, 1.2x with the pages faulted in first:
+    docs/MEGATRON_LM.md, thirty-third session)."""
+    if not faulted_in:
+        populate(tensor.data_ptr(), nbytes, write=True)
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(err) != 0:
         logger.warning("cudaHostRegister of %d bytes failed (%s): staging into unpinned shared "

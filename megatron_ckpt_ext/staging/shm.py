@@ -334,11 +334,12 @@ class ShmStager(_Sealing, _CopyStreams):
             buffers[spec] = self._allocate(spec)
         if self.pin and missing:  # pinned once all are faulted in, on several threads at once
             t0 = time.perf_counter()
-            _fault_in([buffers[s].tensor for s in missing])
+            done = _fault_in([buffers[s].tensor for s in missing])
             for spec in missing:
                 buffer = buffers[spec]
                 if buffer.path:
-                    buffer.registered = _register(buffer.tensor, buffer.tensor.nbytes)
+                    buffer.registered = _register(buffer.tensor, buffer.tensor.nbytes,
+                                                  faulted_in=done)
             self.stats["register_s"] += time.perf_counter() - t0
         return _BufferSet(buffers)
 
