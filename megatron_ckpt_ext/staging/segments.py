@@ -109,8 +109,8 @@ def _fault_in(tensors: list[torch.Tensor]) -> bool:
     """Fault the pages of ``tensors`` (fresh segments about to be pinned) in, on up to
     :data:`FAULT_IN_THREADS` threads (each ``madvise`` runs without the interpreter's lock);
     whether it did (False: one thread would do, and :func:`_register` faults each in). Daemon
-    threads: a process exiting meanwhile (a
-    SIGTERM's exit) does not wait for the rest of the fault-in, as it would for a pool's."""
+    threads: an interpreter exit that skips the stager's close() does not wait for the rest of
+    the fault-in, as it would for a pool's (close() waits for the whole preparation)."""
     import threading
 
     from .._threads import cores_per_local_rank
