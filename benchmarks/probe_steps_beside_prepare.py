@@ -76,9 +76,10 @@ def _patch(variant: str) -> Any:
     """What a diagnosis variant changes for its ``prepare()``; returns the undo."""
     from megatron_ckpt_ext.staging import shm
 
-    if variant == "nopin":
-        register, shm._register = shm._register, lambda tensor, nbytes: False
-        return lambda: setattr(shm, "_register", register)
+    if variant == "nopin":  # neither faulted in nor pinned
+        register, fault_in = shm._register, shm._fault_in
+        shm._register, shm._fault_in = (lambda tensor, nbytes, **_: False), (lambda _: False)
+        return lambda: (setattr(shm, "_register", register), setattr(shm, "_fault_in", fault_in))
     if variant == "unpopulated":
         from megatron_ckpt_ext.staging import segments
 
@@ -89,8 +90,9 @@ def _patch(variant: str) -> Any:
 
         register = shm._register
 
-        def fault_in_only(tensor: torch.Tensor, nbytes: int) -> bool:
-            segments.populate(tensor.data_ptr(), nbytes, write=True)
+        def fault_in_only(tensor: torch.Tensor, nbytes: int, *, faulted_in: bool = False) -> bool:
+            if not faulted_in:  # (one core: _fault_in left it to the registration)
+                segments.populate(tensor.data_ptr(), nbytes, write=True)
             return False
 
         shm._register = fault_in_only
