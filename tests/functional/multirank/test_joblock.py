@@ -135,3 +135,37 @@ def test_a_rank_before_the_process_group_is_up_fails_on_another_live_jobs_lock(t
         holder.kill()
         os.kill(child, signal.SIGKILL)
         holder.wait(timeout=30)
+
+
+def test_taking_over_a_lock_from_another_host_removes_only_the_saves_it_cannot_finish(
+        tmp_path, caplog):
+    """Where a file system's locks are node-local, a lock record from another host may belong
+    to a job still running there: of its unfinished saves only those older than the tracker's
+    iteration (a later save committed after them) are removed; a newer one and a removal in
+    progress stay, and the warning names the other host."""
+    import json
+
+    from megatron_ckpt_ext.save.layout import TRACKER
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000040").mkdir(parents=True)
+    (root / TRACKER).write_text("40")
+    (root / LOCK).write_text(json.dumps({"host": "another-node", "pid": 4242, "world_size": 8,
+                                         "job": "slurm:77..0", "command": "pretrain_gpt.py"}))
+    older, newer = root / "iter_0000037.incomplete", root / "iter_0000045.incomplete"
+    aside = root / "iter_0000030.incomplete.deleting"
+    for d in (older, newer, aside):
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"x" * 4096)
+    with caplog.at_level(logging.WARNING):
+        with Checkpointer(CkptOptions(), save_dir=root):
+            pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "another-node" in warnings[0], warnings
+    assert "unfinished saves ['iter_0000037.incomplete'] are removed" in warnings[0], warnings
+    deadline = time.monotonic() + 30  # removed on a background thread
+    while older.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["iter_0000030.incomplete.deleting", "iter_0000040",
+                     "iter_0000045.incomplete", TRACKER], names
