@@ -49,6 +49,7 @@ class _Sealing:
     as a snapshot."""
 
     partner: Any = None  # a staging.partner.PartnerLink (--ckpt-memory-partner), set by its owner
+    _pin_started: Any = None  # the adopted set pin_adopted() handed to a thread (once per set)
 
     if TYPE_CHECKING:
         rank: int
@@ -185,14 +186,16 @@ class _Sealing:
     def pin_adopted(self) -> None:
         """Pin the adopted snapshot's buffers (the next save stages into them) on a background
         thread, after a prepare() running in the background: off the restore's path; the next
-        stage() or close() waits for it, and a prepare() meanwhile runs after it. The time it
-        took is ``stats["pin_adopted_s"]``."""
+        stage() or close() waits for it, and a prepare() meanwhile runs after it. Once per
+        adopted snapshot (the load asks, and prepare() asks again). The time it took is
+        ``stats["pin_adopted_s"]``."""
         sealed = self._sealed
         if sealed is None or not self.pin:
             return
         todo = [b for b in sealed[0].buffers.values() if b.path and not b.registered]
-        if not todo:
+        if not todo or self._pin_started is sealed[0]:  # (the load's, then prepare()'s call)
             return
+        self._pin_started = sealed[0]
         earlier = self._prepare_thread
         self._prepare_thread = threading.Thread(target=self._pin_in_background,
                                                 args=(todo, earlier), name="mcx-pin-adopted",

@@ -74,8 +74,10 @@ class ShmStager(_Sealing, _CopyStreams):
         then ``then(buffers)`` (the set's tensors in the order of ``tensors``: what the first
         save will stage into), whose error is logged, not raised.
 
-        With ``background=True`` this returns at once; a stage() meanwhile waits for it."""
+        With ``background=True`` this returns at once; a stage() meanwhile waits for it. A
+        snapshot adopted by a restore from memory and not pinned yet is pinned first."""
         self._check_open()
+        self.pin_adopted()  # (the first save stages into it; nothing where none is adopted)
         specs = _specs(tensors, keys)
         if not background:
             with self._lock:

@@ -124,3 +124,40 @@ def test_a_prepare_allocating_the_ready_flag_meanwhile_does_not_skip_the_pinning
     stager.stage([s + 1 for s in state], keys=["w", "b"])  # waits for prepare and pinning
     assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)
     stager.close()
+
+
+def test_pinning_asked_by_the_load_and_by_prepare_registers_each_buffer_once(tmp_path, pins):
+    """The load asks for the pinning as it returns and prepare() asks again (the first save's
+    staging): one pinning thread, each buffer registered once, its time kept in the stats."""
+    done, _ = pins
+    root = tmp_path / "ckpt"
+    state = _sealed_snapshot(tmp_path, root)
+    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    stager.pin_adopted()
+    stager.pin_adopted()  # while the first runs
+    stager.prepare(state, keys=["w", "b"], background=True)
+    stager.stage([s + 1 for s in state], keys=["w", "b"])  # waits for both
+    assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)
+    assert stager.stats["pin_adopted_s"] >= 0.14  # the one pinning's time, not a no-op's
+    stager.close()
+
+
+def test_prepare_pins_an_adopted_snapshot_the_load_left_unpinned(tmp_path, pins):
+    """A load told not to pin (the launcher's MCX_PIN_ADOPTED=step): the first save's prepare()
+    pins the adopted buffers before its own work, so that save stages into pinned memory."""
+    done, _ = pins
+    root = tmp_path / "ckpt"
+    state = _sealed_snapshot(tmp_path, root)
+    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    t0 = time.monotonic()
+    stager.prepare(state, keys=["w", "b"], background=True)
+    assert time.monotonic() - t0 < 0.1  # in the background
+    batch = stager.stage([s + 1 for s in state], keys=["w", "b"])
+    assert sorted(p for p, _ in done) == sorted(a.data_ptr() for a in adopted)
+    assert [t.data_ptr() for t in batch.tensors] == [a.data_ptr() for a in adopted]
+    assert stager.stats["sets_built_at_stage"] == 0
+    stager.close()
