@@ -206,6 +206,9 @@ class _DistCheckpointingProxy:
         checkpointer = _state.get_checkpointer()
         if hasattr(checkpointer, "prepare_at_load"):
             checkpointer.prepare_at_load = _prepares_at_load()
+        if hasattr(checkpointer, "pin_at_load"):  # else the first step's prepare() pins it
+            checkpointer.pin_at_load = (env_switch("MCX_PIN_ADOPTED") != "step"
+                                        or checkpointer.prepare_at_load)
         return checkpointer.load(sharded_state_dict, os.path.dirname(checkpoint_dir),
                                  iteration=iteration)
 

@@ -7,9 +7,8 @@
 * the planner (``save/planner.py``) keeps megatron-core's save strategy while the structure holds;
 * the write path (``save/write_path.py``) changes megatron-core's request in one ordered list;
 * the writer pool (``save/writers.py``) runs it and agrees over ranks on the writers' state;
-* the layout (``save/layout.py``) writes under ``iter_N.incomplete`` and commits: rank 0 renames
-  it to ``iter_N`` and rewrites the tracker atomically; a crash before that leaves the previous
-  checkpoint the latest;
+* the layout (``save/layout.py``) writes under ``iter_N.incomplete`` and commits (rank 0 renames
+  it ``iter_N``, rewrites the tracker atomically: a crash before leaves the previous the latest);
 * the report (``save/report.py``) and the load path (``load/``).
 
 The steps of :meth:`Checkpointer.save` after staging (plan, hand over, commit) and the failure
@@ -97,7 +96,7 @@ class Checkpointer(_SaveSteps):
         self.process_group, self.dp_group = process_group, dp_group
         self.reports: list[dict] = Recent()  # the last Recent.KEPT saves' (and loads')
         self.load_reports: list[dict] = Recent()
-        self._closed, self.prepare_at_load = False, True  # (False: nothing will be saved)
+        self._closed, self.prepare_at_load, self.pin_at_load = False, True, True  # (load())
         self._group = Group(process_group, options)
         self._joblock = JobLock(self._group)  # one job per save directory (save/joblock.py)
         if save_dir is not None:  # (C) a second job on this directory fails here
@@ -356,8 +355,9 @@ class Checkpointer(_SaveSteps):
         the bad values then), or with ``--ckpt-load-fallback`` loads the newest older checkpoint
         that verifies. A plain tensor target raises ``ValueError`` (as in save()). With cpu-shm
         staging the loaded structure's buffers are then allocated in the background
-        (:meth:`prepare`, unless ``prepare_at_load`` is False: the launcher's without ``--save``,
-        or where its first training step prepares): the first save stages like a steady one."""
+        (:meth:`prepare`, unless ``prepare_at_load`` is False) and an adopted memory snapshot
+        pinned (unless ``pin_at_load`` is False: the next prepare() pins it), so the first save
+        stages like a steady one. The launcher clears the two where its first step prepares."""
         self._check_open()
         refuse_plain_targets(sharded_state_dict, self._group)  # (C)
         record = LoadRecord(root=Path(checkpoint_dir))
@@ -392,8 +392,8 @@ class Checkpointer(_SaveSteps):
         entry = record.entry(self._group)
         self.load_reports.append(entry)
         log_load(entry)
-        if hasattr(self._stager, "pin_adopted"):  # an adopted snapshot, staged into by the next
-            self._stager.pin_adopted()  # save: pinned in the background, after the load
+        if self.pin_at_load and hasattr(self._stager, "pin_adopted"):  # an adopted snapshot,
+            self._stager.pin_adopted()  # the next save's staging: pinned in the background
         return state
 
     def close(self, *, after_error: bool = False) -> None:

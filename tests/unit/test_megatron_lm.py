@@ -59,6 +59,7 @@ class FakeCheckpointer:
         return done
 
     prepare_at_load = True
+    pin_at_load = True
 
     def load(self, sharded_state_dict, checkpoint_dir, *, iteration=None):
         self.loads.append((checkpoint_dir, iteration))
@@ -330,6 +331,24 @@ def test_a_resumes_first_save_is_prepared_after_the_first_step_not_at_the_load(m
     assert made[0].prepare_at_load is (case != "default")
     mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
     assert len(made[0].prepared) == (0 if case == "no_state_builder" else 1)
+
+
+@pytest.mark.parametrize("case", ["default", "switch", "switch_prepare_at_load"])
+def test_a_restored_snapshot_is_pinned_by_the_first_steps_prepare_with_the_switch(
+        mlm, monkeypatch, case):
+    """MCX_PIN_ADOPTED=step: the load leaves the pinning of a snapshot restored from memory to
+    the staging's preparation after the first training step (prepare() pins it first); by
+    default, or where the load itself prepares, the load pins it as it returns."""
+    _train_step_stand_ins(mlm)
+    if case != "default":
+        monkeypatch.setenv("MCX_PIN_ADOPTED", "step")
+    if case == "switch_prepare_at_load":
+        monkeypatch.setenv("MCX_PREPARE_AT_LOAD", "1")
+    made = _install(mlm, async_save=True)
+    mlm.mods["checkpointing"].dist_checkpointing.load({}, "/ckpt/iter_0000005")
+    assert made[0].pin_at_load is (case != "switch")
+    mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
+    assert len(made[0].prepared) == 1
 
 
 def test_the_first_train_step_prepares_nothing_without_save(mlm):

@@ -181,6 +181,34 @@ def test_the_prepare_pins_buffers_until_the_load_comes_and_not_twice(pool, seale
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
+def test_a_load_told_not_to_pin_leaves_the_pinning_to_the_next_prepare(pool, sealed,
+                                                                      monkeypatch):
+    """``pin_at_load`` False (the launcher's MCX_PIN_ADOPTED=step): the load restores from
+    memory without pinning the adopted buffers; the next prepare() (the launcher's after the
+    first training step) pins them before the first save stages into them."""
+    from megatron_ckpt_ext.staging import sealing
+
+    class _Cudart:
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    registered: list[int] = []
+    monkeypatch.setattr(sealing, "_register", lambda t, n: registered.append(n) or True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    root = sealed()
+    with Checkpointer(CkptOptions(**OPTIONS)) as ck:
+        ck._stager.pin = True  # as with a device
+        ck.prepare_at_load = ck.pin_at_load = False
+        state = ck.load(_like(), str(root))
+        assert _memory_detail(ck)["tier"] == "memory"
+        time.sleep(0.2)  # a pinning started by the load would have begun by now
+        assert registered == []
+        ck.prepare(_like())
+        assert ck.wait_prepared(30)
+        assert registered == [4096 * 4]
+    assert torch.equal(_loaded_w(state), torch.arange(4096.0))
+
+
 def test_pinning_ahead_stops_when_the_load_comes(sealed):
     import threading
 
