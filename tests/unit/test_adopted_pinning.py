@@ -51,6 +51,15 @@ def _sealed_snapshot(tmp_path, root) -> list[torch.Tensor]:
     return state
 
 
+def _adopted(tmp_path) -> tuple[list[torch.Tensor], ShmStager, list[torch.Tensor]]:
+    """A second stager (the restarted job's, pinning) that adopted that snapshot: the state, the
+    stager, the adopted buffers."""
+    state = _sealed_snapshot(tmp_path, tmp_path / "ckpt")
+    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
+                       sweep=False)
+    return state, stager, stager.adopt(read_seal(seal_path(str(tmp_path), tmp_path / "ckpt", 0)))
+
+
 def test_the_adopted_snapshot_is_pinned_in_the_background_before_the_next_save(tmp_path, pins):
     done, unpinned = pins
     root = tmp_path / "ckpt"
@@ -102,11 +111,7 @@ def test_a_prepare_allocating_the_ready_flag_meanwhile_does_not_skip_the_pinning
     from megatron_ckpt_ext.staging import shm
 
     done, _ = pins
-    root = tmp_path / "ckpt"
-    state = _sealed_snapshot(tmp_path, root)
-    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
-                       sweep=False)
-    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    state, stager, adopted = _adopted(tmp_path)
     inside, go = threading.Event(), threading.Event()
     segment = shm._shared_segment
 
@@ -130,11 +135,7 @@ def test_pinning_asked_by_the_load_and_by_prepare_registers_each_buffer_once(tmp
     """The load asks for the pinning as it returns and prepare() asks again (the first save's
     staging): one pinning thread, each buffer registered once, its time kept in the stats."""
     done, _ = pins
-    root = tmp_path / "ckpt"
-    state = _sealed_snapshot(tmp_path, root)
-    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
-                       sweep=False)
-    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    state, stager, adopted = _adopted(tmp_path)
     stager.pin_adopted()
     stager.pin_adopted()  # while the first runs
     stager.prepare(state, keys=["w", "b"], background=True)
@@ -148,11 +149,7 @@ def test_prepare_pins_an_adopted_snapshot_the_load_left_unpinned(tmp_path, pins)
     """A load told not to pin (the launcher's MCX_PIN_ADOPTED=step): the first save's prepare()
     pins the adopted buffers before its own work, so that save stages into pinned memory."""
     done, _ = pins
-    root = tmp_path / "ckpt"
-    state = _sealed_snapshot(tmp_path, root)
-    stager = ShmStager(job_id="second", rank=0, reuse=True, pin=True, shm_dir=str(tmp_path),
-                       sweep=False)
-    adopted = stager.adopt(read_seal(seal_path(str(tmp_path), root, 0)))
+    state, stager, adopted = _adopted(tmp_path)
     t0 = time.monotonic()
     stager.prepare(state, keys=["w", "b"], background=True)
     assert time.monotonic() - t0 < 0.1  # in the background

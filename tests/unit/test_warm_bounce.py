@@ -154,18 +154,24 @@ def test_a_prepared_snapshot_no_load_takes_is_unmapped_and_stays_sealed(sealed):
     assert os.path.exists(segment) and not is_mapped(segment)
 
 
-def test_the_prepare_pins_buffers_until_the_load_comes_and_not_twice(pool, sealed, monkeypatch):
-    """With a device (stood in for), the prepare pins the summed buffers; the load takes them as
-    pinned, and the pinning after the load does not register them again."""
+@pytest.fixture
+def registered(monkeypatch) -> list[int]:
+    """The bytes of each registration, the registration and CUDA's unregister stood in for."""
     from megatron_ckpt_ext.staging import sealing
 
     class _Cudart:
         def cudaHostUnregister(self, ptr):
             return 0
 
-    registered: list[int] = []
-    monkeypatch.setattr(sealing, "_register", lambda t, n: registered.append(n) or True)
+    done: list[int] = []
+    monkeypatch.setattr(sealing, "_register", lambda t, n: done.append(n) or True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    return done
+
+
+def test_the_prepare_pins_buffers_until_the_load_comes_and_not_twice(pool, sealed, registered):
+    """With a device (stood in for), the prepare pins the summed buffers; the load takes them as
+    pinned, and the pinning after the load does not register them again."""
     root = sealed()
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         ck._stager.pin = True  # as with a device
@@ -181,20 +187,10 @@ def test_the_prepare_pins_buffers_until_the_load_comes_and_not_twice(pool, seale
     assert torch.equal(_loaded_w(state), torch.arange(4096.0))
 
 
-def test_a_load_told_not_to_pin_leaves_the_pinning_to_the_next_prepare(pool, sealed,
-                                                                      monkeypatch):
+def test_a_load_told_not_to_pin_leaves_the_pinning_to_the_next_prepare(pool, sealed, registered):
     """``pin_at_load`` False (the launcher's MCX_PIN_ADOPTED=step): the load restores from
     memory without pinning the adopted buffers; the next prepare() (the launcher's after the
     first training step) pins them before the first save stages into them."""
-    from megatron_ckpt_ext.staging import sealing
-
-    class _Cudart:
-        def cudaHostUnregister(self, ptr):
-            return 0
-
-    registered: list[int] = []
-    monkeypatch.setattr(sealing, "_register", lambda t, n: registered.append(n) or True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
     root = sealed()
     with Checkpointer(CkptOptions(**OPTIONS)) as ck:
         ck._stager.pin = True  # as with a device
