@@ -80,6 +80,7 @@ class ShmStager(_Sealing, _CopyStreams):
         self.pin_adopted()  # (the first save stages into it; nothing where none is adopted)
         specs = _specs(tensors, keys)
         if not background:
+            self._join_prepare()  # (a pinning under way: its buffers may be this set's donor)
             with self._lock:
                 self._prepare_locked(specs)
             self._then(specs, then)

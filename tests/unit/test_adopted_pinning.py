@@ -158,3 +158,24 @@ def test_prepare_pins_an_adopted_snapshot_the_load_left_unpinned(tmp_path, pins)
     assert [t.data_ptr() for t in batch.tensors] == [a.data_ptr() for a in adopted]
     assert stager.stats["sets_built_at_stage"] == 0
     stager.close()
+
+
+def test_a_blocking_prepare_of_another_structure_waits_for_the_pinning_it_takes_over(tmp_path,
+                                                                                     pins,
+                                                                                     monkeypatch):
+    """prepare() without ``background`` for a state the adopted snapshot does not fit: the new
+    set takes over the adopted buffers that match and frees the rest, only once the pinning
+    prepare() started is done, so no buffer is registered after it was freed (every
+    registration is undone exactly once by the end)."""
+    from megatron_ckpt_ext.staging import shm
+
+    done, unpinned = pins  # (a new buffer's registration recorded alike)
+    monkeypatch.setattr(shm, "_register", lambda t, n, faulted_in=None: bool(
+        done.append((t.data_ptr(), time.monotonic())) or True))
+    state, stager, adopted = _adopted(tmp_path)
+    other = [state[0], torch.zeros(50, dtype=torch.float64)]  # "w" kept, "b" freed, "c" new
+    stager.prepare(other, keys=["w", "c"])
+    stager.stage(other, keys=["w", "c"])
+    stager.close()
+    assert sorted(unpinned) == sorted(p for p, _ in done), (done, unpinned)
+    assert adopted[0].data_ptr() in unpinned and adopted[1].data_ptr() in unpinned
