@@ -8,8 +8,9 @@
 # (restart_repeat_s28.sh), alternated: early_default (pinned as the load returns), early_pinstep
 # (MCX_PIN_ADOPTED=step: pinned by the preparation after the first training step), and storage.
 # Per restart the line has Megatron's load-checkpoint timer and our load's load_s: Megatron's part
-# is their difference.
-#   OUT=$OUT [MODEL=134m REPEATS=3] bash docs/megatron_lm/steps/pin_adopted_ab_s35.sh
+# is their difference. REST_PROBE=1 adds the timers of Megatron's own steps (which of them the
+# pinning slows, if any: the model's and the optimizer's load_state_dict in the twelfth session).
+#   OUT=$OUT [MODEL=134m REPEATS=3 REST_PROBE=1] bash docs/megatron_lm/steps/pin_adopted_ab_s35.sh
 set -uo pipefail
 OUT=$OUT MODEL=${MODEL:-134m} REPEATS=${REPEATS:-3} MODES="${MODES:-early_default early_pinstep}" \
   bash docs/megatron_lm/steps/restart_repeat_s28.sh

@@ -36,13 +36,19 @@
 # time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
 # model_s: what an earlier preparation could lengthen instead).
 # Prints one line per restart; writes $OUT/restart_repeat_$MODEL.jsonl and
-# $OUT/restart_repeat_logs_$MODEL.tgz.
+# $OUT/restart_repeat_logs_$MODEL.tgz. REST_PROBE=1: also the timers of Megatron-LM's
+# load_checkpoint steps (rest_probe/sitecustomize.py) in $OUT/restart_repeat_rest_probe_$MODEL.jsonl.
 #   OUT=$OUT MODEL=134m REPEATS=3 bash docs/megatron_lm/steps/restart_repeat_s28.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
 source scripts/mlm_recipe.sh
 mlm_ready || exit 2
 MODEL=${MODEL:-134m}; REPEATS=${REPEATS:-3}; MODES=${MODES:-early_device early_host build_host}
+if [ "${REST_PROBE:-0}" = 1 ]; then  # rest_probe/: Megatron's load_checkpoint steps timed, a
+  # line per load (the kill run's first, then the restarts in the order printed)
+  export MCX_REST_PROBE="$OUT/restart_repeat_rest_probe_$MODEL.jsonl"
+  export PYTHONPATH=$PWD/docs/megatron_lm/steps/rest_probe:$PYTHONPATH; : > "$MCX_REST_PROBE"
+fi
 mlm_model "$MODEL" || exit 2  # MARGS, EVERY
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 W=/tmp/rr_$MODEL; K=$W/kill; L=/tmp/rr_logs_$MODEL; rm -rf "$W" "$L"; mkdir -p "$W" "$L"
