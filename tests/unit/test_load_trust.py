@@ -76,6 +76,19 @@ def test_a_tracker_naming_a_deleted_directory_says_the_fix_and_falls_back(tmp_pa
     assert any("loading iteration 2 instead" in w for w in _warnings(caplog)), _warnings(caplog)
 
 
+def test_an_iteration_asked_for_by_name_never_falls_back_to_another(tmp_path):
+    """--ckpt-load-fallback covers the tracker's iteration only: a load of iteration N by name
+    (Megatron-LM's --ckpt-step N) whose directory is gone is an error, not iteration N-1."""
+    _save(tmp_path, [1, 2, 3])
+    shutil.rmtree(tmp_path / "iter_0000003")
+    with Checkpointer(CkptOptions(ckpt_load_fallback=True)) as ck:
+        with pytest.raises(CheckpointNotFound) as e:
+            ck.load(sharded(0, 1, {"w": torch.zeros(512)}), tmp_path, iteration=3)
+    message = str(e.value)
+    assert "iter_0000003 does not exist; the load asked for this iteration" in message, message
+    assert "--ckpt-load-fallback" not in message, message
+
+
 def test_the_fallback_takes_the_newest_older_checkpoint_that_verifies(tmp_path):
     _save(tmp_path, [1, 2, 3])
     _flip_bit(next((tmp_path / "iter_0000003").glob("*.distcp")))
