@@ -89,6 +89,26 @@ def test_sigint_as_the_exit_signal_raises_no_keyboard_interrupt():
 
 
 
+def test_the_handler_installed_before_ours_still_sees_the_signal_and_the_first_signal_counts():
+    """A handler the trainer installed first (Megatron-LM's own --exit-signal-handler, which
+    makes its loop save and exit) is chained, with the signal's number; a second signal does not
+    reset the time of the first (the grace window runs from the first)."""
+    seen = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    p = Preemption(CkptOptions(exit_signal_handler=True, exit_signal="SIGUSR1"))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        first = p.received_at
+        assert first is not None and seen == [signal.SIGUSR1]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert seen == [signal.SIGUSR1] * 2 and p.received_at == first
+    finally:
+        p.uninstall()
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_checkpointer_reports_the_exit_checkpoint_not_the_save_in_flight(tmp_path,
                                                                         one_rank_group, caplog):
     """Through the Checkpointer: save 3 is still pending at the signal and commits inside save
