@@ -128,6 +128,22 @@ def test_recommit_of_an_iteration_keeps_the_tracker_valid(tmp_path):
     assert "new" in json.loads((tmp_path / "iter_0000005" / "mcx_manifest.json").read_text())["files"]
 
 
+def test_a_recommit_after_one_cut_short_before_its_cleanup_replaces_the_leftover(tmp_path):
+    """A re-save of iteration 5 killed between its rename and the removal of the copy it moved
+    aside leaves iter_0000005 and iter_0000005.old: the next re-save of 5 still commits (the
+    leftover is removed first, not renamed onto) and leaves neither copy behind."""
+    _incomplete_checkpoint(tmp_path, 5)
+    layout.commit_on_disk(tmp_path, 5)
+    leftover = tmp_path / "iter_0000005.old"
+    leftover.mkdir()
+    (leftover / "stale").write_bytes(b"x")
+    _incomplete_checkpoint(tmp_path, 5)
+    (tmp_path / "iter_0000005.incomplete" / "new").write_bytes(b"y")
+    layout.commit_on_disk(tmp_path, 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", TRACKER]
+    assert (tmp_path / "iter_0000005" / "new").exists()
+
+
 # -- load on odd directories ------------------------------------------------------------------------
 @pytest.mark.parametrize("content", [b"\x00\x01\xff\xfe", "\u0661\u0662".encode(), "\u00b2".encode(),
                                      b"", b"12a", b"-3", b"release"])
