@@ -184,6 +184,7 @@ def test_missing_common_pt_is_named(tmp_path):
         with pytest.raises(FileNotFoundError) as e:
             ck.load({}, tmp_path)
     assert "common.pt" in str(e.value) and str(it) in str(e.value)
+    assert "Fix: restore the file" in str(e.value), str(e.value)  # and how to load another
 
 
 @pytest.mark.parametrize("key", ["common_state", "model.weight"])

@@ -89,18 +89,6 @@ def test_an_iteration_asked_for_by_name_never_falls_back_to_another(tmp_path):
     assert "--ckpt-load-fallback" not in message, message
 
 
-def test_a_checkpoint_without_its_common_state_is_refused_naming_the_file_and_the_fix(tmp_path):
-    """A copy that lost rank 0's common state (common.pt on megatron-core <= 0.16): the load
-    refuses it before reading anything, naming what is missing and the committed iterations."""
-    _save(tmp_path, [1, 2])
-    (tmp_path / "iter_0000002" / "common.pt").unlink()
-    with pytest.raises(CheckpointNotFound) as e:
-        _load(tmp_path)
-    message = str(e.value)
-    assert "iter_0000002 has no common state: neither common.pt" in message, message
-    assert "Fix: restore the file" in message and "committed here: 1" in message, message
-
-
 def test_the_fallback_takes_the_newest_older_checkpoint_that_verifies(tmp_path):
     _save(tmp_path, [1, 2, 3])
     _flip_bit(next((tmp_path / "iter_0000003").glob("*.distcp")))
