@@ -207,7 +207,7 @@ class _DistCheckpointingProxy:
         if hasattr(checkpointer, "prepare_at_load"):
             checkpointer.prepare_at_load = _prepares_at_load()
         if hasattr(checkpointer, "pin_at_load"):  # else the first step's prepare() pins it
-            checkpointer.pin_at_load = (env_switch("MCX_PIN_ADOPTED") != "step"
+            checkpointer.pin_at_load = (env_switch("MCX_PIN_ADOPTED") == "load"
                                         or checkpointer.prepare_at_load)
         return checkpointer.load(sharded_state_dict, os.path.dirname(checkpoint_dir),
                                  iteration=iteration)

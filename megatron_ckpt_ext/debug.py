@@ -101,10 +101,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "1: through the launcher, the first save's staging is prepared as a resume's load "
               "returns (allocated and pinned beside the first training step), not after the "
               "first training step as in a run that starts fresh"),
-    EnvSwitch("MCX_PIN_ADOPTED", "load",
-              "step: through the launcher, a snapshot restored from memory is pinned by the "
-              "staging's preparation after the first training step, not beside the rest of "
-              "Megatron-LM's load_checkpoint as the load returns"),
+    EnvSwitch("MCX_PIN_ADOPTED", "step",
+              "load: through the launcher, a snapshot restored from memory is pinned beside the "
+              "rest of Megatron-LM's load_checkpoint as the load returns, not by the staging's "
+              "preparation after the first training step"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

@@ -333,20 +333,20 @@ def test_a_resumes_first_save_is_prepared_after_the_first_step_not_at_the_load(m
     assert len(made[0].prepared) == (0 if case == "no_state_builder" else 1)
 
 
-@pytest.mark.parametrize("case", ["default", "switch", "switch_prepare_at_load"])
-def test_a_restored_snapshot_is_pinned_by_the_first_steps_prepare_with_the_switch(
+@pytest.mark.parametrize("case", ["default", "switch", "prepare_at_load"])
+def test_a_restored_snapshot_is_pinned_by_the_first_steps_prepare_by_default(
         mlm, monkeypatch, case):
-    """MCX_PIN_ADOPTED=step: the load leaves the pinning of a snapshot restored from memory to
-    the staging's preparation after the first training step (prepare() pins it first); by
-    default, or where the load itself prepares, the load pins it as it returns."""
+    """By default the load leaves the pinning of a snapshot restored from memory to the
+    staging's preparation after the first training step (prepare() pins it first); with
+    MCX_PIN_ADOPTED=load, or where the load itself prepares, the load pins it as it returns."""
     _train_step_stand_ins(mlm)
-    if case != "default":
-        monkeypatch.setenv("MCX_PIN_ADOPTED", "step")
-    if case == "switch_prepare_at_load":
+    if case == "switch":
+        monkeypatch.setenv("MCX_PIN_ADOPTED", "load")
+    if case == "prepare_at_load":
         monkeypatch.setenv("MCX_PREPARE_AT_LOAD", "1")
     made = _install(mlm, async_save=True)
     mlm.mods["checkpointing"].dist_checkpointing.load({}, "/ckpt/iter_0000005")
-    assert made[0].pin_at_load is (case != "switch")
+    assert made[0].pin_at_load is (case != "default")
     mlm.mods["training"].train_step("fwd", "data", ["m"], "opt", "sched", "cfg", "fb")
     assert len(made[0].prepared) == 1
 

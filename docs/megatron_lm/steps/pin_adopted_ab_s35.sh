@@ -10,7 +10,9 @@
 # Per restart the line has Megatron's load-checkpoint timer and our load's load_s: Megatron's part
 # is their difference. REST_PROBE=1 adds the timers of Megatron's own steps (which of them the
 # pinning slows, if any: the model's and the optimizer's load_state_dict in the twelfth session).
+# Run in the thirty-sixth session (docs/MEMORY.md): yes; since then the default is the pinning
+# after the first step, and the arms are named for the switch (early_pinload, early_pinstep).
 #   OUT=$OUT [MODEL=134m REPEATS=3 REST_PROBE=1] bash docs/megatron_lm/steps/pin_adopted_ab_s35.sh
 set -uo pipefail
-OUT=$OUT MODEL=${MODEL:-134m} REPEATS=${REPEATS:-3} MODES="${MODES:-early_default early_pinstep}" \
+OUT=$OUT MODEL=${MODEL:-134m} REPEATS=${REPEATS:-3} MODES="${MODES:-early_pinload early_pinstep}" \
   bash docs/megatron_lm/steps/restart_repeat_s28.sh

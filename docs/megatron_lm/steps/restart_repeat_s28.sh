@@ -17,7 +17,10 @@
 #                 torch's block where it fits beside the sealing run's peak (auto)
 #   early_pinstep early_default with MCX_PIN_ADOPTED=step: the restored snapshot is not pinned
 #                 as the load returns, beside the rest of Megatron's load_checkpoint, but by the
-#                 staging's preparation after the first training step (none in these restarts)
+#                 staging's preparation after the first training step (none in these restarts);
+#                 the default since the thirty-sixth session
+#   early_pinload early_default with MCX_PIN_ADOPTED=load: pinned as the load returns (the
+#                 default before the thirty-sixth session)
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
 #                 left in its cache at the release, not managed memory freed there)
@@ -80,6 +83,7 @@ one() {  # ROUND MODE
     early_host) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch off) ;;
     early_default) ;;
     early_pinstep) envs=(MCX_PIN_ADOPTED=step) ;;
+    early_pinload) envs=(MCX_PIN_ADOPTED=load) ;;
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
     early_prefetch_cached) envs=(MCX_RESTORE_SUMS=host MCX_PREFETCH_BLOCK=cached)
       args+=(--ckpt-restore-prefetch) ;;
