@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from ..debug import env_switch
 from ..errors import SnapshotInUse
 from .batch import StagedBatch, _Buffer, _BufferSet, _Spec
 from .retained import (Seal, SealEntry, any_mapped, crc32_all, discard, remove_seal,
@@ -50,6 +51,7 @@ class _Sealing:
 
     partner: Any = None  # a staging.partner.PartnerLink (--ckpt-memory-partner), set by its owner
     _pin_started: Any = None  # the adopted set pin_adopted() handed to a thread (once per set)
+    _pin_hurry: threading.Event | None = None  # set: a save or close waits, pin at full speed
 
     if TYPE_CHECKING:
         rank: int
@@ -195,7 +197,7 @@ class _Sealing:
         todo = [b for b in sealed[0].buffers.values() if b.path and not b.registered]
         if not todo or self._pin_started is sealed[0]:  # (the load's, then prepare()'s call)
             return
-        self._pin_started = sealed[0]
+        self._pin_started, self._pin_hurry = sealed[0], threading.Event()
         earlier = self._prepare_thread
         self._prepare_thread = threading.Thread(target=self._pin_in_background,
                                                 args=(todo, earlier), name="mcx-pin-adopted",
@@ -265,23 +267,47 @@ class _Sealing:
                 self._sets.remove(sealed[0])
             self._free_all(sealed[0].buffers.values(), unlink=unlink)
 
-    @staticmethod
-    def _pin_all(buffers: list[_Buffer]) -> None:
+    def hurry_pinning(self) -> None:
+        """A save or a close is about to wait for the background pinning: no more pauses."""
+        if self._pin_hurry is not None:
+            self._pin_hurry.set()
+
+    def _pin_all(self, buffers: list[_Buffer]) -> None:
         """``cudaHostRegister`` an adopted snapshot's buffers, largest first, on several threads
         (the driver serialises most of it: 0.1-0.2 s per GiB). Pinned, they are the next save's
-        staging at full copy speed."""
+        staging at full copy speed. With ``MCX_PIN_PACE`` below 1, one buffer at a time with a
+        pause after each, so that registering (which holds the driver's lock every CUDA call of
+        the training step waits for) takes at most that share of the wall time, until a save or
+        a close waits for it (:meth:`hurry_pinning`): then the rest at full speed."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .._threads import thread_counts
 
         todo = sorted((b for b in buffers if b.path), key=lambda b: -b.nbytes)
+        pace = _pin_pace()
+        hurry = self._pin_hurry = threading.Event() if self._pin_hurry is None else self._pin_hurry
 
         def pin(buffer: _Buffer) -> None:
             buffer.registered = _register(buffer.tensor, buffer.nbytes)
 
+        while pace < 1.0 and todo and not hurry.is_set():
+            t0 = time.perf_counter()
+            pin(todo.pop(0))
+            took = time.perf_counter() - t0
+            self.stats["pin_paused_s"] = self.stats.get("pin_paused_s", 0.0) + took * (1 / pace - 1)
+            hurry.wait(took * (1 / pace - 1))  # (returns at once when a save or close waits)
         # the rank's share of the host's cores: every rank of the host pins at once
         with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:
             list(pool.map(pin, todo))
+
+
+def _pin_pace() -> float:
+    """``MCX_PIN_PACE`` as a share of wall time in (0, 1] (1: no pauses; a bad value is 1)."""
+    try:
+        pace = float(env_switch("MCX_PIN_PACE"))
+    except ValueError:
+        return 1.0
+    return min(1.0, pace) if pace > 0 else 1.0
 
 
 def _device_peak() -> int:

@@ -166,6 +166,7 @@ class ShmStager(_Sealing, _CopyStreams):
             return
         self._closed = True
         if self._prepare_thread is not None:
+            self.hurry_pinning()
             self._prepare_thread.join()
             self._prepare_thread = None
         kept = self._finish_sealing() if keep_sealed else None
@@ -272,6 +273,7 @@ class ShmStager(_Sealing, _CopyStreams):
         Its error, if any, is raised by the next stage() or prepare()."""
         thread = self._prepare_thread
         if thread is not None:  # a save waiting here waits for the allocation
+            self.hurry_pinning()
             t0 = time.perf_counter()
             thread.join(timeout_s)
             self.stats["prepare_wait_s"] += time.perf_counter() - t0

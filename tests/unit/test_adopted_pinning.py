@@ -179,3 +179,38 @@ def test_a_blocking_prepare_of_another_structure_waits_for_the_pinning_it_takes_
     stager.close()
     assert sorted(unpinned) == sorted(p for p, _ in done), (done, unpinned)
     assert adopted[0].data_ptr() in unpinned and adopted[1].data_ptr() in unpinned
+
+
+def test_paced_pinning_pauses_between_buffers(tmp_path, pins, monkeypatch):
+    """MCX_PIN_PACE=0.5: each buffer's pinning (0.15 s here) is followed by a pause as long,
+    one buffer at a time; nothing waits, so the two take at least 0.45 s."""
+    monkeypatch.setenv("MCX_PIN_PACE", "0.5")
+    done, _ = pins
+    _, stager, adopted = _adopted(tmp_path)
+    t0 = time.monotonic()
+    stager.pin_adopted()
+    stager._prepare_thread.join()  # (not wait_prepared: that would hurry it)
+    assert len(done) == len(adopted)
+    assert done[1][1] - done[0][1] >= 0.28  # the pause after the first, then the second's 0.15
+    assert time.monotonic() - t0 >= 0.45
+    assert stager.stats["pin_paused_s"] >= 0.28
+    stager.close()
+
+
+@pytest.mark.parametrize("waiter", ["stage", "close"])
+def test_a_save_or_close_hurries_paced_pinning(tmp_path, pins, monkeypatch, waiter):
+    """Pacing that would pause 15 s after the first buffer (MCX_PIN_PACE=0.01): a stage() or
+    close() that waits for the pinning ends the pauses, so it waits about one pinning only."""
+    monkeypatch.setenv("MCX_PIN_PACE", "0.01")
+    done, _ = pins
+    state, stager, adopted = _adopted(tmp_path)
+    stager.pin_adopted()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    if waiter == "stage":
+        stager.stage([s + 1 for s in state], keys=["w", "b"])
+    else:
+        stager.close()
+    assert time.monotonic() - t0 < 2.0
+    assert len(done) == len(adopted)
+    stager.close()

@@ -21,6 +21,7 @@
 #                 the default since the thirty-sixth session
 #   early_pinload early_default with MCX_PIN_ADOPTED=load: pinned as the load returns (the
 #                 default before the thirty-sixth session)
+#   early_paced   early_default with MCX_PIN_PACE=0.25: that pinning paced (a quarter of the time)
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
 #                 left in its cache at the release, not managed memory freed there)
@@ -39,7 +40,8 @@
 # time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
 # model_s: what an earlier preparation could lengthen instead).
 # Prints one line per restart; writes $OUT/restart_repeat_$MODEL.jsonl and
-# $OUT/restart_repeat_logs_$MODEL.tgz. REST_PROBE=1: also the timers of Megatron-LM's
+# $OUT/restart_repeat_logs_$MODEL.tgz. STEPS=N: each restart trains N steps (their times in the
+# line, step_ms: what a restore leaves to the first steps) and is then SIGKILLed. REST_PROBE=1: also the timers of Megatron-LM's
 # load_checkpoint steps (rest_probe/sitecustomize.py) in $OUT/restart_repeat_rest_probe_$MODEL.jsonl.
 #   OUT=$OUT MODEL=134m REPEATS=3 bash docs/megatron_lm/steps/restart_repeat_s28.sh
 set -uo pipefail
@@ -84,6 +86,7 @@ one() {  # ROUND MODE
     early_default) ;;
     early_pinstep) envs=(MCX_PIN_ADOPTED=step) ;;
     early_pinload) envs=(MCX_PIN_ADOPTED=load) ;;
+    early_paced) envs=(MCX_PIN_PACE=0.25) ;;
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
     early_prefetch_cached) envs=(MCX_RESTORE_SUMS=host MCX_PREFETCH_BLOCK=cached)
       args+=(--ckpt-restore-prefetch) ;;
@@ -93,10 +96,24 @@ one() {  # ROUND MODE
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
     storage) envs=(MCX_RESTORE_SUMS=device) args=(--load $K.copy --no-ckpt-memory-restore) ;;
   esac
+  if [ "${STEPS:-0}" -gt 0 ]; then  # STEPS training steps, then SIGKILL (no end-of-training
+    # save, so the same snapshot and copy serve every restart); their times in the line
+    local last=$((2 * EVERY + STEPS)) t0=$(date +%s)
+    env PYTHONPATH="$path" "${envs[@]}" setsid python3 -m torch.distributed.run --nproc-per-node 1 \
+      --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
+      "${BASE[@]}" "${RESUME[@]}" --train-iters $((last + 20)) --override-opt_param-scheduler \
+      "${args[@]}" > "$log" 2>&1 &
+    local pid=$!
+    until grep -q "iteration *$((last + 1))/" "$log" 2>/dev/null; do
+      sleep 0.2; kill -0 $pid 2>/dev/null || break; [ $(( $(date +%s) - t0 )) -gt 100 ] && break
+    done
+    kill -9 -- -$pid 2>/dev/null; pkill -9 -f -- "--save $K " ; wait $pid 2>/dev/null; sleep 1
+  else
   env PYTHONPATH="$path" "${envs[@]}" timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
     "${BASE[@]}" "${RESUME[@]}" --train-iters $((2 * EVERY)) --override-opt_param-scheduler \
     "${args[@]}" > "$log" 2>&1
+  fi
   python3 - "$log" "$1" "$2" "$LINES" <<'PY'
 import json, re, sys
 log, rnd, mode, out = sys.argv[1:5]
@@ -120,14 +137,16 @@ row = {"round": int(rnd), "mode": mode, "setup_s": timer("model-and-optimizer-se
        "phases": r.get("phases"), "direct_issue_s": md.get("direct_issue_s"),
        "block": md.get("device_ahead_block"),
        "init_to_model_s": round((b - a).total_seconds(), 3) if a and b else None,
-       "init_s": timer("startup-initialize-megatron"), "jit_s": timer("startup-set-jit-fusion-options")}
+       "init_s": timer("startup-initialize-megatron"), "jit_s": timer("startup-set-jit-fusion-options"),
+       "step_ms": [float(v) for v in re.findall(
+           r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]}
 if row["setup_s"] and row["load_s"]:
     row["build_s"] = round(row["setup_s"] - row["load_s"], 4)
 open(out, "a").write(json.dumps(row) + "\n")
 print(json.dumps({k: row[k] for k in ("round", "mode", "tier", "setup_s", "load_s", "prepared_s",
                                       "init_to_model_s", "init_s", "jit_s")}
                  | {"build_s": row.get("build_s"), "steps": row["prepared_steps"],
-                    "block": row["block"]}))
+                    "block": row["block"], "step_ms": row["step_ms"][:4]}))
 PY
 }
 for r in $(seq 1 "$REPEATS"); do  # the logs archived after each restart: a call cut by its
