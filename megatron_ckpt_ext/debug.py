@@ -105,10 +105,10 @@ ENV_SWITCHES: dict[str, EnvSwitch] = {s.name: s for s in (
               "load: through the launcher, a snapshot restored from memory is pinned beside the "
               "rest of Megatron-LM's load_checkpoint as the load returns, not by the staging's "
               "preparation after the first training step"),
-    EnvSwitch("MCX_PIN_PACE", "1",
-              "<f>: (a share in (0, 1)) the background pinning of a snapshot restored from memory pins one "
-              "buffer at a time and pauses after each, holding the driver's lock at most that "
-              "share of the time, until a save or close waits for it"),
+    EnvSwitch("MCX_PIN_PACE", "0.25",
+              "<f>: (a share in (0, 1]; 1: no pauses) the background pinning of a snapshot "
+              "restored from memory pins one buffer at a time and pauses after each, holding the "
+              "driver's lock at most that share of the time, until a save or close waits for it"),
     EnvSwitch("MCX_DEVICE_CRC_TRITON", "1",
               "0: the device CRC-32 of a load's bytes runs as torch operations (slower) instead "
               "of its Triton kernel"),

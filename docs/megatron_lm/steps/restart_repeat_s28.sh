@@ -21,7 +21,9 @@
 #                 the default since the thirty-sixth session
 #   early_pinload early_default with MCX_PIN_ADOPTED=load: pinned as the load returns (the
 #                 default before the thirty-sixth session)
-#   early_paced   early_default with MCX_PIN_PACE=0.25: that pinning paced (a quarter of the time)
+#   early_paced   early_default with MCX_PIN_PACE=0.25: that pinning paced (a quarter of the time;
+#                 the default since the thirty-sixth session)
+#   early_unpaced early_default with MCX_PIN_PACE=1: every buffer at once (before that session)
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
 #                 left in its cache at the release, not managed memory freed there)
@@ -87,6 +89,7 @@ one() {  # ROUND MODE
     early_pinstep) envs=(MCX_PIN_ADOPTED=step) ;;
     early_pinload) envs=(MCX_PIN_ADOPTED=load) ;;
     early_paced) envs=(MCX_PIN_PACE=0.25) ;;
+    early_unpaced) envs=(MCX_PIN_PACE=1) ;;
     early_prefetch) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch) ;;
     early_prefetch_cached) envs=(MCX_RESTORE_SUMS=host MCX_PREFETCH_BLOCK=cached)
       args+=(--ckpt-restore-prefetch) ;;
