@@ -24,6 +24,9 @@
 #   early_paced   early_default with MCX_PIN_PACE=0.25: that pinning paced (a quarter of the time;
 #                 the default since the thirty-sixth session)
 #   early_unpaced early_default with MCX_PIN_PACE=1: every buffer at once (before that session)
+#   storage_save  storage (the comparator, appended to every round, runs without --save: nothing
+#                 of ours runs in its first steps) with --save to another root: a storage load
+#                 whose first steps prepare the staging, as a restart's do (with STEPS=N)
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
 #                 left in its cache at the release, not managed memory freed there)
@@ -98,6 +101,7 @@ one() {  # ROUND MODE
     build_prefetch) envs=(MCX_PREPARE_RESTORE=build) args+=(--ckpt-restore-prefetch) ;;
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
     storage) envs=(MCX_RESTORE_SUMS=device) args=(--load $K.copy --no-ckpt-memory-restore) ;;
+    storage_save) args=(--load $K.copy --save $W/save_elsewhere --no-ckpt-memory-restore) ;;
   esac
   if [ "${STEPS:-0}" -gt 0 ]; then  # STEPS training steps, then SIGKILL (no end-of-training
     # save, so the same snapshot and copy serve every restart); their times in the line

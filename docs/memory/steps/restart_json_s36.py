@@ -48,6 +48,8 @@ def main():
                 row["our_load_s"] = reports[-1]["load_s"]
                 row["megatron_part_s"] = round(load["load_s"] - reports[-1]["load_s"], 4)
             out["runs"].append(row)
+    out["floors"]["h2d_pinned_gbps"] = min(v for k, v in out["floors"].items()
+                                           if k.endswith("_h2d_pinned_gbps"))
     out["notes"] = [
         "load_s: Megatron's load-checkpoint timer; our_load_s: our load report's load_s; "
         "megatron_part_s: the difference; first_two_steps_ms: Megatron's elapsed time of the "
