@@ -3,7 +3,6 @@ the thirty-sixth session's real-client results, adding what a restart leaves to 
 training steps (Megatron's elapsed time per iteration, from the runs' logs). From the
 repository root: python docs/memory/steps/restart_json_s36.py"""
 
-import io
 import json
 import re
 import tarfile
