@@ -178,7 +178,7 @@ def test_a_memory_snapshots_pools_use_the_ranks_share_of_the_cores(host, monkeyp
     host(16, ranks)
     _Recording.sizes = {}
     monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", _Recording)  # _pin_all's
-    _Sealing._pin_all([])
+    _Sealing()._pin_all([])
     assert _Recording.sizes.pop("") == copy
     monkeypatch.setattr(restore_copy, "ThreadPoolExecutor", _Recording)
     monkeypatch.setattr(retained, "ThreadPoolExecutor", _Recording)
