@@ -158,9 +158,11 @@ class _SaveSteps:
         self._ahead_prepared = False
         self._ahead_sources = Sources.of(sources, keys) if self._stager.owns_copies else None
         record.detail.update(_stager_delta(before, self.staging_stats()))
-        pinned = getattr(self._stager, "stats", {}).pop("pin_adopted_s", None)
-        if pinned is not None:  # a restored snapshot's pinning (after the load), said once
-            record.detail["pin_adopted_s"] = pinned
+        stats = getattr(self._stager, "stats", {})
+        for key in ("pin_adopted_s", "pin_paused_s"):  # a restored snapshot's pinning after the
+            value = stats.pop(key, None)  # load (its wall time; the pauses of it), said once
+            if value is not None:
+                record.detail[key] = round(value, 6)
         self._hooks.at("staged", record)
 
     def _stage_agreed(self, state: Any, record: SaveRecord, before: dict) -> None:

@@ -293,9 +293,12 @@ class _Sealing:
         while pace < 1.0 and todo and not hurry.is_set():
             t0 = time.perf_counter()
             pin(todo.pop(0))
-            took = time.perf_counter() - t0
-            self.stats["pin_paused_s"] = self.stats.get("pin_paused_s", 0.0) + took * (1 / pace - 1)
-            hurry.wait(took * (1 / pace - 1))  # (returns at once when a save or close waits)
+            if not todo:  # (no pause after the last)
+                break
+            t1 = time.perf_counter()
+            hurry.wait((t1 - t0) * (1 / pace - 1))  # (returns at once when a save or close waits)
+            self.stats["pin_paused_s"] = (self.stats.get("pin_paused_s", 0.0)
+                                          + time.perf_counter() - t1)
         # the rank's share of the host's cores: every rank of the host pins at once
         with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:
             list(pool.map(pin, todo))

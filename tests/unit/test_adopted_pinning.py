@@ -190,9 +190,13 @@ def test_paced_pinning_pauses_between_buffers(tmp_path, pins, monkeypatch, pace,
         monkeypatch.setenv("MCX_PIN_PACE", pace)
     done, _ = pins
     _, stager, adopted = _adopted(tmp_path)
+    t0 = time.monotonic()
     stager.pin_adopted()
     stager._prepare_thread.join()  # (not wait_prepared: that would hurry it)
+    took = time.monotonic() - t0
     assert len(done) == len(adopted) == 2
+    if pace is None:  # 0.15 + 0.45 + 0.15 s: no pause after the last (which would be 1.2 s)
+        assert took < 1.0
     first, second = sorted(t for _, t in done)
     if gap is None:
         assert second - first < 0.1 and "pin_paused_s" not in stager.stats
@@ -219,3 +223,25 @@ def test_a_save_or_close_hurries_paced_pinning(tmp_path, pins, monkeypatch, wait
     assert time.monotonic() - t0 < 2.0
     assert len(done) == len(adopted)
     stager.close()
+
+
+def test_the_next_save_reports_the_pinning_and_its_pauses_once(one_rank_group, tmp_path):
+    """What the background pinning of a restored snapshot took and how much of it was pauses
+    (the stager's counters, stood in for here) are in the next save's stage_detail, and only
+    in that one."""
+    from megatron_ckpt_ext import Checkpointer, CkptOptions, backend
+
+    st = backend.sharded_tensor_cls()
+    state = {"w": torch.randn(64, 32), "b": torch.randn(512)}
+    options = CkptOptions(async_save=True, async_ckpt_use_cpu_shm=True,
+                          ckpt_assume_constant_structure=True)
+    with Checkpointer(options, save_dir=str(tmp_path)) as ck:
+        for it in (1, 2, 3):
+            if it == 2:
+                ck._stager.stats.update(pin_adopted_s=0.25, pin_paused_s=0.125)
+            ck.save({k: st.from_rank_offsets(k, t, replica_id=0) for k, t in state.items()},
+                    tmp_path, iteration=it)
+            ck.maybe_finalize(blocking=True)
+        details = [r["stage_detail"] for r in ck.reports]
+    assert [(d.get("pin_adopted_s"), d.get("pin_paused_s")) for d in details] == [
+        (None, None), (0.25, 0.125), (None, None)]
