@@ -245,3 +245,13 @@ def test_the_next_save_reports_the_pinning_and_its_pauses_once(one_rank_group, t
         details = [r["stage_detail"] for r in ck.reports]
     assert [(d.get("pin_adopted_s"), d.get("pin_paused_s")) for d in details] == [
         (None, None), (0.25, 0.125), (None, None)]
+
+
+@pytest.mark.parametrize("value, pace", [(None, 0.25), ("0.5", 0.5), ("1", 1.0), ("2", 1.0),
+                                         ("0", 1.0), ("-1", 1.0), ("fast", 1.0), ("nan", 1.0)])
+def test_a_pace_outside_0_to_1_or_not_a_number_pins_without_pauses(monkeypatch, value, pace):
+    """MCX_PIN_PACE is a share of the time: above 1 is 1; zero, negative or not a number never
+    stops the pinning (no pauses) and never raises."""
+    if value is not None:
+        monkeypatch.setenv("MCX_PIN_PACE", value)
+    assert sealing._pin_pace() == pace
