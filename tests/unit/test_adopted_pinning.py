@@ -199,7 +199,8 @@ def test_paced_pinning_pauses_between_buffers(tmp_path, pins, monkeypatch, pace,
         assert took < 1.0
     first, second = sorted(t for _, t in done)
     if gap is None:
-        assert second - first < 0.1 and "pin_paused_s" not in stager.stats
+        # (on several threads at once; one thread where the rank has one core: 0.15 s apart)
+        assert second - first < 0.25 and "pin_paused_s" not in stager.stats
     else:
         assert second - first >= gap  # the pause after the first, then the second's 0.15 s
         assert stager.stats["pin_paused_s"] >= gap - 0.15
