@@ -2,8 +2,9 @@
 # One call on one GPU (carry .whl): 8 ranks x 2 GiB on the one device, the warm load with 2
 # reading threads a rank (the rank's cores on a 16-core host, the default) and with 4 (what the
 # host's own read-and-copy loop was fastest with in the thirty-seventh session's run), verifying
-# and not, two repeats each after the process's first load (timed apart), one benchmark run (bench_load's --load-threads takes both; floors
-# measured once in it). Results under $OUT: <card>_8ranks_2gib_load_threads.json/.log.
+# and not, two repeats each after the process's first load (timed apart), in one benchmark run
+# (bench_load's --load-threads takes both; floors measured once in it).
+# Results under $OUT: <card>_8ranks_2gib_load_threads.json/.log.
 # From the repository root:  OUT=$OUT bash docs/node/steps/threads_ab_s37.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
