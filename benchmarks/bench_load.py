@@ -15,7 +15,9 @@ one null where ``--caches warm`` times no cold load),
 it pays what later loads find done; null with ``--no-first-load``),
 ``runs`` [{``source``, ``cache``, ``state_bytes``, ``load_s``, ``per_rank_load_s``,
 ``max_over_median``, ``verified``, ``load_threads`` (ours: its reading threads a rank), and for
-ours rank 0's ``phases`` and ``read_detail`` (its read step's wait for the sums)}];
+ours ``phases`` (each the slowest rank's at it), rank 0's ``read_detail`` (its read step's wait
+for the sums), and every rank's own ``rank_phases`` and ``verify_detail`` {name: [rank 0's,
+...]}: the verification's steps, ``settle_s`` holding a rank until the slowest one's reads end)}];
 with several ``--load-threads`` values, ``by_load_threads`` {value: the targets of its runs}.
 
     torchrun --nproc-per-node 1 benchmarks/bench_load.py --gib 4 --repeats 2 --json $OUT/load.json
@@ -202,6 +204,23 @@ def read_floors(ctl: node.Ctl, checkpoint: Path, threads: int, cold: bool = True
             "read_warm_threads": warm_threads,
             "read_cold_s": node.spread(cold_s) if cold_s else None,
             "read_warm_s": node.spread(warm)}
+
+
+def _by_rank(dicts: list[dict]) -> dict[str, list]:
+    """{name: [rank 0's value, rank 1's, ...]} from each rank's {name: value}."""
+    return {name: [d.get(name) for d in dicts] for name in dicts[0]} if dicts else {}
+
+
+def _spread_line(entry: dict) -> str:
+    """Fastest-slowest rank of the read step (read + host-to-device) and of the verification's
+    steps: a rank that read first waits at ``settle``."""
+    rp, vd = entry["rank_phases"], entry.get("verify_detail", {})
+    step = [a + b for a, b in zip(rp["read_s"], rp["h2d_s"])]
+    parts = [f"read step {min(step):.3f}-{max(step):.3f} s"]
+    for name in ("settle_s", "check_s", "agree_s"):
+        if vd.get(name) and None not in vd[name]:
+            parts.append(f"{name[:-2]} {min(vd[name]):.3f}-{max(vd[name]):.3f} s")
+    return ", ".join(parts)
 
 
 def _like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -435,6 +454,10 @@ class LoadBench:
         if len(out) > 2:
             entry["phases"] = out[2]["phases"]  # rank 0's
             entry["read_detail"] = out[2].get("read_detail", {})  # rank 0's: the sums' share
+            # every rank's own phases and verification steps, [rank 0, rank 1, ...] each:
+            # ``phases`` takes each phase from the slowest rank at it, which overstates the sum
+            entry["rank_phases"] = _by_rank([r[2].get("rank_phases", {}) for r in ranks])
+            entry["verify_detail"] = _by_rank([r[2].get("verify_detail", {}) for r in ranks])
             entry["direct_items"] = sum(r[2]["direct_items"] for r in ranks)
             entry["stock_items"] = sum(r[2]["stock_items"] for r in ranks)
             entry["device_summed_bytes"] = sum(r[2].get("device_summed_bytes", 0) for r in ranks)
@@ -444,6 +467,8 @@ class LoadBench:
                   f"({self.on_disk / entry['load_s'] / 1e9:.2f} GB/s, slowest rank "
                   f"{entry['max_over_median']}x the median) bit_exact={entry['bit_exact']}",
                   flush=True)
+            if len(ranks) > 1 and entry.get("rank_phases", {}).get("read_s"):
+                print(f"[bench_load]   {_spread_line(entry)}", flush=True)
         return entry
 
     def run(self) -> dict:

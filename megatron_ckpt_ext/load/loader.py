@@ -91,7 +91,8 @@ class Loader:
         t = record.phase("other_s", t)
         if pending is not None:
             pending.check_inline(reads.file_crcs, reads.planned_files)
-        has_manifest, problems = verify_agree(pending, self._group) if pending else (False, [])
+        has_manifest, problems = (verify_agree(pending, self._group, record.verify_detail)
+                                  if pending else (False, []))
         record.phase("verify_s", t)  # the part of the check the load did not hide
         uncovered = list((pending.manifest or {}).get("unverified", [])) if pending else []
         record.verified = has_manifest and not problems and not uncovered

@@ -48,6 +48,10 @@ class LoadRecord:
     # of the read step: waiting for the sums after the last read (sums_wait_s), and the
     # device-sum thread's seconds at work beside the reads (sum_device_busy_s)
     read_detail: dict = field(default_factory=dict)
+    # of verify_s: settle_s (learning which files every rank's reads summed: a collective, so
+    # it holds this rank until the slowest rank's reads are done), check_s (this rank's share
+    # of the files no read summed, and the join of its check), agree_s (the verdict collective)
+    verify_detail: dict = field(default_factory=dict)
 
     def phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -94,7 +98,11 @@ class LoadRecord:
                 "stock_items": self.stock_items,
                 "device_summed_bytes": self.device_summed_bytes,
                 "read_detail": self.read_detail,
-                "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)}}
+                "verify_detail": self.verify_detail,
+                "phases": {n: round(v, 6) for n, v in zip(LOAD_PHASES, phases)},
+                # this rank's own (``phases`` takes each from the slowest rank at it, so a rank
+                # whose reads ended first shows its wait for the others under verify_s here)
+                "rank_phases": {n: round(self.phases.get(n, 0.0), 6) for n in LOAD_PHASES}}
 
 
 def log_load(entry: dict) -> None:

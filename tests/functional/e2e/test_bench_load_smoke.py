@@ -79,6 +79,14 @@ def test_load_benchmark_with_four_ranks_sharing_the_host(tmp_path):
         assert r["load_s"] == max(r["per_rank_load_s"]) and r["max_over_median"] >= 1.0
         assert r["bit_exact"], r
     assert all(r["verified"] and r["direct_items"] > 0 for r in runs if r["variant"] == "ours")
+    for r in runs:  # every rank's own phases, and a verifying load's steps of its check
+        if r["source"] != "ours":
+            continue
+        assert all(len(v) == 4 for v in r["rank_phases"].values()), r
+        assert max(r["rank_phases"]["read_s"]) > 0, r
+        steps = r["verify_detail"]
+        assert (set(steps) == {"settle_s", "check_s", "agree_s"}) == (r["variant"] == "ours"), r
+        assert all(len(v) == 4 and min(v) >= 0 for v in steps.values()), r
     for sample in data["floor_samples"]:
         for what in ("read_cold_s", "read_warm_s"):
             assert len(sample[what]["per_rank"]) == 4
