@@ -3,7 +3,8 @@
 # report's rank_phases and verify_detail, kept by bench_load for every rank), and the one-rank
 # reading threads A/B with more repeats. First 8 ranks x 2 GiB on the one device (default
 # threads, 3 repeats), then one rank x 8 GiB warm (--load-threads 8 16, 4 repeats each).
-# Results under $OUT: <card>_8ranks_2gib_load_detail.json/.log, <card>_1rank_8gib_load_ab.json/.log.
+# Results under $OUT: <card>_8ranks_2gib_load_detail.json/.log and
+# <card>_1rank_8gib_load_ab.json/.log.
 # From the repository root:  OUT=$OUT bash docs/node/steps/load_detail_s38.sh
 set -uo pipefail
 source docs/megatron_lm/steps/_prologue.sh
