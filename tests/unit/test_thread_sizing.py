@@ -50,6 +50,10 @@ def test_one_rank_per_host_keeps_the_one_rank_defaults(host):
     assert _threads.cores_per_local_rank() == 16
     counts = _threads.thread_counts()
     assert (counts.load_read, counts.checksum, counts.writer, counts.copy) == (8, 8, 1, 16)
+    host(6, None)  # fewer cores than the one-rank count: one reading thread a core
+    assert _threads.thread_counts().load_read == 6
+    host(64, 4)  # 16 cores a rank: the one-rank count, not more (16 were slower through
+    assert _threads.thread_counts().load_read == 8  # Megatron-LM: docs/notes/node.md)
 
 
 def test_a_value_given_wins(host):

@@ -27,6 +27,8 @@
 #   storage_save  storage (the comparator, appended to every round, runs without --save: nothing
 #                 of ours runs in its first steps) with --save to another root: a storage load
 #                 whose first steps prepare the staging, as a restart's do (with STEPS=N)
+#   storage_t8    storage with --ckpt-load-threads 8 (the one-rank default before the thirty-
+#                 eighth session; storage itself reads with the default, auto)
 #   early_prefetch  early_host with --ckpt-restore-prefetch: copied to the device ahead too
 #   early_prefetch_cached  early_prefetch with MCX_PREFETCH_BLOCK=cached (the block torch's,
 #                 left in its cache at the release, not managed memory freed there)
@@ -102,6 +104,8 @@ one() {  # ROUND MODE
     prep0) envs=(MCX_PREPARE_RESTORE=0) ;;
     storage) envs=(MCX_RESTORE_SUMS=device) args=(--load $K.copy --no-ckpt-memory-restore) ;;
     storage_save) args=(--load $K.copy --save $W/save_elsewhere --no-ckpt-memory-restore) ;;
+    storage_t8) envs=(MCX_RESTORE_SUMS=device)
+      args=(--load $K.copy --no-ckpt-memory-restore --ckpt-load-threads 8) ;;
   esac
   if [ "${STEPS:-0}" -gt 0 ]; then  # STEPS training steps, then SIGKILL (no end-of-training
     # save, so the same snapshot and copy serve every restart); their times in the line
