@@ -2,8 +2,9 @@
 megatron-core builds during the load (its sharded load's; on 0.19 its common-state load's too)
 answers ``read_metadata`` from one memo, which a caller that has read the file already fills.
 Only megatron-core's reader factories are wrapped, and only for the load: torch's classes stay
-as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does). Also here: at one
-rank, torch DCP's load planned without a collective (:func:`local_plan_at_one_rank`)."""
+as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does). Also here: torch DCP's
+load planned without a collective (:func:`local_plan_at_one_rank`: at one rank, or at any number
+for a load that agrees on failures itself)."""
 
 from __future__ import annotations
 
@@ -103,17 +104,21 @@ _DCP_LOADS = ("load_state_dict", "load")
 
 
 @contextlib.contextmanager
-def local_plan_at_one_rank() -> Iterator[bool]:
-    """While inside, where torch.distributed's default group has one rank: torch DCP's
-    ``load_state_dict`` / ``load``, called without ``no_dist``, plan the load on this rank
-    alone (``no_dist=True``, as megatron-core 0.19 asks itself). megatron-core <= 0.16 lets DCP
-    gather and scatter the load's plan over the process group, which at one rank pickles every
-    read item twice to exchange it with itself; the one rank's plan is the global plan. A call
-    on a group of more than one rank, or that says ``no_dist`` itself, is left as it is.
-    Yields whether it applies."""
+def local_plan_at_one_rank(*, every_size: bool = False) -> Iterator[bool]:
+    """While inside, where torch.distributed's default group has one rank (with ``every_size``:
+    any number): torch DCP's ``load_state_dict`` / ``load``, called on this thread without
+    ``no_dist``, plan the load on each rank alone (``no_dist=True``, as megatron-core 0.19 asks
+    itself at every world size). megatron-core <= 0.16 lets DCP gather every rank's plan to one
+    rank and scatter it back, although the default global load plan is the identity (at one
+    rank it pickles every read item twice to exchange it with itself; at 4 ranks ~80 ms a load
+    on CPU), then gather every rank's read result. Those collectives also told every rank that
+    one rank's load failed: ``every_size`` is for a caller that agrees on that itself
+    (load/loader.py: ``_failed_ranks``). A call that says ``no_dist`` itself, or that another
+    thread makes, is left as it is. Yields whether it applies."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != 1:
+    if not (dist.is_available() and dist.is_initialized()) or (
+            not every_size and dist.get_world_size() != 1):
         yield False
         return
     import torch.distributed.checkpoint as dcp
@@ -121,7 +126,7 @@ def local_plan_at_one_rank() -> Iterator[bool]:
     originals = {name: getattr(dcp, name, None) for name in _DCP_LOADS}
     for name, fn in originals.items():
         if fn is not None and "no_dist" in inspect.signature(fn).parameters:
-            setattr(dcp, name, _planned_locally(fn, dist))
+            setattr(dcp, name, _planned_locally(fn, dist, every_size=every_size))
     try:
         yield True
     finally:
@@ -130,19 +135,23 @@ def local_plan_at_one_rank() -> Iterator[bool]:
                 setattr(dcp, name, fn)
 
 
-def _planned_locally(fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
+def _planned_locally(fn: Callable[..., Any], dist: Any, *,
+                     every_size: bool = False) -> Callable[..., Any]:
     # a call its signature does not describe is judged by its keywords (call_arguments): torch's
     # ``load`` takes its storage reader positionally (``_api_bc_check``, megatron-core 0.19's
     # form) although it is keyword-only in the signature; such a call is passed on unchanged
     arguments = call_arguments(fn) or (lambda *args, **kwargs: kwargs)
+    installer = threading.get_ident()
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = arguments(*args, **kwargs)
         # asked at each call (the group it loads on, None: the default one), so a wrapper a
-        # concurrent load left installed never skips a collective a larger group needs
-        if "no_dist" not in bound and dist.is_initialized() and \
-                dist.get_world_size(bound.get("process_group")) == 1:
+        # concurrent load left installed never skips a collective a larger group needs; with
+        # every_size only the installing thread's calls (the load that agrees on failures)
+        if "no_dist" not in bound and dist.is_initialized() and (
+                threading.get_ident() == installer if every_size
+                else dist.get_world_size(bound.get("process_group")) == 1):
             kwargs["no_dist"] = True
         return fn(*args, **kwargs)
 

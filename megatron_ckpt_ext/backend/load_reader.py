@@ -45,7 +45,9 @@ class ReadSettings:
     bytes copied to a device whose CRC kernel is ready (:mod:`.._crc_device`) are summed there
     instead, off the host's cores. ``metadata``: {checkpoint
     directory: its DCP ``Metadata``} that the caller has unpickled already (the load's readers
-    then do not read that ``.metadata`` again)."""
+    then do not read that ``.metadata`` again). ``agreed_failures``: the caller makes a failure
+    on one rank every rank's (load/loader.py), so torch DCP may plan on each rank alone at any
+    world size (``load_metadata.local_plan_at_one_rank``); without it, only at one rank."""
 
     threads: int
     chunk: int | None = None
@@ -54,6 +56,7 @@ class ReadSettings:
     on_planned: Callable[[set[str]], None] | None = None
     metadata: Mapping[str, Any] | None = None
     device_checksums: bool = False
+    agreed_failures: bool = False
 
 
 @dataclass
@@ -101,7 +104,7 @@ def parallel_reads(settings: ReadSettings) -> Iterator[ReadResult]:
     # megatron-core 0.19's common-state load builds its reader by its own name for the factory
     with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
             factory_wrapped(f"{MCORE_STRATEGIES}.torch", built) as why_not, \
-            local_plan_at_one_rank():
+            local_plan_at_one_rank(every_size=settings.agreed_failures):
         result.why_not = why_not or (None if settings.threads > 1 else "one read thread asked for")
         yield result
 

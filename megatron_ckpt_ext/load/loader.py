@@ -84,7 +84,8 @@ class Loader:
             threads.load_read, checksums=pending is not None and pending.checks,
             checksum_threads=threads.checksum,
             metadata={str(path): metadata} if metadata is not None else None,
-            on_planned=pending.skip if pending is not None else None, device_checksums=True)
+            on_planned=pending.skip if pending is not None else None, device_checksums=True,
+            agreed_failures=True)  # _failed_ranks, below
         state, failure, reads = self._read(sharded_state_dict, path, settings, pending)
         if failure is None:
             _note_reads(record, reads)
@@ -102,17 +103,9 @@ class Loader:
                       f"unchecked ({', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}"
                       "): their writer recorded none (MCX_WRITE_CHECKSUMS=0, or a writer the "
                       "checksum wrapper does not reach)")
-        if failure is not None and not problems:
-            mismatch = _structure_mismatch(failure)
-            if mismatch is not None:  # every rank: DCP gathers each rank's failure for all
-                raise CheckpointLoadError(
-                    f"checkpoint iteration {record.iteration} ({path}) does not fit the state "
-                    f"this job builds: {mismatch}. The model (or its parallel layout's "
-                    "sharding) differs from the run that saved it. Fix: build it with that "
-                    "run's model arguments (--num-layers, --hidden-size, --ffn-hidden-size, "
-                    "--num-attention-heads, --vocab-size, ...), or start from scratch into "
-                    "another --save without --load.") from failure
-            raise failure
+        failed = _failed_ranks(failure, self._group)  # every rank's, where any failed
+        if failed and not problems:  # (a damaged file explains a failure: the fallback below)
+            _raise_on_every_rank(failed, failure, record, path)
         if not problems:
             return state
         return self._fall_back(sharded_state_dict, path, record, problems, explicit=explicit)
@@ -140,10 +133,9 @@ class Loader:
         except (KeyboardInterrupt, SystemExit):
             raise
         # a damaged file can fail the load itself (torch raises CheckpointException, a
-        # BaseException): say which file, when the check finds it
+        # BaseException): say which file, when the check finds it; and a failure on one rank
+        # fails the load on every rank (_failed_ranks), as no DCP collective may tell them
         except BaseException as e:  # noqa: BLE001
-            if pending is None:
-                raise
             return None, e, reads
         finally:
             backend.discard_layouts()  # what was parsed ahead served this load
@@ -199,6 +191,47 @@ def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
         logger.info("%d of %d checkpoint items were read the stock way (unpickled, then "
                     "copied): %s", reads.stock_items, reads.stock_items + reads.direct_items,
                     reads.why_stock)
+
+
+def _failed_ranks(failure: BaseException | None, group: Group) -> list[tuple[int, str | None,
+                                                                             str]]:
+    """Collective: (rank, structure mismatch or None, the failure in short) of every rank whose
+    read failed; empty where none did. torch DCP planned over the group (megatron-core <= 0.16)
+    raises on every rank when one fails, but planned on each rank alone (0.19: ``no_dist``)
+    nothing tells the others: they would train on, or wait in their next collective."""
+    if group.size() > 1 and group.all_max([float(failure is not None)])[0] == 0:
+        return []
+    if group.size() == 1 and failure is None:
+        return []
+    mine = None if failure is None else (
+        rank(), _structure_mismatch(failure), f"{type(failure).__name__}: {failure}"[:400])
+    return [entry for entry in group.all_gather(mine) if entry is not None]
+
+
+def _raise_on_every_rank(failed: list, failure: BaseException | None, record: LoadRecord,
+                         path: Path) -> None:
+    """Raise on this rank the load error every rank raises: where any rank's state does not fit
+    the checkpoint, the CheckpointLoadError that says so; else this rank's own failure. A rank
+    whose own read went through names the ranks that failed."""
+    ranks = sorted(r for r, _, _ in failed)
+    where = ("" if failure is not None else
+             f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+    mine = _structure_mismatch(failure) if failure is not None else None
+    mismatch = mine or next((m for _, m, _ in failed if m is not None), None)
+    if mismatch is not None:
+        raise CheckpointLoadError(
+            f"checkpoint iteration {record.iteration} ({path}) does not fit the state "
+            f"this job builds{where}: {mismatch}. The model (or its parallel layout's "
+            "sharding) differs from the run that saved it. Fix: build it with that "
+            "run's model arguments (--num-layers, --hidden-size, --ffn-hidden-size, "
+            "--num-attention-heads, --vocab-size, ...), or start from scratch into "
+            "another --save without --load.") from failure
+    if failure is not None:
+        raise failure
+    raise CheckpointLoadError(
+        f"checkpoint iteration {record.iteration} ({path}) failed to load{where} "
+        f"({failed[0][2]}); this rank's load is discarded with theirs. Fix: see that rank's "
+        "error in its log.")
 
 
 def _structure_mismatch(failure: BaseException) -> str | None:

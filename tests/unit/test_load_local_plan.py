@@ -114,3 +114,20 @@ def test_megatron_core_019s_positional_reader_call_goes_through(one_rank_group, 
     local({}, object(), planner=None, no_dist=True)
     local({}, storage_reader=object())
     assert seen == [True, False, True, True]
+
+
+def test_every_size_plans_locally_on_the_installing_thread_only():
+    """For a load that agrees on failures itself (load/loader.py), a call on a group of any size
+    plans locally, but only on the thread that installed the wrapper: a DCP load some other
+    thread runs meanwhile keeps its collectives."""
+    import threading
+
+    local = load_metadata._planned_locally(_fake_load, _Dist(4, default=4), every_size=True)
+    assert local({}, None) is True
+    assert local({}, None, process_group=object()) is True
+    assert local({}, None, no_dist=False) is False  # said: left as it is
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(local({}, None)))
+    thread.start()
+    thread.join()
+    assert elsewhere == [False]
