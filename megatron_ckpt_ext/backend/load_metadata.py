@@ -2,9 +2,9 @@
 megatron-core builds during the load (its sharded load's; on 0.19 its common-state load's too)
 answers ``read_metadata`` from one memo, which a caller that has read the file already fills.
 Only megatron-core's reader factories are wrapped, and only for the load: torch's classes stay
-as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does). Also here: torch DCP's
-load planned without a collective (:func:`local_plan_at_one_rank`: at one rank, or at any number
-for a load that agrees on failures itself)."""
+as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does). Also here:
+torch DCP's load planned without a collective (:func:`local_plan_at_one_rank`: at one rank, or
+at any number for a load that agrees on failures itself)."""
 
 from __future__ import annotations
 
