@@ -159,10 +159,9 @@ class _SaveSteps:
         self._ahead_sources = Sources.of(sources, keys) if self._stager.owns_copies else None
         record.detail.update(_stager_delta(before, self.staging_stats()))
         stats = getattr(self._stager, "stats", {})
-        for key in ("pin_adopted_s", "pin_paused_s"):  # a restored snapshot's pinning after the
-            value = stats.pop(key, None)  # load (its wall time; the pauses of it), said once
-            if value is not None:
-                record.detail[key] = round(value, 6)
+        # a restored snapshot's pinning after the load, once it is over (its wall time
+        # pin_adopted_s; pin_paused_s, the pauses of it), said once, by one save
+        record.detail.update(stats.pop("pinned_adopted", None) or {})
         self._hooks.at("staged", record)
 
     def _stage_agreed(self, state: Any, record: SaveRecord, before: dict) -> None:

@@ -230,11 +230,17 @@ class _Sealing:
         if earlier is not None:
             earlier.join()
         t0 = time.perf_counter()
+        paused: list[float] = []
         try:
-            self._pin_all(buffers)
+            self._pin_all(buffers, paused)
         except BaseException as e:  # re-raised by the next stage()/prepare()
             self._prepare_error = e
-        self.stats["pin_adopted_s"] = round(time.perf_counter() - t0, 6)
+        # one entry, set once the pinning is over: a save that takes it (save/steps.py) reports
+        # the whole pinning, never the pauses so far with the rest in a later save
+        figures = {"pin_adopted_s": round(time.perf_counter() - t0, 6)}
+        if paused:
+            figures["pin_paused_s"] = round(sum(paused), 6)
+        self.stats["pinned_adopted"] = figures
 
     def discard_stale(self, seal: Seal) -> None:
         """A snapshot of this rank's save root that this run will not adopt (another iteration,
@@ -272,13 +278,14 @@ class _Sealing:
         if self._pin_hurry is not None:
             self._pin_hurry.set()
 
-    def _pin_all(self, buffers: list[_Buffer]) -> None:
+    def _pin_all(self, buffers: list[_Buffer], paused: list[float]) -> None:
         """``cudaHostRegister`` an adopted snapshot's buffers, largest first, on several threads
         (the driver serialises most of it: 0.1-0.2 s per GiB). Pinned, they are the next save's
         staging at full copy speed. With ``MCX_PIN_PACE`` below 1, one buffer at a time with a
         pause after each, so that registering (which holds the driver's lock every CUDA call of
         the training step waits for) takes at most that share of the wall time, until a save or
-        a close waits for it (:meth:`hurry_pinning`): then the rest at full speed."""
+        a close waits for it (:meth:`hurry_pinning`): then the rest at full speed. Each pause's
+        seconds are appended to ``paused``."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .._threads import thread_counts
@@ -297,8 +304,7 @@ class _Sealing:
                 break
             t1 = time.perf_counter()
             hurry.wait((t1 - t0) * (1 / pace - 1))  # (returns at once when a save or close waits)
-            self.stats["pin_paused_s"] = (self.stats.get("pin_paused_s", 0.0)
-                                          + time.perf_counter() - t1)
+            paused.append(time.perf_counter() - t1)
         # the rank's share of the host's cores: every rank of the host pins at once
         with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:
             list(pool.map(pin, todo))
