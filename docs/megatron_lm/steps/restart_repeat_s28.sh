@@ -42,7 +42,9 @@
 #                 (prepared as by default), run in every round
 #   old_<MODE>    <MODE> with the package copied into .ab_old (carried; an A/B of two codes in
 #                 one call: rm -rf .ab_old; mkdir .ab_old; git archive REV megatron_ckpt_ext |
-#                 tar -x -C .ab_old)
+#                 tar -x -C .ab_old). BROKEN: torchrun's -m puts the working directory (this
+#                 repository) first on sys.path, ahead of PYTHONPATH's .ab_old, so both arms run
+#                 this tree (docs/notes/node.md, thirty-eighth session); not fixed yet
 # Per restart: Megatron's model-and-optimizer-setup and load-checkpoint timers, and the wall
 # time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
 # model_s: what an earlier preparation could lengthen instead).
