@@ -42,9 +42,10 @@
 #                 (prepared as by default), run in every round
 #   old_<MODE>    <MODE> with the package copied into .ab_old (carried; an A/B of two codes in
 #                 one call: rm -rf .ab_old; mkdir .ab_old; git archive REV megatron_ckpt_ext |
-#                 tar -x -C .ab_old). BROKEN: torchrun's -m puts the working directory (this
-#                 repository) first on sys.path, ahead of PYTHONPATH's .ab_old, so both arms run
-#                 this tree (docs/notes/node.md, thirty-eighth session); not fixed yet
+#                 tar -x -C .ab_old), run with PYTHONSAFEPATH=1: torchrun's -m otherwise puts
+#                 the working directory (this repository) first on sys.path, ahead of
+#                 PYTHONPATH's .ab_old, and both arms ran this tree until the thirty-eighth
+#                 session (docs/notes/node.md; the fix checked on CPU, not yet on a device)
 # Per restart: Megatron's model-and-optimizer-setup and load-checkpoint timers, and the wall
 # time from its "[before megatron-init]" to "[after model, optimizer ... built]" stamps (init_to_
 # model_s: what an earlier preparation could lengthen instead).
@@ -88,7 +89,9 @@ cat $K.copy/iter_*/* > /dev/null  # its pages in the page cache: the warm compar
 one() {  # ROUND MODE
   local log="$L/${MODEL}_r$1_$2.log" envs=() args=(--load $K --save $K --ckpt-keep-memory-snapshot)
   local mode=$2 path=$PYTHONPATH
-  case $mode in old_*) mode=${mode#old_}; path=$PWD/.ab_old:$PYTHONPATH ;; esac
+  local safe=""  # the old arm: no working directory (this repository) first on sys.path
+  # (any non-empty PYTHONSAFEPATH turns it on, "0" too)
+  case $mode in old_*) mode=${mode#old_}; path=$PWD/.ab_old:$PYTHONPATH; safe=1 ;; esac
   case $mode in
     early_device) envs=(MCX_RESTORE_SUMS=device) ;;
     early_host) envs=(MCX_RESTORE_SUMS=host) args+=(--ckpt-restore-prefetch off) ;;
@@ -112,7 +115,8 @@ one() {  # ROUND MODE
   if [ "${STEPS:-0}" -gt 0 ]; then  # STEPS training steps, then SIGKILL (no end-of-training
     # save, so the same snapshot and copy serve every restart); their times in the line
     local last=$((2 * EVERY + STEPS)) t0=$(date +%s)
-    env PYTHONPATH="$path" "${envs[@]}" setsid python3 -m torch.distributed.run --nproc-per-node 1 \
+    env PYTHONPATH="$path" PYTHONSAFEPATH=$safe "${envs[@]}" setsid python3 -m torch.distributed.run \
+      --nproc-per-node 1 \
       --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
       "${BASE[@]}" "${RESUME[@]}" --train-iters $((last + 20)) --override-opt_param-scheduler \
       "${args[@]}" > "$log" 2>&1 &
@@ -122,7 +126,8 @@ one() {  # ROUND MODE
     done
     kill -9 -- -$pid 2>/dev/null; pkill -9 -f -- "--save $K " ; wait $pid 2>/dev/null; sleep 1
   else
-  env PYTHONPATH="$path" "${envs[@]}" timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 \
+  env PYTHONPATH="$path" PYTHONSAFEPATH=$safe "${envs[@]}" timeout 100 python3 -m torch.distributed.run \
+    --nproc-per-node 1 \
     --master-port $((29500 + RANDOM % 1000)) -m megatron_ckpt_ext.launch .mlm/pretrain_gpt.py \
     "${BASE[@]}" "${RESUME[@]}" --train-iters $((2 * EVERY)) --override-opt_param-scheduler \
     "${args[@]}" > "$log" 2>&1
