@@ -193,10 +193,13 @@ def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
                     reads.why_stock)
 
 
-def _failed_ranks(failure: BaseException | None, group: Group) -> list[tuple[int, str | None,
-                                                                             str]]:
-    """Collective: (rank, structure mismatch or None, the failure in short) of every rank whose
-    read failed; empty where none did. torch DCP planned over the group (megatron-core <= 0.16)
+# a rank whose read failed: (its rank, megatron-core's structure mismatch or None, the failure
+# in short)
+_Failed = tuple[int, "str | None", str]
+
+
+def _failed_ranks(failure: BaseException | None, group: Group) -> list[_Failed]:
+    """Collective: every rank whose read failed (:data:`_Failed`); empty where none did. torch DCP planned over the group (megatron-core <= 0.16)
     raises on every rank when one fails, but planned on each rank alone (0.19: ``no_dist``)
     nothing tells the others: they would train on, or wait in their next collective."""
     if group.size() > 1 and group.all_max([float(failure is not None)])[0] == 0:
@@ -208,8 +211,8 @@ def _failed_ranks(failure: BaseException | None, group: Group) -> list[tuple[int
     return [entry for entry in group.all_gather(mine) if entry is not None]
 
 
-def _raise_on_every_rank(failed: list, failure: BaseException | None, record: LoadRecord,
-                         path: Path) -> None:
+def _raise_on_every_rank(failed: list[_Failed], failure: BaseException | None,
+                         record: LoadRecord, path: Path) -> None:
     """Raise on this rank the load error every rank raises: where any rank's state does not fit
     the checkpoint, the CheckpointLoadError that says so; else this rank's own failure. A rank
     whose own read went through names the ranks that failed."""
