@@ -199,9 +199,10 @@ _Failed = tuple[int, "str | None", str]
 
 
 def _failed_ranks(failure: BaseException | None, group: Group) -> list[_Failed]:
-    """Collective: every rank whose read failed (:data:`_Failed`); empty where none did. torch DCP planned over the group (megatron-core <= 0.16)
-    raises on every rank when one fails, but planned on each rank alone (0.19: ``no_dist``)
-    nothing tells the others: they would train on, or wait in their next collective."""
+    """Collective: every rank whose read failed (:data:`_Failed`); empty where none did. torch
+    DCP planned over the group (megatron-core <= 0.16) raises on every rank when one fails, but
+    planned on each rank alone (0.19: ``no_dist``) nothing tells the others: they would train
+    on, or wait in their next collective."""
     if group.size() > 1 and group.all_max([float(failure is not None)])[0] == 0:
         return []
     if group.size() == 1 and failure is None:
