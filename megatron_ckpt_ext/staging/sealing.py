@@ -278,14 +278,14 @@ class _Sealing:
         if self._pin_hurry is not None:
             self._pin_hurry.set()
 
-    def _pin_all(self, buffers: list[_Buffer], paused: list[float]) -> None:
+    def _pin_all(self, buffers: list[_Buffer], paused: list[float] | None = None) -> None:
         """``cudaHostRegister`` an adopted snapshot's buffers, largest first, on several threads
         (the driver serialises most of it: 0.1-0.2 s per GiB). Pinned, they are the next save's
         staging at full copy speed. With ``MCX_PIN_PACE`` below 1, one buffer at a time with a
         pause after each, so that registering (which holds the driver's lock every CUDA call of
         the training step waits for) takes at most that share of the wall time, until a save or
         a close waits for it (:meth:`hurry_pinning`): then the rest at full speed. Each pause's
-        seconds are appended to ``paused``."""
+        seconds are appended to ``paused`` (where given)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .._threads import thread_counts
@@ -304,7 +304,8 @@ class _Sealing:
                 break
             t1 = time.perf_counter()
             hurry.wait((t1 - t0) * (1 / pace - 1))  # (returns at once when a save or close waits)
-            paused.append(time.perf_counter() - t1)
+            if paused is not None:
+                paused.append(time.perf_counter() - t1)
         # the rank's share of the host's cores: every rank of the host pins at once
         with ThreadPoolExecutor(max_workers=thread_counts().copy) as pool:
             list(pool.map(pin, todo))
