@@ -92,7 +92,8 @@ class Loader:
         t = record.phase("other_s", t)
         if pending is not None:
             pending.check_inline(reads.file_crcs, reads.planned_files)
-        has_manifest, problems = (verify_agree(pending, self._group, record.verify_detail)
+        has_manifest, problems = (verify_agree(pending, self._group, record.verify_detail,
+                                               failed=failure is not None)
                                   if pending else (False, []))
         record.phase("verify_s", t)  # the part of the check the load did not hide
         uncovered = list((pending.manifest or {}).get("unverified", [])) if pending else []
@@ -103,7 +104,8 @@ class Loader:
                       f"unchecked ({', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}"
                       "): their writer recorded none (MCX_WRITE_CHECKSUMS=0, or a writer the "
                       "checksum wrapper does not reach)")
-        failed = _failed_ranks(failure, self._group)  # every rank's, where any failed
+        failed = _failed_ranks(failure, self._group,  # every rank's, where any failed
+                               any_failed=pending.any_failed if pending is not None else None)
         if failed and not problems:  # (a damaged file explains a failure: the fallback below)
             _raise_on_every_rank(failed, failure, record, path)
         if not problems:
@@ -198,14 +200,17 @@ def _note_reads(record: LoadRecord, reads: backend.ReadResult) -> None:
 _Failed = tuple[int, "str | None", str]
 
 
-def _failed_ranks(failure: BaseException | None, group: Group) -> list[_Failed]:
-    """Collective: every rank whose read failed (:data:`_Failed`); empty where none did. torch
-    DCP planned over the group (megatron-core <= 0.16) raises on every rank when one fails, but
-    planned on each rank alone (0.19: ``no_dist``) nothing tells the others: they would train
-    on, or wait in their next collective."""
-    if group.size() > 1 and group.all_max([float(failure is not None)])[0] == 0:
-        return []
-    if group.size() == 1 and failure is None:
+def _failed_ranks(failure: BaseException | None, group: Group, *,
+                  any_failed: bool | None = None) -> list[_Failed]:
+    """Collective: every rank whose read failed (:data:`_Failed`); empty where none did.
+    ``any_failed``: whether any did, where a collective already said so (the verification's
+    agreement), else an all_max asks. torch DCP planned over the group (megatron-core <= 0.16)
+    raises on every rank when one fails, but planned on each rank alone (0.19: ``no_dist``)
+    nothing tells the others: they would train on, or wait in their next collective."""
+    if any_failed is None:
+        any_failed = (failure is not None if group.size() == 1 else
+                      group.all_max([float(failure is not None)])[0] > 0)
+    if not any_failed:
         return []
     mine = None if failure is None else (
         rank(), _structure_mismatch(failure), f"{type(failure).__name__}: {failure}"[:400])
@@ -220,8 +225,9 @@ def _raise_on_every_rank(failed: list[_Failed], failure: BaseException | None,
     ranks = sorted(r for r, _, _ in failed)
     where = ("" if failure is not None else
              f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
-    mine = _structure_mismatch(failure) if failure is not None else None
-    mismatch = mine or next((m for _, m, _ in failed if m is not None), None)
+    # this rank's own mismatch first (its entry's, worked out once by _failed_ranks)
+    mismatch = next((m for r, m, _ in sorted(failed, key=lambda f: f[0] != rank())
+                     if m is not None), None)
     if mismatch is not None:
         raise CheckpointLoadError(
             f"checkpoint iteration {record.iteration} ({path}) does not fit the state "

@@ -77,6 +77,7 @@ class Pending:
             self._go.set()
         self._workers = workers
         self._thread = None
+        self.any_failed: bool | None = None  # whether any rank's load failed (agree's)
         if manifest is not None and not self._problems:
             self._thread = threading.Thread(target=self._run, args=(names, workers),
                                             name="mcx-verify", daemon=True)
@@ -161,17 +162,21 @@ def start(path: Path, group: Group, *, rank: int, workers: int = 8,
                    defer=defer, extra=extra)
 
 
-def agree(pending: Pending, group: Group,
-          timings: dict | None = None) -> tuple[bool, list[str]]:
+def agree(pending: Pending, group: Group, timings: dict | None = None, *,
+          failed: bool = False) -> tuple[bool, list[str]]:
     """Collective: (whether there is a manifest, every problem any rank found); first the
     files no rank's reads summed are checked (:meth:`Pending.settle`). ``timings``, where
-    given, gets this rank's seconds in each step (``settle_s``, ``check_s``, ``agree_s``)."""
+    given, gets this rank's seconds in each step (``settle_s``, ``check_s``, ``agree_s``).
+    ``failed``: this rank's load failed; the same collective tells whether any rank's did
+    (``pending.any_failed``), so the load needs no round trip of its own for it."""
     t0 = time.perf_counter()
     pending.settle(group)
     t1 = time.perf_counter()
     problems = pending.problems()
     t2 = time.perf_counter()
-    agreed = group.all_max([float(len(problems))])[0] == 0
+    most = group.all_max([float(len(problems)), float(failed)])
+    pending.any_failed = most[1] > 0
+    agreed = most[0] == 0
     if timings is not None:
         timings.update(settle_s=round(t1 - t0, 6), check_s=round(t2 - t1, 6),
                        agree_s=round(time.perf_counter() - t2, 6))
