@@ -1,5 +1,5 @@
 """What torch DCP's plan exchange cost a storage load: the load as it runs (each rank plans
-alone, ``backend.load_metadata.local_plan_at_one_rank(every_size=True)``) against the same load
+alone, ``backend.load_metadata.planned_on_each_rank(every_size=True)``) against the same load
 with DCP's collectives (every rank's plan gathered to one rank and scattered back, every rank's
 read result gathered: what megatron-core <= 0.16 asks for), alternated in one run. On
 megatron-core 0.19 both arms are the same (it asks for ``no_dist`` itself).
@@ -44,7 +44,7 @@ def main() -> None:
     dist.barrier()
     with Checkpointer(CkptOptions()) as ck:
         ck.save(sharded(state, rank, world), args.out, iteration=1)
-    local = load_metadata.local_plan_at_one_rank
+    local = load_metadata.planned_on_each_rank
 
     def exchanged(*, every_size: bool = False):  # the arm with DCP's collectives
         return local(every_size=False)
@@ -52,7 +52,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"local": [], "exchanged": []}
     for rep in range(args.repeats):
         for arm in ("local", "exchanged") if rep % 2 == 0 else ("exchanged", "local"):
-            load_reader.local_plan_at_one_rank = local if arm == "local" else exchanged
+            load_reader.planned_on_each_rank = local if arm == "local" else exchanged
             like = sharded({k: torch.zeros_like(v) for k, v in state.items()}, rank, world)
             with Checkpointer(CkptOptions(ckpt_verify_load=args.verify)) as ck:
                 dist.barrier()
@@ -61,7 +61,7 @@ def main() -> None:
                 took = torch.tensor([time.perf_counter() - t])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             times[arm].append(round(took.item(), 4))
-    load_reader.local_plan_at_one_rank = local
+    load_reader.planned_on_each_rank = local
     if rank == 0:
         for arm, seconds in times.items():
             print(f"{arm}: median {statistics.median(seconds):.3f} s, all {seconds}", flush=True)

@@ -3,7 +3,7 @@ megatron-core builds during the load (its sharded load's; on 0.19 its common-sta
 answers ``read_metadata`` from one memo, which a caller that has read the file already fills.
 Only megatron-core's reader factories are wrapped, and only for the load: torch's classes stay
 as they are (each reader is swapped to a subclass, as :mod:`.load_reader` does). Also here:
-torch DCP's load planned without a collective (:func:`local_plan_at_one_rank`: at one rank, or
+torch DCP's load planned without a collective (:func:`planned_on_each_rank`: at one rank, or
 at any number for a load that agrees on failures itself)."""
 
 from __future__ import annotations
@@ -104,17 +104,18 @@ _DCP_LOADS = ("load_state_dict", "load")
 
 
 @contextlib.contextmanager
-def local_plan_at_one_rank(*, every_size: bool = False) -> Iterator[bool]:
+def planned_on_each_rank(*, every_size: bool = False) -> Iterator[bool]:
     """While inside, where torch.distributed's default group has one rank (with ``every_size``:
-    any number): torch DCP's ``load_state_dict`` / ``load``, called on this thread without
-    ``no_dist``, plan the load on each rank alone (``no_dist=True``, as megatron-core 0.19 asks
-    itself at every world size). megatron-core <= 0.16 lets DCP gather every rank's plan to one
-    rank and scatter it back, although the default global load plan is the identity (at one
-    rank it pickles every read item twice to exchange it with itself; at 4 ranks ~80 ms a load
-    on CPU), then gather every rank's read result. Those collectives also told every rank that
-    one rank's load failed: ``every_size`` is for a caller that agrees on that itself
-    (load/loader.py: ``_failed_ranks``). A call that says ``no_dist`` itself, or that another
-    thread makes, is left as it is. Yields whether it applies."""
+    any number, for the calls of this thread): torch DCP's ``load_state_dict`` / ``load``,
+    called without ``no_dist``, plan the load on each rank alone (``no_dist=True``, as
+    megatron-core 0.19 asks itself at every world size). megatron-core <= 0.16 lets DCP gather
+    every rank's plan to one rank and scatter it back, although the default global load plan is
+    the identity (at one rank it pickles every read item twice to exchange it with itself; at 4
+    ranks ~80 ms a load on CPU), then gather every rank's read result. Those collectives also
+    told every rank that one rank's load failed: ``every_size`` is for a caller that agrees on
+    that itself
+    (load/loader.py: ``_failed_ranks``). A call that says ``no_dist`` itself (with
+    ``every_size``: or that another thread makes) is left as it is. Yields whether it applies."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or (

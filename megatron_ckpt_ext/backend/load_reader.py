@@ -23,7 +23,7 @@ from .read_copies import (copies_landed, host_chunks, in_flight, release_when_co
                           thread_stream)
 from .direct_read import Files as _Files, chunk_spans as _chunks, stripes as _stripes
 from ._imports import MCORE_DC, MCORE_STRATEGIES
-from .load_metadata import (MetadataMemo, factory_wrapped, local_plan_at_one_rank,
+from .load_metadata import (MetadataMemo, factory_wrapped, planned_on_each_rank,
                             memo_read_metadata, share)
 from .load_sums import _gaps, _Sums  # noqa: F401  (_gaps: tests reach it here)
 
@@ -47,7 +47,7 @@ class ReadSettings:
     directory: its DCP ``Metadata``} that the caller has unpickled already (the load's readers
     then do not read that ``.metadata`` again). ``agreed_failures``: the caller makes a failure
     on one rank every rank's (load/loader.py), so torch DCP may plan on each rank alone at any
-    world size (``load_metadata.local_plan_at_one_rank``); without it, only at one rank."""
+    world size (``load_metadata.planned_on_each_rank``); without it, only at one rank."""
 
     threads: int
     chunk: int | None = None
@@ -104,7 +104,7 @@ def parallel_reads(settings: ReadSettings) -> Iterator[ReadResult]:
     # megatron-core 0.19's common-state load builds its reader by its own name for the factory
     with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
             factory_wrapped(f"{MCORE_STRATEGIES}.torch", built) as why_not, \
-            local_plan_at_one_rank(every_size=settings.agreed_failures):
+            planned_on_each_rank(every_size=settings.agreed_failures):
         result.why_not = why_not or (None if settings.threads > 1 else "one read thread asked for")
         yield result
 
@@ -118,7 +118,7 @@ def metadata_read_once(known: Mapping[str, Any] | None = None) -> Iterator[None]
     memo = MetadataMemo(known)
     with factory_wrapped(f"{MCORE_DC}.serialization", partial(share, memo=memo)), \
             factory_wrapped(f"{MCORE_STRATEGIES}.torch", partial(share, memo=memo)), \
-            local_plan_at_one_rank():
+            planned_on_each_rank():
         yield
 
 

@@ -74,7 +74,7 @@ def test_a_call_that_says_no_dist_or_runs_on_a_larger_group_is_left_alone():
 
 def test_nothing_is_wrapped_without_a_one_rank_group():
     before = dcp.load_state_dict
-    with load_metadata.local_plan_at_one_rank() as applies:
+    with load_metadata.planned_on_each_rank() as applies:
         assert applies is False
         assert dcp.load_state_dict is before
     assert dcp.load_state_dict is before
@@ -90,7 +90,7 @@ def test_megatron_core_019s_positional_reader_call_goes_through(one_rank_group, 
 
     want = {"a": torch.arange(8.0), "b": torch.ones(3)}
     dcp.save(want, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
-    with load_metadata.local_plan_at_one_rank() as applies:
+    with load_metadata.planned_on_each_rank() as applies:
         assert applies is True
         got = {k: torch.zeros_like(v) for k, v in want.items()}
         dcp.load(got, FileSystemReader(str(tmp_path)), no_dist=True)
