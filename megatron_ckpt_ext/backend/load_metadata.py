@@ -14,6 +14,7 @@ import importlib
 import inspect
 import os
 import threading
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 from .introspect import call_arguments
@@ -143,6 +144,7 @@ def _planned_locally(fn: Callable[..., Any], dist: Any, *,
     # form) although it is keyword-only in the signature; such a call is passed on unchanged
     arguments = call_arguments(fn) or (lambda *args, **kwargs: kwargs)
     installer = threading.get_ident()
+    undecorated, deprecation = _deprecated(fn)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -154,6 +156,26 @@ def _planned_locally(fn: Callable[..., Any], dist: Any, *,
                 threading.get_ident() == installer if every_size
                 else dist.get_world_size(bound.get("process_group")) == 1):
             kwargs["no_dist"] = True
-        return fn(*args, **kwargs)
+        if deprecation is not None:  # said where the caller calls it, as without this wrapper
+            warnings.warn(deprecation[0], deprecation[1], stacklevel=2)
+        return undecorated(*args, **kwargs)
 
     return call
+
+
+def _deprecated(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple[str, type] | None]:
+    """(the function under ``fn``'s ``@deprecated``, (its message, its warning category)), or
+    (``fn``, None) for anything else. torch's ``load_state_dict`` is one (megatron-core <= 0.16
+    calls it): its warning, raised inside the wrapper above, would name this module's line as
+    the place that calls a deprecated function; the wrapper says it in the caller's name."""
+    inner, message = getattr(fn, "__wrapped__", None), getattr(fn, "__deprecated__", None)
+    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()),
+                     getattr(fn, "__closure__", None) or ()))
+    try:
+        category = cells["category"].cell_contents
+    except (KeyError, ValueError):  # not typing_extensions' (or warnings') decorator
+        return fn, None
+    if not (callable(inner) and isinstance(message, str) and isinstance(category, type)
+            and issubclass(category, Warning)):
+        return fn, None
+    return inner, (message, category)

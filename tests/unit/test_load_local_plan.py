@@ -131,3 +131,28 @@ def test_every_size_plans_locally_on_the_installing_thread_only():
     thread.start()
     thread.join()
     assert elsewhere == [False]
+
+
+def test_a_deprecated_loads_warning_names_its_caller_not_the_wrapper():
+    """torch's ``load_state_dict`` is ``@deprecated`` (FutureWarning), and megatron-core <= 0.16
+    calls it: through the wrapper its warning still names the line that calls it (as without
+    the wrapper), never load_metadata.py, and the call still plans locally. A function that is
+    not deprecated warns nothing."""
+    import warnings
+
+    from typing_extensions import deprecated
+
+    old = deprecated("old_load is going", category=FutureWarning)(_fake_load)
+    local = load_metadata._planned_locally(old, _Dist(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert local({}, None) is True
+        line = __import__("inspect").currentframe().f_lineno - 1
+        assert load_metadata._planned_locally(_fake_load, _Dist(1))({}, None) is True
+    assert [(str(w.message), w.category, w.filename, w.lineno) for w in caught] == [
+        ("old_load is going", FutureWarning, __file__, line)]
+    silent = deprecated("never said", category=None)(_fake_load)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_metadata._planned_locally(silent, _Dist(1))({}, None) is True
+    assert caught == []
