@@ -114,8 +114,7 @@ def planned_on_each_rank(*, every_size: bool = False) -> Iterator[bool]:
     the identity (at one rank it pickles every read item twice to exchange it with itself; at 4
     ranks ~80 ms a load on CPU), then gather every rank's read result. Those collectives also
     told every rank that one rank's load failed: ``every_size`` is for a caller that agrees on
-    that itself
-    (load/loader.py: ``_failed_ranks``). A call that says ``no_dist`` itself (with
+    that itself (load/loader.py: ``_failed_ranks``). A call that says ``no_dist`` itself (with
     ``every_size``: or that another thread makes) is left as it is. Yields whether it applies."""
     import torch.distributed as dist
 
